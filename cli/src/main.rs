@@ -1,0 +1,129 @@
+//! `starling`: run a node, bootstrap a private swarm, use the DHT, benchmark.
+
+mod bench;
+mod dht_cmd;
+mod node_cmd;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use starling_node::{Multiaddr, NodeConfig, SwarmKey};
+
+#[derive(Parser)]
+#[command(
+    name = "starling",
+    version,
+    about = "Decentralized peer-to-peer training network"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a private swarm: writes a new 256-bit swarm key file.
+    InitSwarm {
+        /// Where to write the key (created with 0600 permissions; never overwritten).
+        #[arg(long, default_value = "swarm.key")]
+        out: PathBuf,
+    },
+    /// Run a node and print its status periodically until interrupted (Ctrl-C).
+    Node(node_cmd::NodeArgs),
+    /// Read and write DHT records by joining the swarm briefly as a client.
+    Dht {
+        #[command(subcommand)]
+        command: dht_cmd::DhtCommand,
+    },
+    /// Benchmarks that print one JSON object.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
+}
+
+/// Options shared by every command that joins a swarm.
+#[derive(Args, Clone, Debug)]
+pub struct JoinArgs {
+    /// Swarm key file of a private swarm (see `starling init-swarm`).
+    #[arg(long, value_name = "FILE")]
+    swarm: Option<PathBuf>,
+    /// Peer to join through, as a full multiaddr ending in /p2p/<peer id>. Repeatable.
+    #[arg(long, value_name = "MULTIADDR")]
+    bootstrap: Vec<Multiaddr>,
+    /// Identity key file (created with 0600 permissions when absent). Default: a fresh identity.
+    #[arg(long, value_name = "FILE")]
+    identity: Option<PathBuf>,
+    /// Timeout for each dial and DHT query, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout: f64,
+}
+
+impl JoinArgs {
+    fn config(&self) -> Result<NodeConfig> {
+        let mut cfg = NodeConfig::default();
+        if let Some(path) = &self.swarm {
+            cfg.swarm_key = Some(SwarmKey::read(path)?);
+        }
+        if let Some(path) = &self.identity {
+            cfg.identity_file = Some(path.clone());
+        }
+        cfg.bootstrap = self.bootstrap.clone();
+        anyhow::ensure!(
+            self.timeout.is_finite() && self.timeout > 0.0,
+            "--timeout must be a positive number of seconds"
+        );
+        cfg.request_timeout = std::time::Duration::from_secs_f64(self.timeout);
+        Ok(cfg)
+    }
+}
+
+fn init_swarm(out: &std::path::Path) -> Result<()> {
+    let key = SwarmKey::generate();
+    key.write_new(out)
+        .with_context(|| format!("writing the swarm key to {}", out.display()))?;
+    println!(
+        "Created private swarm key {} (fingerprint {}).",
+        out.display(),
+        key.fingerprint()
+    );
+    println!("Copy this file to every machine of the swarm over a trusted channel, then:");
+    println!(
+        "  first machine:  starling node --swarm {} --listen /ip4/0.0.0.0/tcp/4001",
+        out.display()
+    );
+    println!("  other machines: starling node --swarm {} --bootstrap /ip4/<first machine's IP>/tcp/4001/p2p/<its peer id>", out.display());
+    println!("Peers without this key cannot connect.");
+    Ok(())
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::InitSwarm { out } => init_swarm(&out),
+            Command::Node(args) => node_cmd::run(args).await,
+            Command::Dht { command } => dht_cmd::run(command).await,
+            Command::Bench { command } => bench::run(command).await,
+        }
+    });
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

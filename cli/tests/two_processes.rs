@@ -1,0 +1,196 @@
+//! The real `starling` binary: a private swarm of two node processes that connect and exchange a
+//! record through `starling dht put` / `starling dht get`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_starling");
+
+/// Kills the child on drop so a failing test leaves no process behind.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starling binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// Waits (bounded) for a stdout line satisfying `pred`.
+    fn wait_for(&self, what: &str, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if pred(&line) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("timed out waiting for {what}"),
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(args: &[&str]) -> std::process::Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("starling {args:?} did not finish");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn two_node_processes_connect_and_exchange_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let swarm = dir.path().join("lab.swarm");
+    let swarm = swarm.to_str().unwrap();
+    let out = run(&["init-swarm", "--out", swarm]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("fingerprint"));
+    // init-swarm refuses to overwrite a key.
+    assert!(!run(&["init-swarm", "--out", swarm]).status.success());
+
+    let id_a = dir.path().join("a.key");
+    let a = Proc::spawn(&[
+        "node",
+        "--swarm",
+        swarm,
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--identity",
+        id_a.to_str().unwrap(),
+        "--status-interval",
+        "1",
+    ]);
+    let addr_a = a.wait_for("A's address", Duration::from_secs(30), |l| {
+        l.starts_with("listening on ")
+    });
+    let addr_a = addr_a.trim_start_matches("listening on ").to_string();
+    assert!(addr_a.contains("/p2p/"));
+
+    let b = Proc::spawn(&[
+        "node",
+        "--swarm",
+        swarm,
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--bootstrap",
+        &addr_a,
+        "--status-interval",
+        "1",
+    ]);
+    let addr_b = b.wait_for("B's address", Duration::from_secs(30), |l| {
+        l.starts_with("listening on ")
+    });
+    let addr_b = addr_b.trim_start_matches("listening on ").to_string();
+    b.wait_for("B connected to A", Duration::from_secs(30), |l| {
+        l.starts_with("peers 1 ")
+    });
+    a.wait_for("A connected to B", Duration::from_secs(30), |l| {
+        l.starts_with("peers 1 ")
+    });
+
+    // Write through B, read through A.
+    let put = run(&[
+        "dht",
+        "put",
+        "lab.hello",
+        "from-b",
+        "--subkey",
+        "greeting",
+        "--ttl",
+        "120",
+        "--bootstrap",
+        &addr_b,
+        "--swarm",
+        swarm,
+    ]);
+    assert!(
+        put.status.success(),
+        "put failed: {}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+    let get = run(&[
+        "dht",
+        "get",
+        "lab.hello",
+        "--bootstrap",
+        &addr_a,
+        "--swarm",
+        swarm,
+    ]);
+    assert!(
+        get.status.success(),
+        "get failed: {}",
+        String::from_utf8_lossy(&get.stderr)
+    );
+    let text = String::from_utf8_lossy(&get.stdout);
+    assert!(
+        text.contains("greeting\tfrom-b"),
+        "unexpected get output: {text}"
+    );
+
+    // Without the key the same commands fail with a clear error.
+    let get = run(&[
+        "dht",
+        "get",
+        "lab.hello",
+        "--bootstrap",
+        &addr_a,
+        "--timeout",
+        "2",
+    ]);
+    assert!(!get.status.success());
+    assert!(String::from_utf8_lossy(&get.stderr).contains("bootstrap"));
+    // A missing key is a non-zero exit too.
+    let get = run(&[
+        "dht",
+        "get",
+        "lab.nothing",
+        "--bootstrap",
+        &addr_a,
+        "--swarm",
+        swarm,
+    ]);
+    assert!(!get.status.success());
+}

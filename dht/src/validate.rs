@@ -1,0 +1,136 @@
+use std::time::Duration;
+
+use crate::{owner::verify_entry, DhtError, DhtTime, DictionaryRecord};
+
+/// Bounds on what a peer accepts and holds. Every field is a hard limit checked before a record
+/// is stored; the defaults suit matchmaking and expert declarations.
+#[derive(Debug, Clone)]
+pub struct DhtLimits {
+    /// Longest key, in bytes.
+    pub max_key_bytes: usize,
+    /// Longest sub-key, in bytes.
+    pub max_subkey_bytes: usize,
+    /// Largest value of one entry, in bytes.
+    pub max_value_bytes: usize,
+    /// Most sub-keys held under one key.
+    pub max_subkeys_per_key: usize,
+    /// Largest encoded record (all entries of a key), in bytes. Kademlia's packet size is set
+    /// above this so a full record always fits one message.
+    pub max_record_bytes: usize,
+    /// Most keys held by one store.
+    pub max_records: usize,
+    /// Most bytes (encoded records) held by one store.
+    pub max_total_bytes: usize,
+    /// Most keys one remote writer may have contributed to among those held.
+    pub max_keys_per_writer: usize,
+    /// Longest accepted time-to-live: entries expiring later than `now + max_ttl + clock_skew`
+    /// are refused.
+    pub max_ttl: Duration,
+    /// Tolerated difference between peers' wall clocks.
+    pub clock_skew: Duration,
+}
+
+impl Default for DhtLimits {
+    fn default() -> Self {
+        DhtLimits {
+            max_key_bytes: 512,
+            max_subkey_bytes: 512,
+            max_value_bytes: 16 * 1024,
+            max_subkeys_per_key: 1024,
+            max_record_bytes: 256 * 1024,
+            max_records: 16 * 1024,
+            max_total_bytes: 256 * 1024 * 1024,
+            max_keys_per_writer: 4096,
+            max_ttl: Duration::from_secs(24 * 3600),
+            clock_skew: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Checks inbound records against [`DhtLimits`] and owner signatures.
+///
+/// ```
+/// use starling_dht::{DictionaryRecord, Entry, Validator, now_ms};
+/// let v = Validator::default();
+/// let mut r = DictionaryRecord::default();
+/// r.insert(Entry::new("sub", vec![1, 2, 3], now_ms() + 10_000));
+/// let (key, rec) = v.validate(b"some.key", &r.encode(), now_ms()).unwrap();
+/// assert_eq!(key, "some.key");
+/// assert_eq!(rec.len(), 1);
+/// assert!(v.validate(b"some.key", &[0xde, 0xad], now_ms()).is_err());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Validator {
+    limits: DhtLimits,
+}
+
+fn check(what: &'static str, actual: usize, limit: usize) -> Result<(), DhtError> {
+    if actual > limit {
+        Err(DhtError::TooLarge {
+            what,
+            actual,
+            limit,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+impl Validator {
+    /// A validator enforcing `limits`.
+    pub fn new(limits: DhtLimits) -> Self {
+        Validator { limits }
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &DhtLimits {
+        &self.limits
+    }
+
+    /// Checks a key on its own (length, UTF-8, owner marker syntax).
+    pub fn validate_key<'a>(&self, key: &'a [u8]) -> Result<&'a str, DhtError> {
+        check("key", key.len(), self.limits.max_key_bytes)?;
+        let key = std::str::from_utf8(key).map_err(|_| DhtError::KeyNotUtf8)?;
+        crate::required_owner(key, "")?;
+        Ok(key)
+    }
+
+    /// Validates a raw record (as it arrives from Kademlia) and returns its key and its live
+    /// entries. Any invalid entry (oversized, unsigned or forged, too far in the future) rejects
+    /// the whole record; entries that have already expired are dropped silently.
+    pub fn validate(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        now: DhtTime,
+    ) -> Result<(String, DictionaryRecord), DhtError> {
+        let key = self.validate_key(key)?;
+        check("record", value.len(), self.limits.max_record_bytes)?;
+        let record = DictionaryRecord::decode(value)?;
+        check(
+            "sub-key count",
+            record.len(),
+            self.limits.max_subkeys_per_key,
+        )?;
+        let horizon = self.horizon(now);
+        for entry in record.entries() {
+            check("sub-key", entry.subkey.len(), self.limits.max_subkey_bytes)?;
+            check("value", entry.value.len(), self.limits.max_value_bytes)?;
+            if entry.expiration > horizon {
+                return Err(DhtError::ExpirationTooFar {
+                    expiration_ms: entry.expiration,
+                    horizon_ms: horizon,
+                });
+            }
+            verify_entry(key, entry)?;
+        }
+        let mut record = record;
+        record.remove_expired(now);
+        Ok((key.to_string(), record))
+    }
+
+    /// The latest expiration accepted at `now`.
+    pub fn horizon(&self, now: DhtTime) -> DhtTime {
+        now.saturating_add((self.limits.max_ttl + self.limits.clock_skew).as_millis() as u64)
+    }
+}

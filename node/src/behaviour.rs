@@ -1,0 +1,70 @@
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use libp2p::identity::Keypair;
+use libp2p::kad::{self, StoreInserts};
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::{autonat, dcutr, identify, ping, relay, StreamProtocol};
+use starling_dht::DhtStore;
+
+use crate::{NodeConfig, NodeError};
+
+/// Kademlia packets must hold a full record plus closer-peer lists.
+const KAD_PACKET_OVERHEAD: usize = 64 * 1024;
+
+/// The protocols every Starling node runs, composed into one behaviour.
+#[derive(NetworkBehaviour)]
+pub(crate) struct Behaviour {
+    pub kad: kad::Behaviour<DhtStore>,
+    pub identify: identify::Behaviour,
+    pub ping: ping::Behaviour,
+    pub autonat: autonat::Behaviour,
+    pub relay_client: relay::client::Behaviour,
+    pub dcutr: dcutr::Behaviour,
+    pub stream: libp2p_stream::Behaviour,
+}
+
+pub(crate) fn build(
+    key: &Keypair,
+    relay_client: relay::client::Behaviour,
+    cfg: &NodeConfig,
+) -> Result<Behaviour, NodeError> {
+    let peer_id = key.public().to_peer_id();
+    let protocol = StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
+        .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?;
+    let mut kad_cfg = kad::Config::new(protocol);
+    kad_cfg
+        .set_record_filtering(StoreInserts::FilterBoth)
+        .set_query_timeout(cfg.request_timeout)
+        .set_max_packet_size(cfg.dht_limits.max_record_bytes + KAD_PACKET_OVERHEAD)
+        .set_record_ttl(None)
+        .set_publication_interval(None)
+        .set_provider_publication_interval(None)
+        .set_replication_interval(cfg.replication_interval)
+        .set_caching(kad::Caching::Disabled);
+    if let Some(k) = NonZeroUsize::new(cfg.replication_factor) {
+        kad_cfg.set_replication_factor(k);
+    }
+    let store = DhtStore::new(cfg.dht_limits.clone());
+    let mut kad = kad::Behaviour::with_config(peer_id, store, kad_cfg);
+    kad.set_mode(Some(if cfg.client_mode {
+        kad::Mode::Client
+    } else {
+        kad::Mode::Server
+    }));
+
+    let identify = identify::Behaviour::new(
+        identify::Config::new("/starling/1.0.0".into(), key.public())
+            .with_agent_version(format!("starling/{}", env!("CARGO_PKG_VERSION")))
+            .with_interval(Duration::from_secs(60)),
+    );
+    Ok(Behaviour {
+        kad,
+        identify,
+        ping: ping::Behaviour::new(ping::Config::new()),
+        autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+        relay_client,
+        dcutr: dcutr::Behaviour::new(peer_id),
+        stream: libp2p_stream::Behaviour::new(),
+    })
+}

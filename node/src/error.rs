@@ -1,0 +1,84 @@
+use thiserror::Error;
+
+use starling_dht::DhtError;
+
+/// Errors from starting, running and using a node.
+#[derive(Debug, Error)]
+pub enum NodeError {
+    /// A file (identity, swarm key) could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file involved.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The identity file does not hold a valid key.
+    #[error("identity file {path} is invalid: {reason}")]
+    Identity {
+        /// The file involved.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The swarm key file is malformed.
+    #[error("swarm key {path} is invalid: {reason} (create one with `starling init-swarm`)")]
+    SwarmKey {
+        /// The file involved.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The configuration is inconsistent.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The transport stack could not be built.
+    #[error("transport setup failed: {0}")]
+    Transport(String),
+    /// A listen address could not be bound.
+    #[error("cannot listen on {addr}: {reason}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// None of the bootstrap peers could be reached.
+    #[error("none of the {tried} bootstrap peers answered after {attempts} attempts (last error: {last_error}); check the addresses, that the peers run, and that you use the same swarm key")]
+    Bootstrap {
+        /// How many addresses were tried.
+        tried: usize,
+        /// Attempts per address.
+        attempts: u32,
+        /// The last dial error seen.
+        last_error: String,
+    },
+    /// Dialing a peer failed.
+    #[error("dial {addr} failed: {reason}")]
+    Dial {
+        /// The address dialed.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// A record or key was refused by local validation.
+    #[error(transparent)]
+    Dht(#[from] DhtError),
+    /// A PUT reached fewer peers than required.
+    #[error("record {key:?} was stored locally but acknowledged by {acknowledged} of the {required} peers required")]
+    QuorumFailed {
+        /// The key.
+        key: String,
+        /// Peers that acknowledged.
+        acknowledged: usize,
+        /// Peers required.
+        required: usize,
+    },
+    /// An operation ran past its deadline.
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    /// The node has shut down.
+    #[error("the node has shut down")]
+    Closed,
+}

@@ -1,0 +1,46 @@
+//! The Starling libp2p host.
+//!
+//! One tokio task owns the libp2p `Swarm`; the rest of the program holds a cheap, cloneable
+//! [`Node`] handle that sends commands over a bounded channel and awaits replies on oneshots.
+//! No lock is held across an await.
+//!
+//! What a node runs:
+//! - transports: TCP + noise + yamux, and QUIC in public swarms; in a **private swarm**
+//!   ([`SwarmKey`]) TCP is wrapped in libp2p `pnet` with a 256-bit pre-shared key and QUIC is
+//!   disabled, because pnet covers TCP only (a keyless peer could otherwise connect over QUIC);
+//! - identify, ping, autonat (reachability), relay client + dcutr (hole punching);
+//! - Kademlia over a [`starling_dht::DhtStore`] with `StoreInserts::FilterBoth`: every inbound PUT
+//!   is validated and merged by our store, never stored blindly;
+//! - `libp2p-stream` for bulk data protocols (averaging, experts): see [`Node::stream_control`].
+//!
+//! **Client mode** ([`NodeConfig::client_mode`]) is for peers that cannot or should not accept
+//! inbound connections: they listen on nothing and run Kademlia in client mode, so they never
+//! appear in others' routing tables, but can still read and write records.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), starling_node::NodeError> {
+//! use starling_node::{Node, NodeConfig};
+//! let node = Node::start(NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())).await?;
+//! println!("dial me at {:?}", node.listen_addrs().await?);
+//! node.store("hello", "me", &"world".to_string(), starling_dht::now_ms() + 60_000).await?;
+//! let values: Vec<(String, String, u64)> = node.get("hello").await?;
+//! node.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+mod behaviour;
+pub mod cluster;
+mod config;
+mod error;
+mod identity;
+mod node;
+mod swarm_key;
+
+pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
+pub use error::NodeError;
+pub use identity::{load_or_create_identity, owner_key_of};
+pub use node::{Node, NodeStatus, PutReport, Reachability};
+pub use swarm_key::SwarmKey;
+
+pub use libp2p::{identity::Keypair, Multiaddr, PeerId, StreamProtocol};
+pub use libp2p_stream::{Control as StreamControl, IncomingStreams};

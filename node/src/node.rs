@@ -1,0 +1,833 @@
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::core::{muxing::StreamMuxerBox, transport::Boxed, upgrade::Version};
+use libp2p::identity::Keypair;
+use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{
+    dial_opts::{DialOpts, PeerCondition},
+    ConnectionId, SwarmEvent,
+};
+use libp2p::{autonat, identify, noise, tcp, yamux, Multiaddr, PeerId, Swarm, Transport};
+use serde::{de::DeserializeOwned, Serialize};
+use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::behaviour::{self, Behaviour, BehaviourEvent};
+use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
+
+/// How often expired DHT entries are swept from the local store.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// How long start-up waits for listeners to report their addresses.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether this node can be dialed from outside, as far as autonat can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Reachability {
+    /// Not yet determined (or no servers to ask).
+    Unknown,
+    /// Other peers could dial us back.
+    Public,
+    /// Dial-backs failed: we are behind a NAT or firewall.
+    Private,
+    /// Running in client mode by choice.
+    Client,
+}
+
+/// A snapshot of a node for status lines and monitoring.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NodeStatus {
+    /// This node's peer id.
+    pub peer_id: String,
+    /// Full dialable addresses (`.../p2p/<peer id>`).
+    pub listen_addrs: Vec<String>,
+    /// Peers with at least one open connection.
+    pub connected_peers: usize,
+    /// Peers in the Kademlia routing table.
+    pub routing_table: usize,
+    /// DHT keys held locally.
+    pub records: usize,
+    /// Bytes of DHT records held locally.
+    pub record_bytes: usize,
+    /// Inbound records refused since start.
+    pub rejected_records: u64,
+    /// Reachability as seen by autonat.
+    pub reachability: Reachability,
+}
+
+/// The outcome of a successful PUT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutReport {
+    /// Remote peers that acknowledged the write (at least the configured quorum).
+    pub acknowledged: usize,
+}
+
+enum Command {
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    Dial(Multiaddr, oneshot::Sender<Result<PeerId, NodeError>>),
+    Bootstrap(oneshot::Sender<Result<(), NodeError>>),
+    Status(oneshot::Sender<NodeStatus>),
+    ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
+    Put(Record, oneshot::Sender<Result<PutReport, NodeError>>),
+    PutRawToConnected(Record, oneshot::Sender<Result<PutReport, NodeError>>),
+    Get(
+        RecordKey,
+        oneshot::Sender<Result<Option<DictionaryRecord>, NodeError>>,
+    ),
+    GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// A handle to a running node. Cheap to clone; all clones talk to the same swarm task.
+///
+/// See the crate docs for an example.
+#[derive(Clone)]
+pub struct Node {
+    tx: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    owner: OwnerKey,
+    stream: libp2p_stream::Control,
+    validator: Validator,
+    request_timeout: Duration,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("peer_id", &self.peer_id)
+            .finish()
+    }
+}
+
+fn build_transport(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behaviour>, NodeError> {
+    let idle = cfg.idle_connection_timeout;
+    let tr = |e: &dyn std::fmt::Display| NodeError::Transport(e.to_string());
+    match cfg.swarm_key {
+        Some(swarm_key) => {
+            let psk = swarm_key.psk();
+            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+                .with_tokio()
+                .with_other_transport(
+                    |key| -> Result<
+                        Boxed<(PeerId, StreamMuxerBox)>,
+                        Box<dyn std::error::Error + Send + Sync>,
+                    > {
+                        let noise = noise::Config::new(key)?;
+                        Ok(
+                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                                .and_then(move |socket, _| {
+                                    libp2p::pnet::PnetConfig::new(psk).handshake(socket)
+                                })
+                                .upgrade(Version::V1Lazy)
+                                .authenticate(noise)
+                                .multiplex(yamux::Config::default())
+                                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+                                .boxed(),
+                        )
+                    },
+                )
+                .map_err(|e| tr(&e))?
+                .with_dns()
+                .map_err(|e| tr(&e))?
+                .with_relay_client(noise::Config::new, yamux::Config::default)
+                .map_err(|e| tr(&e))?
+                .with_behaviour(|key, relay| {
+                    behaviour::build(key, relay, cfg)
+                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                })
+                .map_err(|e| tr(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+                .build();
+            Ok(swarm)
+        }
+        None => {
+            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+                .with_tokio()
+                .with_tcp(
+                    tcp::Config::default().nodelay(true),
+                    noise::Config::new,
+                    yamux::Config::default,
+                )
+                .map_err(|e| tr(&e))?
+                .with_quic()
+                .with_dns()
+                .map_err(|e| tr(&e))?
+                .with_relay_client(noise::Config::new, yamux::Config::default)
+                .map_err(|e| tr(&e))?
+                .with_behaviour(|key, relay| {
+                    behaviour::build(key, relay, cfg)
+                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                })
+                .map_err(|e| tr(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+                .build();
+            Ok(swarm)
+        }
+    }
+}
+
+fn is_quic(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| matches!(p, Protocol::Udp(_) | Protocol::QuicV1 | Protocol::Quic))
+}
+
+fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
+    addr.iter().find_map(|p| match p {
+        Protocol::P2p(id) => Some(id),
+        _ => None,
+    })
+}
+
+impl Node {
+    /// Builds the swarm, starts listening, spawns the swarm task and, if bootstrap addresses are
+    /// configured, joins the swarm through them (with retries). Fails with a clear error when no
+    /// bootstrap peer answers.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
+        let key = match (&cfg.identity, &cfg.identity_file) {
+            (Some(k), _) => k.clone(),
+            (None, Some(path)) => load_or_create_identity(path)?,
+            (None, None) => Keypair::generate_ed25519(),
+        };
+        let owner = owner_key_of(&key)
+            .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
+        let listen = cfg.effective_listen();
+        if cfg.swarm_key.is_some() {
+            if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
+                return Err(NodeError::Config(format!(
+                    "{a}: QUIC cannot be used in a private swarm (the pre-shared key protects TCP only)"
+                )));
+            }
+        }
+        let mut swarm = build_transport(&key, &cfg)?;
+        let peer_id = *swarm.local_peer_id();
+        let stream = swarm.behaviour().stream.new_control();
+        let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
+
+        let mut pending_listeners = HashSet::new();
+        for addr in &listen {
+            let id = swarm
+                .listen_on(addr.clone())
+                .map_err(|e| NodeError::Listen {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                })?;
+            pending_listeners.insert(id);
+        }
+        let mut listen_addrs = Vec::new();
+        let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
+        while !pending_listeners.is_empty() {
+            let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
+                .await
+                .map_err(|_| NodeError::Timeout("waiting for listen addresses"))?;
+            match event {
+                SwarmEvent::NewListenAddr {
+                    listener_id,
+                    address,
+                } => {
+                    pending_listeners.remove(&listener_id);
+                    listen_addrs.push(address);
+                }
+                SwarmEvent::ListenerClosed {
+                    addresses, reason, ..
+                } => {
+                    return Err(NodeError::Listen {
+                        addr: format!("{addresses:?}"),
+                        reason: format!("{reason:?}"),
+                    })
+                }
+                SwarmEvent::ListenerError { error, .. } => {
+                    return Err(NodeError::Listen {
+                        addr: format!("{listen:?}"),
+                        reason: error.to_string(),
+                    })
+                }
+                _ => {}
+            }
+        }
+
+        let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
+        let actor = Actor {
+            swarm,
+            listen_addrs,
+            pending_dials: HashMap::new(),
+            pending_puts: HashMap::new(),
+            pending_gets: HashMap::new(),
+            pending_bootstrap: HashMap::new(),
+            reachability: if cfg.client_mode {
+                Reachability::Client
+            } else {
+                Reachability::Unknown
+            },
+            validator: validator.clone(),
+            put_quorum: cfg.put_quorum.max(1),
+            kad_protocol: libp2p::StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
+                .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
+        };
+        tokio::spawn(actor.run(rx));
+        let node = Node {
+            tx,
+            peer_id,
+            owner,
+            stream,
+            validator,
+            request_timeout: cfg.request_timeout,
+        };
+        if !cfg.bootstrap.is_empty() {
+            node.join(&cfg).await?;
+        }
+        Ok(node)
+    }
+
+    async fn join(&self, cfg: &NodeConfig) -> Result<(), NodeError> {
+        let mut last_error = String::from("no attempt made");
+        let mut backoff = cfg.bootstrap_backoff;
+        let attempts = cfg.bootstrap_attempts.max(1);
+        for attempt in 0..attempts {
+            let dials = cfg.bootstrap.iter().map(|a| self.dial(a.clone()));
+            let results = futures::future::join_all(dials).await;
+            let mut connected = 0;
+            for r in results {
+                match r {
+                    Ok(_) => connected += 1,
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if connected > 0 {
+                tracing::info!(connected, "joined the swarm");
+                // A failed bootstrap query (e.g. a lone bootstrap peer) still leaves us connected.
+                if let Err(e) = self.bootstrap().await {
+                    tracing::debug!("bootstrap query: {e}");
+                }
+                return Ok(());
+            }
+            if attempt + 1 < attempts {
+                tracing::warn!(
+                    attempt = attempt + 1,
+                    "no bootstrap peer answered ({last_error}); retrying in {backoff:?}"
+                );
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+        }
+        Err(NodeError::Bootstrap {
+            tried: cfg.bootstrap.len(),
+            attempts,
+            last_error,
+        })
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(make(tx))
+            .await
+            .map_err(|_| NodeError::Closed)?;
+        rx.await.map_err(|_| NodeError::Closed)
+    }
+
+    /// Like [`Self::call`], but bounded by `timeout` (the swarm task enforces its own deadlines
+    /// too; this one guards against a stalled task).
+    async fn call_timeout<T>(
+        &self,
+        what: &'static str,
+        timeout: Duration,
+        make: impl FnOnce(oneshot::Sender<Result<T, NodeError>>) -> Command,
+    ) -> Result<T, NodeError> {
+        tokio::time::timeout(timeout, self.call(make))
+            .await
+            .map_err(|_| NodeError::Timeout(what))?
+            .and_then(|r| r)
+    }
+
+    /// This node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// The key that signs this node's owner-protected DHT entries.
+    pub fn owner_key(&self) -> &OwnerKey {
+        &self.owner
+    }
+
+    /// The marker that makes a key or sub-key writable by this node only.
+    pub fn owner_marker(&self) -> String {
+        self.owner.marker()
+    }
+
+    /// Full dialable addresses of this node, each ending in `/p2p/<peer id>`.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NodeError> {
+        let addrs = self.call(Command::ListenAddrs).await?;
+        Ok(addrs
+            .into_iter()
+            .map(|a| a.with(Protocol::P2p(self.peer_id)))
+            .collect())
+    }
+
+    /// Dials `addr` and waits until the connection is up (or fails, or times out).
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NodeError> {
+        self.call_timeout("dial", self.request_timeout * 2, |tx| {
+            Command::Dial(addr, tx)
+        })
+        .await
+    }
+
+    /// Runs a Kademlia bootstrap (refreshes the routing table through known peers).
+    pub async fn bootstrap(&self) -> Result<(), NodeError> {
+        self.call_timeout("bootstrap", self.request_timeout * 6, Command::Bootstrap)
+            .await
+    }
+
+    /// A status snapshot.
+    pub async fn status(&self) -> Result<NodeStatus, NodeError> {
+        self.call(Command::Status).await
+    }
+
+    /// Peers with an open connection.
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NodeError> {
+        self.call(Command::ConnectedPeers).await
+    }
+
+    /// The handle for opening and accepting bulk-data streams on custom protocols.
+    pub fn stream_control(&self) -> libp2p_stream::Control {
+        self.stream.clone()
+    }
+
+    /// Stores a raw entry under `key`. If the key or sub-key names this node as owner the entry
+    /// is signed; if it names another owner the write is refused locally. The entry is merged into
+    /// the local store and sent to the `k` peers closest to the key.
+    pub async fn put_entry(&self, key: &str, mut entry: Entry) -> Result<PutReport, NodeError> {
+        if let Some(owner) = starling_dht::required_owner(key, &entry.subkey)? {
+            if owner != self.owner.public() {
+                return Err(
+                    starling_dht::DhtError::NotOwner(starling_dht::owner_marker(&owner)).into(),
+                );
+            }
+            self.owner.sign_entry(key, &mut entry);
+        }
+        let mut record = DictionaryRecord::default();
+        record.insert(entry);
+        let value = record.encode();
+        // Validate locally first so the caller gets the precise reason for a refusal.
+        let (_, live) = self.validator.validate(key.as_bytes(), &value, now_ms())?;
+        if live.is_empty() {
+            return Err(starling_dht::DhtError::Expired {
+                subkey: record
+                    .entries()
+                    .next()
+                    .map(|e| e.subkey.clone())
+                    .unwrap_or_default(),
+            }
+            .into());
+        }
+        let record = Record::new(RecordKey::new(&key), value);
+        self.call_timeout("DHT put", self.request_timeout * 2, |tx| {
+            Command::Put(record, tx)
+        })
+        .await
+    }
+
+    /// Sends raw record bytes to every connected peer **without local validation or signing**.
+    ///
+    /// For adversarial tests only (forged, malformed or oversized records): a well-behaved peer
+    /// uses [`Self::put_entry`] or [`Self::store`].
+    #[doc(hidden)]
+    pub async fn send_raw_record_unchecked(
+        &self,
+        key: &[u8],
+        value: Vec<u8>,
+    ) -> Result<PutReport, NodeError> {
+        let record = Record::new(RecordKey::new(&key), value);
+        self.call_timeout("raw put", self.request_timeout * 2, |tx| {
+            Command::PutRawToConnected(record, tx)
+        })
+        .await
+    }
+
+    /// Stores a typed value under `(key, subkey)` until `expiration` (unix ms).
+    pub async fn store<T: Serialize>(
+        &self,
+        key: &str,
+        subkey: &str,
+        value: &T,
+        expiration: DhtTime,
+    ) -> Result<PutReport, NodeError> {
+        let value = encode_value(value)?;
+        self.put_entry(key, Entry::new(subkey, value, expiration))
+            .await
+    }
+
+    /// Looks `key` up across the swarm and merges what every responding peer (and the local
+    /// store) holds. Records that fail validation are dropped; expired entries never appear.
+    pub async fn get_record(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.validator.validate_key(key.as_bytes())?;
+        let rk = RecordKey::new(&key);
+        self.call_timeout("DHT get", self.request_timeout * 2, |tx| {
+            Command::Get(rk, tx)
+        })
+        .await
+    }
+
+    /// Typed lookup: every live entry under `key` that decodes as `T`, as
+    /// `(subkey, value, expiration)`.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Vec<(String, T, DhtTime)>, NodeError> {
+        Ok(self
+            .get_record(key)
+            .await?
+            .map(|r| r.typed_entries(now_ms()))
+            .unwrap_or_default())
+    }
+
+    /// What the local store holds under `key` (no network traffic).
+    pub async fn get_local(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.call(|tx| Command::GetLocal(RecordKey::new(&key), tx))
+            .await
+    }
+
+    /// Stops the swarm task and closes all connections. Other clones of this handle get
+    /// [`NodeError::Closed`] afterwards.
+    pub async fn shutdown(&self) {
+        let _ = self.call(Command::Shutdown).await;
+    }
+}
+
+struct PendingGet {
+    merged: DictionaryRecord,
+    reply: oneshot::Sender<Result<Option<DictionaryRecord>, NodeError>>,
+}
+
+struct Actor {
+    swarm: Swarm<Behaviour>,
+    listen_addrs: Vec<Multiaddr>,
+    pending_dials: HashMap<ConnectionId, (Multiaddr, oneshot::Sender<Result<PeerId, NodeError>>)>,
+    pending_puts: HashMap<QueryId, (String, oneshot::Sender<Result<PutReport, NodeError>>)>,
+    pending_gets: HashMap<QueryId, PendingGet>,
+    pending_bootstrap: HashMap<QueryId, oneshot::Sender<Result<(), NodeError>>>,
+    reachability: Reachability,
+    validator: Validator,
+    put_quorum: usize,
+    kad_protocol: libp2p::StreamProtocol,
+}
+
+impl Actor {
+    async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
+        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                cmd = rx.recv() => match cmd {
+                    Some(Command::Shutdown(reply)) => {
+                        self.close();
+                        let _ = reply.send(());
+                        break;
+                    }
+                    Some(cmd) => self.on_command(cmd),
+                    None => {
+                        self.close();
+                        break;
+                    }
+                },
+                event = self.swarm.select_next_some() => self.on_event(event),
+                _ = sweep.tick() => {
+                    self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
+                }
+            }
+        }
+        tracing::debug!(peer = %self.swarm.local_peer_id(), "swarm task stopped");
+    }
+
+    fn close(&mut self) {
+        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        for p in peers {
+            let _ = self.swarm.disconnect_peer_id(p);
+        }
+        // Pending callers learn the node is closed when their oneshots drop with `self`.
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::ListenAddrs(reply) => {
+                let _ = reply.send(self.listen_addrs.clone());
+            }
+            Command::Dial(addr, reply) => {
+                let opts = match peer_of(&addr) {
+                    Some(peer) => DialOpts::peer_id(peer)
+                        .condition(PeerCondition::Always)
+                        .addresses(vec![addr.clone()])
+                        .build(),
+                    None => DialOpts::unknown_peer_id().address(addr.clone()).build(),
+                };
+                let id = opts.connection_id();
+                match self.swarm.dial(opts) {
+                    Ok(()) => {
+                        self.pending_dials.insert(id, (addr, reply));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NodeError::Dial {
+                            addr: addr.to_string(),
+                            reason: e.to_string(),
+                        }));
+                    }
+                }
+            }
+            Command::Bootstrap(reply) => match self.swarm.behaviour_mut().kad.bootstrap() {
+                Ok(id) => {
+                    self.pending_bootstrap.insert(id, reply);
+                }
+                Err(_) => {
+                    let _ = reply.send(Err(NodeError::Bootstrap {
+                        tried: 0,
+                        attempts: 1,
+                        last_error: "no known peers".into(),
+                    }));
+                }
+            },
+            Command::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            Command::ConnectedPeers(reply) => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Put(record, reply) => {
+                let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
+                let quorum = Quorum::N(
+                    std::num::NonZeroUsize::new(self.put_quorum)
+                        .unwrap_or(std::num::NonZeroUsize::MIN),
+                );
+                match self.swarm.behaviour_mut().kad.put_record(record, quorum) {
+                    Ok(id) => {
+                        self.pending_puts.insert(id, (key, reply));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NodeError::Dht(starling_dht::DhtError::StoreFull(
+                            match e {
+                                kad::store::Error::MaxRecords => "too many records",
+                                _ => "record refused by local store",
+                            },
+                        ))));
+                    }
+                }
+            }
+            Command::PutRawToConnected(record, reply) => {
+                let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
+                let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+                let id = self.swarm.behaviour_mut().kad.put_record_to(
+                    record,
+                    peers.into_iter(),
+                    Quorum::One,
+                );
+                self.pending_puts.insert(id, (key, reply));
+            }
+            Command::Get(key, reply) => {
+                let id = self.swarm.behaviour_mut().kad.get_record(key);
+                self.pending_gets.insert(
+                    id,
+                    PendingGet {
+                        merged: DictionaryRecord::default(),
+                        reply,
+                    },
+                );
+            }
+            Command::GetLocal(key, reply) => {
+                let store = self.swarm.behaviour_mut().kad.store_mut();
+                let _ = reply.send(store.get_live(key.as_ref(), now_ms()));
+            }
+            Command::Shutdown(_) => unreachable!("handled in run"),
+        }
+    }
+
+    fn status(&mut self) -> NodeStatus {
+        let peer_id = *self.swarm.local_peer_id();
+        let routing_table = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .kbuckets()
+            .map(|b| b.num_entries())
+            .sum();
+        let stats = self.swarm.behaviour_mut().kad.store_mut().stats();
+        NodeStatus {
+            peer_id: peer_id.to_string(),
+            listen_addrs: self
+                .listen_addrs
+                .iter()
+                .map(|a| a.clone().with(Protocol::P2p(peer_id)).to_string())
+                .collect(),
+            connected_peers: self.swarm.connected_peers().count(),
+            routing_table,
+            records: stats.records,
+            record_bytes: stats.bytes,
+            rejected_records: stats.rejected,
+            reachability: self.reachability,
+        }
+    }
+
+    fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } if !self.listen_addrs.contains(&address) => {
+                self.listen_addrs.push(address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| a != &address);
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => {
+                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
+                    if endpoint.is_dialer() {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer_id, endpoint.get_remote_address().clone());
+                    }
+                    tracing::debug!(%peer_id, %addr, "connected");
+                    let _ = reply.send(Ok(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                ..
+            } => {
+                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Err(NodeError::Dial {
+                        addr: addr.to_string(),
+                        reason: error.to_string(),
+                    }));
+                }
+            }
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
+                tracing::debug!(%send_back_addr, "inbound connection failed: {error}");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) if info.protocols.contains(&self.kad_protocol) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::Event::StatusChanged {
+                new,
+                ..
+            })) if self.reachability != Reachability::Client => {
+                self.reachability = match new {
+                    autonat::NatStatus::Public(_) => Reachability::Public,
+                    autonat::NatStatus::Private => Reachability::Private,
+                    autonat::NatStatus::Unknown => Reachability::Unknown,
+                };
+                tracing::info!(?new, "reachability changed");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),
+            _ => {}
+        }
+    }
+
+    fn on_kad(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::PutRecord {
+                        source,
+                        record: Some(record),
+                        ..
+                    },
+            } => {
+                let store = self.swarm.behaviour_mut().kad.store_mut();
+                if let Err(e) =
+                    store.insert(record.key.as_ref(), &record.value, Some(source), now_ms())
+                {
+                    tracing::debug!(%source, "refused inbound record: {e}");
+                }
+            }
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => match result {
+                QueryResult::GetRecord(Ok(GetRecordOk::FoundRecord(peer_record))) => {
+                    if let Some(pending) = self.pending_gets.get_mut(&id) {
+                        match self.validator.validate(
+                            peer_record.record.key.as_ref(),
+                            &peer_record.record.value,
+                            now_ms(),
+                        ) {
+                            Ok((_, record)) => {
+                                pending.merged.merge(record);
+                            }
+                            Err(e) => {
+                                tracing::debug!(peer = ?peer_record.peer, "dropped invalid record from GET: {e}");
+                            }
+                        }
+                    }
+                    if step.last {
+                        self.finish_get(id);
+                    }
+                }
+                QueryResult::GetRecord(_) if step.last => self.finish_get(id),
+                QueryResult::PutRecord(result) => {
+                    if let Some((key, reply)) = self.pending_puts.remove(&id) {
+                        let r = match result {
+                            Ok(_) => Ok(PutReport {
+                                acknowledged: self.put_quorum,
+                            }),
+                            Err(kad::PutRecordError::QuorumFailed {
+                                success, quorum, ..
+                            }) => Err(NodeError::QuorumFailed {
+                                key,
+                                acknowledged: success.len(),
+                                required: quorum.get(),
+                            }),
+                            Err(kad::PutRecordError::Timeout {
+                                success, quorum, ..
+                            }) => Err(NodeError::QuorumFailed {
+                                key,
+                                acknowledged: success.len(),
+                                required: quorum.get(),
+                            }),
+                        };
+                        let _ = reply.send(r);
+                    }
+                }
+                QueryResult::Bootstrap(result) => {
+                    let done = match &result {
+                        Ok(ok) => ok.num_remaining == 0,
+                        Err(_) => true,
+                    } || step.last;
+                    if done {
+                        if let Some(reply) = self.pending_bootstrap.remove(&id) {
+                            let _ = reply.send(
+                                result
+                                    .map(|_| ())
+                                    .map_err(|_| NodeError::Timeout("bootstrap")),
+                            );
+                        }
+                    }
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+
+    fn finish_get(&mut self, id: QueryId) {
+        if let Some(mut pending) = self.pending_gets.remove(&id) {
+            pending.merged.remove_expired(now_ms());
+            let result = (!pending.merged.is_empty()).then_some(pending.merged);
+            let _ = pending.reply.send(Ok(result));
+        }
+    }
+}

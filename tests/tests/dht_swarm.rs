@@ -1,0 +1,336 @@
+//! Whole swarms on 127.0.0.1: replication, merge semantics, signatures, bad input.
+
+use std::time::Duration;
+
+use futures::stream::{self, StreamExt};
+use starling_dht::{now_ms, DictionaryRecord, Entry, OwnerKey};
+use starling_node::{cluster::LocalCluster, Node, NodeConfig, NodeError};
+use starling_tests::{bounded, init_tracing};
+
+fn cfg() -> NodeConfig {
+    NodeConfig::default().with_request_timeout(Duration::from_secs(5))
+}
+
+/// Every peer reads every record: returns how many (peer, record) reads saw the right value.
+async fn read_all(nodes: &[Node], n_records: usize) -> (usize, usize) {
+    let jobs: Vec<(Node, usize)> = nodes
+        .iter()
+        .flat_map(|n| (0..n_records).map(move |i| (n.clone(), i)))
+        .collect();
+    let total = jobs.len();
+    let ok = stream::iter(jobs)
+        .map(|(node, i)| async move {
+            let got: Vec<(String, u64, u64)> =
+                node.get(&format!("rec.{i}")).await.unwrap_or_default();
+            got.iter().any(|(_, v, _)| *v == i as u64)
+        })
+        .buffer_unordered(32)
+        .filter(|ok| futures::future::ready(*ok))
+        .count()
+        .await;
+    (ok, total)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_peers_all_records_everywhere_and_after_churn() {
+    init_tracing();
+    bounded(Duration::from_secs(240), async {
+        let cluster = LocalCluster::start(32, cfg())
+            .await
+            .expect("cluster starts");
+        let nodes = cluster.nodes;
+        for (i, node) in nodes.iter().enumerate() {
+            node.store(
+                &format!("rec.{i}"),
+                &node.peer_id().to_string(),
+                &(i as u64),
+                now_ms() + 300_000,
+            )
+            .await
+            .expect("store succeeds");
+        }
+        let (ok, total) = read_all(&nodes, nodes.len()).await;
+        assert_eq!(ok, total, "every peer reads every record");
+
+        // Shut down 25% of the peers (including the bootstrap peer) after the stores.
+        let (dead, alive) = nodes.split_at(8);
+        futures::future::join_all(dead.iter().map(|n| n.shutdown())).await;
+        let (ok, total) = read_all(alive, 32).await;
+        assert_eq!(ok, total, "records survive the loss of 25% of peers");
+        futures::future::join_all(alive.iter().map(|n| n.shutdown())).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subkeys_merge_latest_wins_and_entries_expire() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let cluster = LocalCluster::start(6, cfg()).await.unwrap();
+        let n = &cluster.nodes;
+        let now = now_ms();
+        // Three writers, three sub-keys under one key: a reader sees all of them.
+        n[1].store("group", "a", &1u32, now + 600_000)
+            .await
+            .unwrap();
+        n[2].store("group", "b", &2u32, now + 600_000)
+            .await
+            .unwrap();
+        n[3].store("group", "c", &3u32, now + 600_000)
+            .await
+            .unwrap();
+        let mut got: Vec<(String, u32, u64)> = n[5].get("group").await.unwrap();
+        got.sort();
+        let pairs: Vec<(String, u32)> = got.into_iter().map(|(s, v, _)| (s, v)).collect();
+        assert_eq!(
+            pairs,
+            vec![("a".into(), 1), ("b".into(), 2), ("c".into(), 3)]
+        );
+
+        // Latest expiration wins, whatever the order of writes.
+        n[1].store("latest", "s", &10u32, now + 200_000)
+            .await
+            .unwrap();
+        n[2].store("latest", "s", &20u32, now + 400_000)
+            .await
+            .unwrap();
+        n[3].store("latest", "s", &30u32, now + 300_000)
+            .await
+            .unwrap();
+        for reader in &n[..] {
+            let got: Vec<(String, u32, u64)> = reader.get("latest").await.unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].1, 20, "the entry with the latest expiration wins");
+        }
+
+        // A short-lived entry is returned before it expires and never after.
+        let short_expiration = now_ms() + 5_000;
+        n[4].store("short", "x", &7u32, short_expiration)
+            .await
+            .unwrap();
+        n[4].store("short", "y", &8u32, now_ms() + 600_000)
+            .await
+            .unwrap();
+        let got: Vec<(String, u32, u64)> = n[0].get("short").await.unwrap();
+        assert_eq!(got.len(), 2);
+        tokio::time::sleep(Duration::from_millis(
+            short_expiration.saturating_sub(now_ms()) + 200,
+        ))
+        .await;
+        for reader in &n[..] {
+            let got: Vec<(String, u32, u64)> = reader.get("short").await.unwrap();
+            assert_eq!(got.iter().map(|g| g.1).collect::<Vec<_>>(), vec![8]);
+        }
+        // Writing an already expired entry is refused locally with a clear error.
+        let err = n[0]
+            .store("short", "z", &1u32, now_ms() - 1)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, NodeError::Dht(starling_dht::DhtError::Expired { .. })),
+            "{err}"
+        );
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_owner_entries_are_rejected_and_never_returned() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let cluster = LocalCluster::start(8, cfg()).await.unwrap();
+        let n = &cluster.nodes;
+        let (alice, mallory) = (&n[1], &n[2]);
+        let key = "model.state";
+        let subkey = alice.owner_marker();
+        alice
+            .store(key, &subkey, &"genuine".to_string(), now_ms() + 600_000)
+            .await
+            .unwrap();
+
+        // Through the API, mallory cannot even try: the write is refused locally.
+        let err = mallory
+            .store(key, &subkey, &"forged".to_string(), now_ms() + 1_200_000)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, NodeError::Dht(starling_dht::DhtError::NotOwner(_))),
+            "{err}"
+        );
+
+        // A raw forged record, signed by mallory's key, with a later expiration so it would win
+        // the merge if accepted, and an unsigned one.
+        let mallory_key = OwnerKey::from_secret_bytes(&[42; 32]);
+        let value = starling_dht::encode_value(&"forged".to_string()).unwrap();
+        let mut forged = Entry::new(subkey.clone(), value.clone(), now_ms() + 1_200_000);
+        mallory_key.sign_entry(key, &mut forged);
+        let unsigned = Entry::new(subkey.clone(), value, now_ms() + 1_300_000);
+        let rejected_before: u64 = sum_rejected(n).await;
+        for entry in [forged, unsigned] {
+            let mut record = DictionaryRecord::default();
+            record.insert(entry);
+            let _ = mallory
+                .send_raw_record_unchecked(key.as_bytes(), record.encode())
+                .await;
+        }
+        let rejected_after = sum_rejected(n).await;
+        assert!(
+            rejected_after >= rejected_before + 2,
+            "storing peers counted the rejections"
+        );
+        for reader in n {
+            let got: Vec<(String, String, u64)> = reader.get(key).await.unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].1, "genuine");
+            assert!(reader.get_local(key).await.unwrap().map_or(true, |r| r
+                .get(&subkey)
+                .unwrap()
+                .value
+                != starling_dht::encode_value(&"forged".to_string()).unwrap()));
+        }
+        // The owner can update its own entry.
+        alice
+            .store(key, &subkey, &"updated".to_string(), now_ms() + 900_000)
+            .await
+            .unwrap();
+        let got: Vec<(String, String, u64)> = n[7].get(key).await.unwrap();
+        assert_eq!(got[0].1, "updated");
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+async fn sum_rejected(nodes: &[Node]) -> u64 {
+    let mut total = 0;
+    for n in nodes {
+        total += n.status().await.unwrap().rejected_records;
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_records_are_rejected_without_panic() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let cluster = LocalCluster::start(5, cfg()).await.unwrap();
+        let n = &cluster.nodes;
+        let attacker = &n[4];
+        let limits = starling_dht::DhtLimits::default();
+        let mut big = DictionaryRecord::default();
+        big.insert(Entry::new(
+            "x",
+            vec![7; limits.max_value_bytes + 1],
+            now_ms() + 600_000,
+        ));
+        let mut far = DictionaryRecord::default();
+        far.insert(Entry::new("x", vec![1], now_ms() + 10 * 24 * 3600 * 1000));
+        let mut many = DictionaryRecord::default();
+        for i in 0..limits.max_subkeys_per_key + 1 {
+            many.insert(Entry::new(format!("s{i}"), vec![], now_ms() + 600_000));
+        }
+        let cases: Vec<(Vec<u8>, Vec<u8>)> = vec![
+            (b"garbage".to_vec(), vec![0xff; 100]),
+            (b"empty".to_vec(), vec![]),
+            (b"version".to_vec(), vec![99, 0]),
+            (
+                b"huge-length".to_vec(),
+                vec![1, 0xff, 0xff, 0xff, 0xff, 0x0f],
+            ),
+            (vec![0xff, 0xfe], DictionaryRecord::default().encode()),
+            (b"big-value".to_vec(), big.encode()),
+            (b"far-future".to_vec(), far.encode()),
+            (b"too-many-subkeys".to_vec(), many.encode()),
+            (
+                b"oversized-record".to_vec(),
+                vec![1; limits.max_record_bytes + 1024],
+            ),
+            (
+                vec![b'k'; limits.max_key_bytes + 1],
+                DictionaryRecord::default().encode(),
+            ),
+        ];
+        for (key, value) in cases {
+            let _ = attacker.send_raw_record_unchecked(&key, value).await;
+        }
+        // Larger than a Kademlia packet: the frame itself is refused by the codec.
+        let _ = attacker
+            .send_raw_record_unchecked(b"beyond-packet", vec![0; limits.max_record_bytes * 4])
+            .await;
+        for node in &n[..4] {
+            let status = node.status().await.unwrap();
+            assert_eq!(status.records, 0, "nothing malformed was stored");
+        }
+        assert!(
+            sum_rejected(&n[..4]).await >= 4 * 8,
+            "each honest peer refused the bad records"
+        );
+        // The swarm still works.
+        n[0].store("after", "ok", &1u8, now_ms() + 600_000)
+            .await
+            .unwrap();
+        let got: Vec<(String, u8, u64)> = n[3].get("after").await.unwrap();
+        assert_eq!(got.len(), 1);
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_mode_peer_reads_and_writes_without_listening() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let cluster = LocalCluster::start(4, cfg()).await.unwrap();
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        let client = Node::start(cfg().client(true).bootstrap_from(boot))
+            .await
+            .unwrap();
+        assert!(client.listen_addrs().await.unwrap().is_empty());
+        client
+            .store("from-client", "c", &5u16, now_ms() + 600_000)
+            .await
+            .unwrap();
+        let got: Vec<(String, u16, u64)> = cluster.nodes[3].get("from-client").await.unwrap();
+        assert_eq!(got[0].1, 5);
+        cluster.nodes[2]
+            .store("to-client", "s", &6u16, now_ms() + 600_000)
+            .await
+            .unwrap();
+        let got: Vec<(String, u16, u64)> = client.get("to-client").await.unwrap();
+        assert_eq!(got[0].1, 6);
+        // Servers do not put a client in their routing tables.
+        for n in &cluster.nodes {
+            assert!(n.status().await.unwrap().routing_table <= 3);
+        }
+        client.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_failure_is_a_clear_error() {
+    init_tracing();
+    bounded(Duration::from_secs(30), async {
+        // A port nothing listens on.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let mut cfg = cfg().bootstrap_from(format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap());
+        cfg.bootstrap_attempts = 2;
+        cfg.bootstrap_backoff = Duration::from_millis(100);
+        let err = Node::start(cfg).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                NodeError::Bootstrap {
+                    tried: 1,
+                    attempts: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    })
+    .await;
+}
