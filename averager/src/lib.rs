@@ -1,10 +1,38 @@
-//! Starling's averager (in progress): how peers agree on a group and average tensors.
+//! Starling's averager: peers agree on a group through the DHT and average flat `f32` tensors
+//! with a chunked, quantized, bandwidth-aware butterfly all-reduce.
 //!
-//! This crate will hold, on top of [`starling_node`] and [`starling_compression`]:
-//! - matchmaking through the DHT (group keys with expirations, leaders and followers, timeouts);
-//! - the chunked, quantized, bandwidth-aware, fault-tolerant butterfly all-reduce;
-//! - gossip averaging, load balancing, and local (intra-node) collectives;
-//! - the `Averager` handle an ML engineer calls once per averaging step.
+//! - [`Averager`]: the handle an ML engineer embeds in a training loop; one
+//!   [`Averager::step`] per averaging round, returning a [`RoundReport`].
+//! - Matchmaking (module docs in `matchmaking.rs`): declare under a group key
+//!   `{prefix}.averager.{schema hash}.{grid bits}` with an expiration equal to the end of the search
+//!   window; the earliest declared peer leads; followers join; the leader begins when the group is
+//!   full or its window closes with `min_group_size` members. Every wait has a timeout.
+//! - [`partition`]: the load-balancing solve that sizes each member's span from the bandwidths
+//!   it declared (measured from real transfers), so weak and client peers reduce little or nothing.
+//! - The all-reduce (`allreduce.rs`): spans stream in chunks through `starling_compression`;
+//!   reducers return averaged deltas; stalled senders are excluded from the spans they did not
+//!   deliver; a failed reducer's span keeps its local values, and the report says exactly which
+//!   spans were averaged with whom.
+//! - [`wire`]: every message and the framing (bounded frames).
 //!
-//! Nothing is exported yet: the API lands with the averager issue, and no placeholder types are
-//! published in the meantime.
+//! Departures from hivemind: the span split minimises the slowest peer's time under a
+//! full-duplex cost model (bisection instead of an LP solver); reducers send deltas rather than
+//! averaged values; a sender only counts in a span once its whole part has arrived, so a partial
+//! sender can never skew a mean.
+//!
+//! Not yet: re-delegating a failed reducer's span within the same round, gossip averaging, and
+//! local (intra-node) collectives.
+
+mod allreduce;
+mod averager;
+mod config;
+mod error;
+mod matchmaking;
+pub mod partition;
+mod report;
+pub mod wire;
+
+pub use averager::Averager;
+pub use config::{AveragerConfig, AveragingMode};
+pub use error::AveragerError;
+pub use report::{RoundReport, SpanOutcome, SpanReport};

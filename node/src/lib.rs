@@ -42,5 +42,5 @@ pub use identity::{load_or_create_identity, owner_key_of};
 pub use node::{Node, NodeStatus, PutReport, Reachability};
 pub use swarm_key::SwarmKey;
 
-pub use libp2p::{identity::Keypair, Multiaddr, PeerId, StreamProtocol};
+pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
 pub use libp2p_stream::{Control as StreamControl, IncomingStreams};

@@ -21,3 +21,28 @@ pub async fn bounded<F: std::future::Future>(limit: Duration, fut: F) -> F::Outp
         Err(_) => panic!("test exceeded its time bound of {limit:?}"),
     }
 }
+
+/// Deterministic random normal samples (Box-Muller over a seeded generator).
+pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
+            let u2: f64 = rng.gen();
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect()
+}
+
+/// `||a - b|| / ||b||` in f64.
+pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}

@@ -1,0 +1,430 @@
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use starling_node::{Multiaddr, Node, PeerId, Stream, StreamProtocol};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::{timeout, Instant};
+
+use crate::allreduce::{run_allreduce, IncomingSender};
+use crate::matchmaking::{find_group, IncomingJoin};
+use crate::wire::{
+    read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
+    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL,
+};
+use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
+
+/// Inbound streams being read at once, per protocol (bounds tasks and buffers).
+const MAX_INBOUND_HANDSHAKES: usize = 256;
+/// How long an inbound reduce stream waits for its round to be registered locally (the reducer
+/// may learn of the round a little after the sender).
+const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
+/// Weight of a new bandwidth measurement in the running average.
+const BANDWIDTH_EMA: f64 = 0.3;
+
+/// State shared by the averager handle, its accept loops and running rounds.
+pub(crate) struct Shared {
+    pub node: Node,
+    pub config: AveragerConfig,
+    pub join_routes: Mutex<HashMap<String, mpsc::Sender<IncomingJoin>>>,
+    pub round_routes: Mutex<HashMap<u64, mpsc::Sender<IncomingSender>>>,
+    bandwidth: Mutex<f64>,
+    grid_index: Mutex<u32>,
+}
+
+impl Shared {
+    /// Opens a stream to `peer`, dialing one of `addrs` first if the peer is not reachable yet.
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        addrs: &[String],
+        protocol: StreamProtocol,
+    ) -> Result<Stream, AveragerError> {
+        let t = self.config.request_timeout;
+        let mut control = self.node.stream_control();
+        if let Ok(Ok(s)) = timeout(t, control.open_stream(peer, protocol.clone())).await {
+            return Ok(s);
+        }
+        for a in addrs {
+            if let Ok(addr) = a.parse::<Multiaddr>() {
+                if self.node.dial(addr).await.is_ok() {
+                    break;
+                }
+            }
+        }
+        match timeout(t, control.open_stream(peer, protocol)).await {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err(e)) => Err(AveragerError::Protocol(format!(
+                "cannot open a stream to {peer}: {e}"
+            ))),
+            Err(_) => Err(AveragerError::Deadline("opening a stream")),
+        }
+    }
+
+    pub fn bandwidth(&self) -> f64 {
+        self.config.bandwidth.unwrap_or_else(|| {
+            self.bandwidth
+                .lock()
+                .map(|b| *b)
+                .unwrap_or(self.config.initial_bandwidth)
+        })
+    }
+
+    fn record_bandwidth(&self, bytes: u64, elapsed: Duration) {
+        if bytes < 1 << 20 || elapsed.is_zero() {
+            return; // too little traffic to say anything
+        }
+        let measured = bytes as f64 / elapsed.as_secs_f64();
+        if let Ok(mut b) = self.bandwidth.lock() {
+            *b = (1.0 - BANDWIDTH_EMA) * *b + BANDWIDTH_EMA * measured;
+        }
+    }
+}
+
+/// Averages flat `f32` tensors with other peers of the swarm.
+///
+/// One call to [`Averager::step`] finds a group through the DHT and runs a butterfly
+/// all-reduce with it; the tensors are replaced by the group's weighted mean (on the spans
+/// that could be averaged, see [`RoundReport`]) only when the round completes.
+///
+/// ```no_run
+/// # async fn train() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::{Duration, Instant};
+/// use starling_averager::{Averager, AveragerConfig};
+/// use starling_node::{Node, NodeConfig};
+///
+/// let node = Node::start(NodeConfig::default()).await?;
+/// let averager = Averager::new(node, AveragerConfig::new("my-run")).await?;
+/// let mut weights = vec![0.0f32; 1000];
+/// let mut bias = vec![0.0f32; 10];
+/// for step in 0..100 {
+///     // ... a local optimizer step updates `weights` and `bias` ...
+///     if step % 10 == 9 {
+///         let deadline = Instant::now() + Duration::from_secs(30);
+///         match averager.step(&mut [&mut weights[..], &mut bias[..]], 1.0, deadline).await {
+///             Ok(report) => println!("averaged with {} peers", report.group.len()),
+///             Err(e) => eprintln!("no averaging this time: {e}"), // training goes on
+///         }
+///     }
+/// }
+/// averager.shutdown().await;
+/// # Ok(()) }
+/// ```
+pub struct Averager {
+    shared: Arc<Shared>,
+    busy: AtomicBool,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Averager {
+    /// Starts serving the averaging protocols on `node`. One averager per node.
+    pub async fn new(node: Node, config: AveragerConfig) -> Result<Self, AveragerError> {
+        config.validate()?;
+        let mut control = node.stream_control();
+        let joins = control
+            .accept(MATCHMAKING_PROTOCOL)
+            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let reduces = control
+            .accept(REDUCE_PROTOCOL)
+            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let grid = if config.group_bits == 0 {
+            0
+        } else {
+            rand::random::<u32>() % (1 << config.group_bits)
+        };
+        let shared = Arc::new(Shared {
+            node,
+            bandwidth: Mutex::new(config.initial_bandwidth),
+            config,
+            join_routes: Mutex::new(HashMap::new()),
+            round_routes: Mutex::new(HashMap::new()),
+            grid_index: Mutex::new(grid),
+        });
+        let tasks = vec![
+            tokio::spawn(accept_joins(shared.clone(), joins)),
+            tokio::spawn(accept_reduces(shared.clone(), reduces)),
+        ];
+        Ok(Averager {
+            shared,
+            busy: AtomicBool::new(false),
+            tasks,
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &AveragerConfig {
+        &self.shared.config
+    }
+
+    /// The bandwidth this peer currently declares (bytes per second).
+    pub fn bandwidth(&self) -> f64 {
+        self.shared.bandwidth()
+    }
+
+    /// Finds a group and averages `tensors` with it, weighted by `weight` (e.g. the number of
+    /// samples behind this peer's update), finishing before `deadline`. The tensors change only
+    /// if the round completes, and only on the spans the report lists as averaged.
+    pub async fn step(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: std::time::Instant,
+    ) -> Result<RoundReport, AveragerError> {
+        if self.busy.swap(true, Ordering::AcqRel) {
+            return Err(AveragerError::Config(
+                "a step is already running on this averager".into(),
+            ));
+        }
+        let result = self
+            .step_inner(tensors, weight, Instant::from_std(deadline))
+            .await;
+        self.busy.store(false, Ordering::Release);
+        result
+    }
+
+    async fn step_inner(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: Instant,
+    ) -> Result<RoundReport, AveragerError> {
+        let cfg = &self.shared.config;
+        if !(weight.is_finite() && weight >= 0.0) {
+            return Err(AveragerError::NonFinite(format!("weight {weight}")));
+        }
+        let weight = if cfg.mode == AveragingMode::Aux {
+            0.0
+        } else {
+            weight
+        };
+        let total: usize = tensors.iter().map(|t| t.len()).sum();
+        if total == 0 {
+            return Err(AveragerError::Schema("no elements to average".into()));
+        }
+        if let Some((i, _)) = tensors
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.iter().any(|v| !v.is_finite()))
+        {
+            return Err(AveragerError::NonFinite(format!(
+                "tensor {i} holds NaN or infinity"
+            )));
+        }
+        let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
+        let schema = schema_hash(&sizes, &cfg.codec.to_string());
+        let grid = self.shared.grid_index.lock().map(|g| *g).unwrap_or(0);
+        let group_key = format!("{}.averager.{schema:016x}.{grid}", cfg.prefix);
+        let me = MemberInfo {
+            peer_id: self.shared.node.peer_id().to_bytes(),
+            mode: cfg.mode,
+            bandwidth: self.shared.bandwidth(),
+            addrs: self
+                .shared
+                .node
+                .listen_addrs()
+                .await?
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+        };
+
+        let mm_start = Instant::now();
+        let group = find_group(&self.shared, &group_key, me, deadline).await?;
+        let matchmaking_time = mm_start.elapsed();
+
+        let mut flat = Vec::with_capacity(total);
+        for t in tensors.iter() {
+            flat.extend_from_slice(t);
+        }
+        let ar_start = Instant::now();
+        let outcome = run_allreduce(&self.shared, &group, flat, f64::from(weight), deadline).await;
+        let allreduce_time = ar_start.elapsed();
+        self.shared
+            .record_bandwidth(outcome.bytes_sent + outcome.bytes_received, allreduce_time);
+        if cfg.group_bits > 0 {
+            if let Ok(mut g) = self.shared.grid_index.lock() {
+                *g = (group.my_index as u32) % (1 << cfg.group_bits);
+            }
+        }
+        if cfg.mode != AveragingMode::Aux {
+            let mut offset = 0;
+            for t in tensors.iter_mut() {
+                let n = t.len();
+                t.copy_from_slice(&outcome.result[offset..offset + n]);
+                offset += n;
+            }
+        }
+        Ok(RoundReport {
+            round_id: group.round_id,
+            group: outcome.group,
+            my_index: group.my_index,
+            spans: outcome.spans,
+            failed_peers: outcome.failed_peers,
+            bytes_sent: outcome.bytes_sent,
+            bytes_received: outcome.bytes_received,
+            matchmaking_time,
+            allreduce_time,
+        })
+    }
+
+    /// Stops the accept loops. Rounds in flight on other peers see this peer as failed.
+    pub async fn shutdown(mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for Averager {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.
+pub(crate) fn schema_hash(sizes: &[usize], codec: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(&(sizes.len() as u64).to_le_bytes());
+    for s in sizes {
+        eat(&(*s as u64).to_le_bytes());
+    }
+    eat(codec.as_bytes());
+    h
+}
+
+async fn accept_joins(shared: Arc<Shared>, mut incoming: starling_node::IncomingStreams) {
+    let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
+    while let Some((peer, mut stream)) = incoming.next().await {
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            continue; // overloaded: dropping the stream refuses it
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let cfg = &shared.config;
+            let Ok(Ok(msg)) = timeout(
+                cfg.request_timeout,
+                read_control::<_, MatchMsg>(&mut stream, cfg.max_frame_bytes),
+            )
+            .await
+            else {
+                return;
+            };
+            let MatchMsg::Join { group_key, info } = msg else {
+                return;
+            };
+            if info.peer_id != peer.to_bytes() {
+                tracing::debug!(%peer, "join request names another peer");
+                return;
+            }
+            let route = shared
+                .join_routes
+                .lock()
+                .ok()
+                .and_then(|r| r.get(&group_key).cloned());
+            let refusal = match route {
+                Some(tx) => match tx.try_send(IncomingJoin { info, stream }) {
+                    Ok(()) => return,
+                    Err(e) => {
+                        stream = match e {
+                            mpsc::error::TrySendError::Full(j)
+                            | mpsc::error::TrySendError::Closed(j) => j.stream,
+                        };
+                        RejectReason::Busy
+                    }
+                },
+                None => RejectReason::NotSearching,
+            };
+            let _ = timeout(
+                cfg.request_timeout,
+                write_control(&mut stream, &MatchMsg::Rejected(refusal)),
+            )
+            .await;
+        });
+    }
+}
+
+async fn accept_reduces(shared: Arc<Shared>, mut incoming: starling_node::IncomingStreams) {
+    let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
+    while let Some((peer, mut stream)) = incoming.next().await {
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let cfg = &shared.config;
+            let Ok(Ok(hello)) = timeout(
+                cfg.request_timeout,
+                read_control::<_, ReduceMsg>(&mut stream, cfg.max_frame_bytes),
+            )
+            .await
+            else {
+                return;
+            };
+            let ReduceMsg::Hello { round_id, .. } = hello else {
+                return;
+            };
+            // The round may not be registered yet: wait a little for it.
+            let give_up = Instant::now() + cfg.request_timeout;
+            let route = loop {
+                if let Some(tx) = shared
+                    .round_routes
+                    .lock()
+                    .ok()
+                    .and_then(|r| r.get(&round_id).cloned())
+                {
+                    break Some(tx);
+                }
+                if Instant::now() >= give_up {
+                    break None;
+                }
+                tokio::time::sleep(ROUND_ROUTE_WAIT).await;
+            };
+            match route {
+                Some(tx) => {
+                    let _ = tx
+                        .send(IncomingSender {
+                            peer,
+                            hello,
+                            stream,
+                        })
+                        .await;
+                }
+                None => {
+                    let _ = timeout(
+                        cfg.request_timeout,
+                        write_control(&mut stream, &ReduceMsg::Excluded("unknown round".into())),
+                    )
+                    .await;
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::schema_hash;
+
+    #[test]
+    fn schema_hash_separates_sizes_order_and_codec() {
+        let a = schema_hash(&[10, 20], "none");
+        assert_eq!(a, schema_hash(&[10, 20], "none"));
+        assert_ne!(a, schema_hash(&[20, 10], "none"));
+        assert_ne!(a, schema_hash(&[30], "none"));
+        assert_ne!(a, schema_hash(&[10, 20], "f16"));
+    }
+}

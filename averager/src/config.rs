@@ -1,0 +1,112 @@
+use std::time::Duration;
+
+use starling_compression::Codec;
+
+/// How a peer takes part in averaging.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum AveragingMode {
+    /// Sends, receives and reduces a span sized by its bandwidth.
+    Node,
+    /// Behind NAT or by choice: accepts no inbound streams, reduces nothing, only sends its
+    /// tensors to the reducers and receives the averaged result.
+    Client,
+    /// Reduces a span but contributes weight 0 (a helper with spare bandwidth).
+    Aux,
+}
+
+/// Everything tunable about averaging. Build with [`AveragerConfig::new`] and adjust fields.
+///
+/// ```
+/// use std::time::Duration;
+/// use starling_averager::{AveragerConfig, AveragingMode};
+/// let mut cfg = AveragerConfig::new("my-run");
+/// cfg.target_group_size = 8;
+/// cfg.matchmaking_time = Duration::from_secs(5);
+/// cfg.codec = "f16".parse().unwrap();
+/// assert_eq!(cfg.mode, AveragingMode::Node);
+/// ```
+#[derive(Debug, Clone)]
+pub struct AveragerConfig {
+    /// Names the training run: only peers with the same prefix (and tensor schema) group.
+    pub prefix: String,
+    /// A group starts as soon as it has this many peers.
+    pub target_group_size: usize,
+    /// A group whose leader's window closes starts if it has at least this many peers.
+    pub min_group_size: usize,
+    /// How long a peer declares itself searching (its window); leaders wait at most this long.
+    pub matchmaking_time: Duration,
+    /// Timeout of one control request (join, begin) and of opening a stream.
+    pub request_timeout: Duration,
+    /// A reducer waits at most this long for a sender's next chunk before excluding it from
+    /// the span.
+    pub sender_timeout: Duration,
+    /// A sender waits at most this long for a reducer's result before keeping its local values
+    /// for that span.
+    pub reducer_timeout: Duration,
+    /// Codec for the tensors on the wire (see `starling_compression::Codec`).
+    pub codec: Codec,
+    /// Largest chunk on the wire, in bytes.
+    pub chunk_bytes: usize,
+    /// Declared bandwidth in bytes per second; `None` uses the measured value (starting from
+    /// [`AveragerConfig::initial_bandwidth`]).
+    pub bandwidth: Option<f64>,
+    /// Bandwidth assumed before the first measurement, in bytes per second.
+    pub initial_bandwidth: f64,
+    /// How this peer takes part.
+    pub mode: AveragingMode,
+    /// Number of grid bits in the group key; with `b > 0` peers rotate between `2^b` group keys
+    /// from round to round (Moshpit-style), so information mixes across groups.
+    pub group_bits: u32,
+    /// Largest accepted frame on an averaging stream, in bytes (bounds every read buffer).
+    pub max_frame_bytes: usize,
+}
+
+impl AveragerConfig {
+    /// Defaults for a run named `prefix`: groups of 4 (at least 2), 5 s matchmaking, no
+    /// compression, 1 MiB chunks.
+    pub fn new(prefix: impl Into<String>) -> Self {
+        AveragerConfig {
+            prefix: prefix.into(),
+            target_group_size: 4,
+            min_group_size: 2,
+            matchmaking_time: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            sender_timeout: Duration::from_secs(5),
+            reducer_timeout: Duration::from_secs(10),
+            codec: Codec::None,
+            chunk_bytes: 1 << 20,
+            bandwidth: None,
+            initial_bandwidth: 100e6,
+            mode: AveragingMode::Node,
+            group_bits: 0,
+            max_frame_bytes: 16 << 20,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), crate::AveragerError> {
+        let bad = |m: &str| Err(crate::AveragerError::Config(m.to_string()));
+        if self.prefix.is_empty() || self.prefix.len() > 128 {
+            return bad("prefix must be 1 to 128 bytes");
+        }
+        if self.min_group_size < 1 || self.target_group_size < self.min_group_size {
+            return bad("need 1 <= min_group_size <= target_group_size");
+        }
+        if self.target_group_size > 256 {
+            return bad("target_group_size is at most 256");
+        }
+        if self.chunk_bytes < 4096 || self.chunk_bytes + 4096 > self.max_frame_bytes {
+            return bad(
+                "chunk_bytes must be at least 4096 and leave 4 KiB of room below max_frame_bytes",
+            );
+        }
+        if self.group_bits > 16 {
+            return bad("group_bits is at most 16");
+        }
+        if let Some(b) = self.bandwidth {
+            if !(b.is_finite() && b > 0.0) {
+                return bad("bandwidth must be a positive number of bytes per second");
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,322 @@
+//! Matchmaking: forming a group through the DHT.
+//!
+//! States of one peer during one search window:
+//! - **searching**: declared under the group key with `window_end`; looks up the key and asks
+//!   the earliest-declared peer ahead of it (never a client, never one that refused for good) to
+//!   take it. Requests only go to peers declared *earlier*, so requests never form a cycle and the
+//!   earliest peer always ends up leading.
+//! - **requesting / following**: a join request is in flight, or was accepted and the peer waits
+//!   for the leader's `Begin` (until the leader's window end plus `request_timeout`). A refusal, a
+//!   `Disband`, a timeout or a dead leader send it back to searching.
+//! - **leading**: accepted at least one follower; it stops looking for leaders and begins as soon
+//!   as the group is full, or at its window end if the group has `min_group_size` members;
+//!   otherwise it disbands and everyone searches again in a new window.
+//!
+//! Incoming join requests are answered by the same task, so a peer is never both leading and
+//! following.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use starling_dht::now_ms;
+use starling_node::{PeerId, Stream};
+use tokio::sync::mpsc;
+use tokio::time::{sleep_until, timeout, timeout_at, Instant};
+
+use crate::averager::Shared;
+use crate::config::AveragingMode;
+use crate::wire::{
+    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
+    MATCHMAKING_PROTOCOL,
+};
+use crate::AveragerError;
+
+/// How often a searching peer re-reads the group key.
+const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
+/// How long a peer that answered `Busy` is left alone.
+const BUSY_BACKOFF: Duration = Duration::from_millis(150);
+/// Queued join requests per search.
+const JOIN_QUEUE: usize = 64;
+
+/// A formed group.
+#[derive(Debug, Clone)]
+pub(crate) struct Group {
+    pub round_id: u64,
+    pub members: Vec<MemberInfo>,
+    pub my_index: usize,
+}
+
+/// A join request routed to the search in progress.
+pub(crate) struct IncomingJoin {
+    pub info: MemberInfo,
+    pub stream: Stream,
+}
+
+/// Removes the route of a search when it ends, however it ends.
+struct RouteGuard<'a> {
+    shared: &'a Shared,
+    key: String,
+}
+
+impl Drop for RouteGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut routes) = self.shared.join_routes.lock() {
+            routes.remove(&self.key);
+        }
+    }
+}
+
+enum FollowError {
+    /// Try this leader again shortly.
+    Busy,
+    /// Do not ask this leader again in this search.
+    Refused(String),
+}
+
+type FollowFuture = BoxFuture<'static, (Vec<u8>, Result<Option<Group>, FollowError>)>;
+
+/// Searches until a group forms or `deadline` passes.
+pub(crate) async fn find_group(
+    shared: &Arc<Shared>,
+    group_key: &str,
+    me: MemberInfo,
+    deadline: Instant,
+) -> Result<Group, AveragerError> {
+    let started = Instant::now();
+    let (tx, mut rx) = mpsc::channel(JOIN_QUEUE);
+    shared
+        .join_routes
+        .lock()
+        .map_err(|_| AveragerError::Closed)?
+        .insert(group_key.to_string(), tx);
+    let _guard = RouteGuard {
+        shared,
+        key: group_key.to_string(),
+    };
+    let cfg = &shared.config;
+    loop {
+        let now = Instant::now();
+        let window_end = (now + cfg.matchmaking_time).min(deadline);
+        if window_end <= now + Duration::from_millis(50) {
+            return Err(AveragerError::NoGroup {
+                min: cfg.min_group_size,
+                searched_ms: started.elapsed().as_millis() as u64,
+            });
+        }
+        let window_end_ms = now_ms() + (window_end - now).as_millis() as u64;
+        let declaration = Declaration {
+            info: me.clone(),
+            window_end: window_end_ms,
+        };
+        let subkey = shared.node.peer_id().to_string();
+        if let Err(e) = timeout(
+            cfg.request_timeout,
+            shared
+                .node
+                .store(group_key, &subkey, &declaration, window_end_ms),
+        )
+        .await
+        .unwrap_or(Err(starling_node::NodeError::Timeout("declare")))
+        {
+            tracing::debug!("declaring under {group_key}: {e}");
+        }
+        if let Some(group) =
+            run_window(shared, group_key, &me, window_end, window_end_ms, &mut rx).await?
+        {
+            return Ok(group);
+        }
+    }
+}
+
+fn rank(window_end: u64, peer: &[u8]) -> (u64, Vec<u8>) {
+    (window_end, peer.to_vec())
+}
+
+async fn run_window(
+    shared: &Arc<Shared>,
+    group_key: &str,
+    me: &MemberInfo,
+    window_end: Instant,
+    window_end_ms: u64,
+    rx: &mut mpsc::Receiver<IncomingJoin>,
+) -> Result<Option<Group>, AveragerError> {
+    let cfg = &shared.config;
+    let my_rank = rank(window_end_ms, &me.peer_id);
+    let mut followers: Vec<IncomingJoin> = Vec::new();
+    let mut refused: HashSet<Vec<u8>> = HashSet::new();
+    let mut busy: HashMap<Vec<u8>, Instant> = HashMap::new();
+    let mut attempt: Option<FollowFuture> = None;
+    let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = sleep_until(window_end), if attempt.is_none() => {
+                if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
+                    return Ok(Some(begin(shared, me, followers).await));
+                }
+                for f in followers.iter_mut() {
+                    let _ = timeout(cfg.request_timeout, write_control(&mut f.stream, &MatchMsg::Disband)).await;
+                }
+                if cfg.min_group_size <= 1 {
+                    return Ok(Some(begin(shared, me, Vec::new()).await));
+                }
+                return Ok(None);
+            }
+            Some(mut join) = rx.recv() => {
+                let reply = if me.mode == AveragingMode::Client {
+                    Some(RejectReason::NotLeading)
+                } else if attempt.is_some() {
+                    Some(RejectReason::Busy)
+                } else if followers.len() + 1 >= cfg.target_group_size
+                    || followers.iter().any(|f| f.info.peer_id == join.info.peer_id)
+                {
+                    Some(RejectReason::Full)
+                } else {
+                    None
+                };
+                let msg = match reply {
+                    Some(r) => MatchMsg::Rejected(r),
+                    None => MatchMsg::Accepted,
+                };
+                let sent = timeout(cfg.request_timeout, write_control(&mut join.stream, &msg)).await;
+                if reply.is_none() && matches!(sent, Ok(Ok(_))) {
+                    followers.push(join);
+                    if followers.len() + 1 >= cfg.target_group_size {
+                        return Ok(Some(begin(shared, me, followers).await));
+                    }
+                }
+            }
+            (leader, result) = async { attempt.as_mut().expect("guarded").await }, if attempt.is_some() => {
+                attempt = None;
+                match result {
+                    Ok(Some(group)) => return Ok(Some(group)),
+                    Ok(None) => {
+                        refused.insert(leader);
+                    }
+                    Err(FollowError::Busy) => {
+                        busy.insert(leader, Instant::now() + BUSY_BACKOFF);
+                    }
+                    Err(FollowError::Refused(why)) => {
+                        tracing::trace!("join refused: {why}");
+                        refused.insert(leader);
+                    }
+                }
+            }
+            _ = refresh.tick(), if attempt.is_none() && followers.is_empty() => {
+                let found = timeout(cfg.request_timeout, shared.node.get::<Declaration>(group_key)).await;
+                let Ok(Ok(entries)) = found else { continue };
+                let now = Instant::now();
+                let best = entries
+                    .into_iter()
+                    .map(|(_, d, _)| d)
+                    .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
+                    .filter(|d| rank(d.window_end, &d.info.peer_id) < my_rank)
+                    .filter(|d| !refused.contains(&d.info.peer_id))
+                    .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
+                    .min_by(|a, b| rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id)));
+                if let Some(leader) = best {
+                    attempt = Some(follow(shared.clone(), group_key.to_string(), me.clone(), leader).boxed());
+                }
+            }
+        }
+    }
+}
+
+/// The leader's move: fix the member list, tell every follower, and return the group.
+async fn begin(shared: &Arc<Shared>, me: &MemberInfo, mut followers: Vec<IncomingJoin>) -> Group {
+    let round_id: u64 = rand::random();
+    let mut members = vec![me.clone()];
+    members.extend(followers.iter().map(|f| f.info.clone()));
+    let msg = MatchMsg::Begin {
+        round_id,
+        members: members.clone(),
+    };
+    let timeout_each = shared.config.request_timeout;
+    futures::future::join_all(followers.iter_mut().map(|f| async {
+        if let Err(e) = timeout(timeout_each, write_control(&mut f.stream, &msg)).await {
+            tracing::debug!("follower missed the begin message: {e}");
+        }
+    }))
+    .await;
+    Group {
+        round_id,
+        members,
+        my_index: 0,
+    }
+}
+
+async fn follow(
+    shared: Arc<Shared>,
+    group_key: String,
+    me: MemberInfo,
+    leader: Declaration,
+) -> (Vec<u8>, Result<Option<Group>, FollowError>) {
+    let id = leader.info.peer_id.clone();
+    let result = follow_inner(&shared, group_key, me, leader).await;
+    (id, result)
+}
+
+async fn follow_inner(
+    shared: &Shared,
+    group_key: String,
+    me: MemberInfo,
+    leader: Declaration,
+) -> Result<Option<Group>, FollowError> {
+    let cfg = &shared.config;
+    let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
+    let peer = PeerId::from_bytes(&leader.info.peer_id).map_err(|e| refused(&e))?;
+    let mut stream = shared
+        .open_stream(peer, &leader.info.addrs, MATCHMAKING_PROTOCOL)
+        .await
+        .map_err(|e| refused(&e))?;
+    let join = MatchMsg::Join {
+        group_key,
+        info: me.clone(),
+    };
+    timeout(cfg.request_timeout, write_control(&mut stream, &join))
+        .await
+        .map_err(|e| refused(&e))?
+        .map_err(|e| refused(&e))?;
+    let reply: MatchMsg = timeout(
+        cfg.request_timeout,
+        read_control(&mut stream, cfg.max_frame_bytes),
+    )
+    .await
+    .map_err(|e| refused(&e))?
+    .map_err(|e| refused(&e))?;
+    match reply {
+        MatchMsg::Accepted => {}
+        MatchMsg::Rejected(RejectReason::Busy) => return Err(FollowError::Busy),
+        other => return Err(FollowError::Refused(format!("{other:?}"))),
+    }
+    // Wait for the leader's decision, at most until its window closes (plus slack).
+    let wait_ms = leader.window_end.saturating_sub(now_ms());
+    let until = Instant::now() + Duration::from_millis(wait_ms) + cfg.request_timeout;
+    let decision: MatchMsg = timeout_at(until, read_control(&mut stream, cfg.max_frame_bytes))
+        .await
+        .map_err(|_| FollowError::Refused("leader did not begin in time".into()))?
+        .map_err(|e| refused(&e))?;
+    match decision {
+        MatchMsg::Begin { round_id, members } => {
+            let my_index = members
+                .iter()
+                .position(|m| m.peer_id == me.peer_id)
+                .ok_or_else(|| FollowError::Refused("begin message does not list us".into()))?;
+            if members.len() > cfg.target_group_size.max(256)
+                || members[0].peer_id != leader.info.peer_id
+            {
+                return Err(FollowError::Refused("malformed begin message".into()));
+            }
+            Ok(Some(Group {
+                round_id,
+                members,
+                my_index,
+            }))
+        }
+        MatchMsg::Disband => Ok(None),
+        other => Err(FollowError::Refused(format!("unexpected {other:?}"))),
+    }
+}

@@ -1,0 +1,188 @@
+//! Load balancing: which part of the flattened vector each member reduces.
+//!
+//! Cost model (per direction, full duplex), for a vector of `L` elements and `s` senders: a
+//! `Node` member with span fraction `f` sends `(1 - f) L` of its own data to the other reducers
+//! and `f L (s - 1)` of averaged deltas back, so its time is `L (1 + f (s - 2)) / b`; an `Aux`
+//! member (weight 0, sends nothing of its own) takes `L f s / b`; a `Client` takes `L / b`
+//! whatever happens. [`solve_fractions`] minimises the slowest member's time subject to
+//! `sum f = 1` by bisection on that time; members whose bandwidth is too low to help get no span.
+
+use std::ops::Range;
+
+use crate::config::AveragingMode;
+
+/// Span fractions (summing to 1) that minimise the slowest member's transfer time. Returns
+/// `None` when no member can reduce (all clients).
+///
+/// ```
+/// use starling_averager::{partition::solve_fractions, AveragingMode::*};
+/// // Equal peers share equally.
+/// let f = solve_fractions(&[1e8, 1e8, 1e8, 1e8], &[Node, Node, Node, Node]).unwrap();
+/// assert!(f.iter().all(|x| (x - 0.25).abs() < 1e-6));
+/// // A peer with a tenth of the bandwidth gets a much smaller span (here: none).
+/// let f = solve_fractions(&[1e8, 1e8, 1e8, 1e7], &[Node, Node, Node, Node]).unwrap();
+/// assert!(f[3] < 0.05 && (f.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+/// ```
+pub fn solve_fractions(bandwidths: &[f64], modes: &[AveragingMode]) -> Option<Vec<f64>> {
+    assert_eq!(bandwidths.len(), modes.len());
+    let senders = modes.iter().filter(|m| **m != AveragingMode::Aux).count() as f64;
+    // (base, slope) of each member's time per unit of bandwidth: t_i = (base + slope f_i) / b_i.
+    let model: Vec<Option<(f64, f64)>> = modes
+        .iter()
+        .map(|m| match m {
+            AveragingMode::Node => Some((1.0, senders - 2.0)),
+            AveragingMode::Aux => Some((0.0, senders)),
+            AveragingMode::Client => None,
+        })
+        .collect();
+    if model.iter().all(|m| m.is_none()) {
+        return None;
+    }
+    let bw: Vec<f64> = bandwidths
+        .iter()
+        .map(|b| if b.is_finite() && *b > 0.0 { *b } else { 1.0 })
+        .collect();
+    // Largest fraction member i can take within time t.
+    let cap = |i: usize, t: f64| -> f64 {
+        match model[i] {
+            None => 0.0,
+            Some((base, slope)) => {
+                let room = t * bw[i] - base;
+                if room < 0.0 {
+                    0.0
+                } else if slope <= 1e-12 {
+                    1.0
+                } else {
+                    (room / slope).min(1.0)
+                }
+            }
+        }
+    };
+    let total = |t: f64| (0..bw.len()).map(|i| cap(i, t)).sum::<f64>();
+    let mut hi = 1.0f64;
+    while total(hi) < 1.0 {
+        hi *= 2.0;
+        if !hi.is_finite() {
+            return None;
+        }
+    }
+    let mut lo = 0.0f64;
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if total(mid) >= 1.0 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let mut f: Vec<f64> = (0..bw.len()).map(|i| cap(i, hi)).collect();
+    // With zero-slope members (two senders) capacity is all-or-nothing: share by bandwidth.
+    let sum: f64 = f.iter().sum();
+    if sum > 1.0 + 1e-9 && model.iter().flatten().any(|(_, s)| *s <= 1e-12) {
+        for (i, x) in f.iter_mut().enumerate() {
+            if *x > 0.0 {
+                *x = bw[i];
+            }
+        }
+    }
+    let sum: f64 = f.iter().sum();
+    Some(f.into_iter().map(|x| x / sum).collect())
+}
+
+/// Contiguous spans of `total` elements, one per member in order, sized by `fractions`
+/// (largest-remainder rounding, so sizes sum exactly to `total`).
+///
+/// ```
+/// use starling_averager::partition::spans;
+/// assert_eq!(spans(10, &[0.5, 0.0, 0.5]), vec![0..5, 5..5, 5..10]);
+/// ```
+pub fn spans(total: usize, fractions: &[f64]) -> Vec<Range<usize>> {
+    let exact: Vec<f64> = fractions.iter().map(|f| f * total as f64).collect();
+    let mut sizes: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
+    let mut left = total.saturating_sub(sizes.iter().sum());
+    let mut order: Vec<usize> = (0..sizes.len()).filter(|&i| fractions[i] > 0.0).collect();
+    order.sort_by(|&a, &b| {
+        (exact[b] - exact[b].floor())
+            .total_cmp(&(exact[a] - exact[a].floor()))
+            .then(a.cmp(&b))
+    });
+    let mut k = 0;
+    while left > 0 && !order.is_empty() {
+        sizes[order[k % order.len()]] += 1;
+        left -= 1;
+        k += 1;
+    }
+    let mut start = 0;
+    sizes
+        .into_iter()
+        .map(|n| {
+            let r = start..start + n;
+            start += n;
+            r
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AveragingMode::*;
+    use proptest::prelude::*;
+
+    fn max_time(bw: &[f64], modes: &[AveragingMode], f: &[f64]) -> f64 {
+        let s = modes.iter().filter(|m| **m != Aux).count() as f64;
+        (0..bw.len())
+            .map(|i| match modes[i] {
+                Node => (1.0 - f[i] + f[i] * (s - 1.0)) / bw[i],
+                Aux => f[i] * s / bw[i],
+                Client => 1.0 / bw[i],
+            })
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn clients_reduce_nothing_and_all_clients_is_none() {
+        let f = solve_fractions(&[1e8, 1e9, 1e8], &[Node, Client, Node]).unwrap();
+        assert_eq!(f[1], 0.0);
+        assert!((f[0] - 0.5).abs() < 1e-6);
+        assert!(solve_fractions(&[1e8, 1e8], &[Client, Client]).is_none());
+    }
+
+    #[test]
+    fn two_peers_share_by_bandwidth() {
+        let f = solve_fractions(&[3e8, 1e8], &[Node, Node]).unwrap();
+        assert!((f[0] - 0.75).abs() < 1e-9, "{f:?}");
+    }
+
+    #[test]
+    fn aux_takes_load_from_slow_nodes() {
+        let f = solve_fractions(&[1e7, 1e7, 1e9], &[Node, Node, Aux]).unwrap();
+        assert!(f[2] > 0.9, "{f:?}");
+    }
+
+    proptest! {
+        #[test]
+        fn solution_is_valid_and_no_worse_than_equal_split(
+            bw in proptest::collection::vec(1e6f64..1e10, 2..12),
+            client_mask in any::<u16>(),
+        ) {
+            let mut modes: Vec<AveragingMode> = (0..bw.len())
+                .map(|i| if client_mask >> i & 1 == 1 { Client } else { Node })
+                .collect();
+            modes[0] = Node;
+            let f = solve_fractions(&bw, &modes).unwrap();
+            prop_assert!((f.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+            prop_assert!(f.iter().all(|x| *x >= 0.0));
+            for i in 0..f.len() {
+                if modes[i] == Client { prop_assert_eq!(f[i], 0.0); }
+            }
+            let reducers = modes.iter().filter(|m| **m == Node).count() as f64;
+            let equal: Vec<f64> = modes.iter().map(|m| if *m == Node { 1.0 / reducers } else { 0.0 }).collect();
+            prop_assert!(max_time(&bw, &modes, &f) <= max_time(&bw, &modes, &equal) * (1.0 + 1e-6));
+            let total = 1_000_003usize;
+            let sp = spans(total, &f);
+            prop_assert_eq!(sp.last().unwrap().end, total);
+            for w in sp.windows(2) { prop_assert_eq!(w[0].end, w[1].start); }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+use std::ops::Range;
+use std::time::Duration;
+
+use starling_node::PeerId;
+
+/// What happened to one span of the flattened vector in a round.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SpanOutcome {
+    /// Averaged; these members' data is in the result (always including this peer's, unless
+    /// this peer is an `Aux` peer contributing nothing).
+    Averaged {
+        /// Peers whose data was averaged into this span.
+        contributors: Vec<PeerId>,
+    },
+    /// Not averaged: the local values were kept.
+    KeptLocal {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One span of the flattened vector and its fate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpanReport {
+    /// The peer that reduced the span.
+    pub reducer: PeerId,
+    /// Element range in the flattened vector.
+    pub range: Range<usize>,
+    /// What happened.
+    pub outcome: SpanOutcome,
+}
+
+/// Everything the caller may want to know about a round.
+#[derive(Debug, Clone)]
+pub struct RoundReport {
+    /// Round identifier (shared by the whole group).
+    pub round_id: u64,
+    /// The group, in span order (the leader first).
+    pub group: Vec<PeerId>,
+    /// This peer's index in `group`.
+    pub my_index: usize,
+    /// One entry per non-empty span.
+    pub spans: Vec<SpanReport>,
+    /// Peers that failed during the round (stalled, disconnected, or broke the protocol).
+    pub failed_peers: Vec<PeerId>,
+    /// Bytes written to averaging streams.
+    pub bytes_sent: u64,
+    /// Bytes read from averaging streams.
+    pub bytes_received: u64,
+    /// Time spent finding the group.
+    pub matchmaking_time: Duration,
+    /// Time spent in the all-reduce.
+    pub allreduce_time: Duration,
+}
+
+impl RoundReport {
+    /// Fraction of this peer's elements that were averaged with at least one other peer.
+    pub fn averaged_fraction(&self) -> f64 {
+        let total: usize = self.spans.iter().map(|s| s.range.len()).sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let done: usize = self
+            .spans
+            .iter()
+            .filter(|s| matches!(&s.outcome, SpanOutcome::Averaged { contributors } if contributors.len() > 1))
+            .map(|s| s.range.len())
+            .sum();
+        done as f64 / total as f64
+    }
+}

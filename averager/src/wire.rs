@@ -1,0 +1,234 @@
+//! Every message of the averaging protocols, and their framing.
+//!
+//! A frame is a little-endian `u32` length followed by that many bytes, never more than the
+//! configured `max_frame_bytes`. The first byte of a frame is its tag: [`TAG_CONTROL`] frames
+//! carry a postcard-encoded message, [`TAG_DATA`] frames carry one chunk in the
+//! `starling_compression` wire format.
+
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use starling_node::StreamProtocol;
+
+use crate::config::AveragingMode;
+use crate::AveragerError;
+
+/// Matchmaking: join requests, then the leader's begin or disband.
+pub const MATCHMAKING_PROTOCOL: StreamProtocol =
+    StreamProtocol::new("/starling/averager/matchmaking/1");
+/// All-reduce: a sender's span to a reducer, and the reducer's averaged delta back.
+pub const REDUCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/averager/reduce/1");
+
+/// Tag of a frame holding a postcard control message.
+pub const TAG_CONTROL: u8 = 0;
+/// Tag of a frame holding a compressed tensor chunk.
+pub const TAG_DATA: u8 = 1;
+/// Largest control message, in bytes (a begin message lists at most 256 members).
+pub const MAX_CONTROL_BYTES: usize = 256 * 1024;
+
+/// What a peer tells others about itself when it searches for a group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    /// The peer id, as bytes.
+    pub peer_id: Vec<u8>,
+    /// How it takes part.
+    pub mode: AveragingMode,
+    /// Its measured or declared bandwidth, bytes per second.
+    pub bandwidth: f64,
+    /// Addresses it can be dialed at (empty for clients).
+    pub addrs: Vec<String>,
+}
+
+/// The value a searching peer stores in the DHT under the group key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Declaration {
+    /// The peer.
+    pub info: MemberInfo,
+    /// End of its search window (unix ms); the earliest window leads.
+    pub window_end: u64,
+}
+
+/// Matchmaking messages.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum MatchMsg {
+    /// Follower to leader: take me into your group.
+    Join {
+        /// The group key both searched under (prefix, schema hash, grid bits).
+        group_key: String,
+        /// The follower.
+        info: MemberInfo,
+    },
+    /// Leader to follower: you are in; wait for `Begin`.
+    Accepted,
+    /// Leader to follower: no.
+    Rejected(RejectReason),
+    /// Leader to followers: the group is final; run the all-reduce.
+    Begin {
+        /// Identifies the round on reduce streams.
+        round_id: u64,
+        /// Every member in span order; the leader is first.
+        members: Vec<MemberInfo>,
+    },
+    /// Leader to followers: the group did not reach its minimum size; search again.
+    Disband,
+}
+
+/// Why a join request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RejectReason {
+    /// Not searching under that key (never was, or done).
+    NotSearching,
+    /// Following another leader, or a client that cannot lead.
+    NotLeading,
+    /// The group is full or has begun.
+    Full,
+    /// Busy with its own join request; try again shortly.
+    Busy,
+}
+
+/// All-reduce control messages.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ReduceMsg {
+    /// Sender to reducer, first frame: who sends what.
+    Hello {
+        /// The round.
+        round_id: u64,
+        /// The sender's index in the member list.
+        sender: u32,
+        /// The sender's averaging weight (finite, >= 0).
+        weight: f64,
+        /// First element of the span (in the flattened vector).
+        start: u64,
+        /// Elements in the span.
+        len: u64,
+    },
+    /// Sender to reducer: every chunk of the span has been sent.
+    SendDone,
+    /// Reducer to sender: the span was averaged over these members; deltas follow.
+    Result {
+        /// Indices of the members whose data is in the average.
+        contributors: Vec<u32>,
+    },
+    /// Reducer to sender: every delta chunk has been sent.
+    ResultDone,
+    /// Reducer to sender: the span could not be averaged with you (reason).
+    Excluded(String),
+}
+
+/// A frame read off a stream.
+pub enum Frame<M> {
+    /// A control message.
+    Control(M),
+    /// A data chunk (compression wire format).
+    Data(Vec<u8>),
+}
+
+/// Writes a control message.
+pub async fn write_control<S: AsyncWrite + Unpin, M: Serialize>(
+    s: &mut S,
+    msg: &M,
+) -> Result<usize, AveragerError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| AveragerError::Protocol(e.to_string()))?;
+    write_frame(s, TAG_CONTROL, &body).await
+}
+
+/// Writes a data frame holding one encoded chunk.
+pub async fn write_data<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    chunk: &[u8],
+) -> Result<usize, AveragerError> {
+    write_frame(s, TAG_DATA, chunk).await
+}
+
+async fn write_frame<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    tag: u8,
+    body: &[u8],
+) -> Result<usize, AveragerError> {
+    let len = u32::try_from(body.len() + 1)
+        .map_err(|_| AveragerError::Protocol("frame too large".into()))?;
+    let mut head = [0u8; 5];
+    head[..4].copy_from_slice(&len.to_le_bytes());
+    head[4] = tag;
+    s.write_all(&head).await?;
+    s.write_all(body).await?;
+    Ok(body.len() + 5)
+}
+
+/// Reads one frame, refusing anything longer than `max_frame_bytes` before allocating.
+pub async fn read_frame<S: AsyncRead + Unpin, M: DeserializeOwned>(
+    s: &mut S,
+    max_frame_bytes: usize,
+) -> Result<(Frame<M>, usize), AveragerError> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > max_frame_bytes {
+        return Err(AveragerError::Protocol(format!(
+            "frame of {len} bytes (limit {max_frame_bytes})"
+        )));
+    }
+    let mut tag = [0u8; 1];
+    s.read_exact(&mut tag).await?;
+    let mut body = vec![0u8; len - 1];
+    s.read_exact(&mut body).await?;
+    let frame = match tag[0] {
+        TAG_CONTROL => {
+            if body.len() > MAX_CONTROL_BYTES {
+                return Err(AveragerError::Protocol("control message too large".into()));
+            }
+            Frame::Control(
+                postcard::from_bytes(&body).map_err(|e| AveragerError::Protocol(e.to_string()))?,
+            )
+        }
+        TAG_DATA => Frame::Data(body),
+        t => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
+    };
+    Ok((frame, len + 4))
+}
+
+/// Reads a frame that must be a control message.
+pub async fn read_control<S: AsyncRead + Unpin, M: DeserializeOwned>(
+    s: &mut S,
+    max_frame_bytes: usize,
+) -> Result<M, AveragerError> {
+    match read_frame(s, max_frame_bytes.min(MAX_CONTROL_BYTES + 1))
+        .await?
+        .0
+    {
+        Frame::Control(m) => Ok(m),
+        Frame::Data(_) => Err(AveragerError::Protocol("expected a control message".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_limits_hold() {
+        let mut buf = Vec::new();
+        write_control(&mut buf, &MatchMsg::Rejected(RejectReason::Full))
+            .await
+            .unwrap();
+        write_data(&mut buf, &[1, 2, 3]).await.unwrap();
+        let mut r = futures::io::Cursor::new(buf.clone());
+        let m: MatchMsg = read_control(&mut r, 1024).await.unwrap();
+        assert!(matches!(m, MatchMsg::Rejected(RejectReason::Full)));
+        match read_frame::<_, MatchMsg>(&mut r, 1024).await.unwrap().0 {
+            Frame::Data(d) => assert_eq!(d, vec![1, 2, 3]),
+            Frame::Control(_) => panic!("expected data"),
+        }
+        // Oversized length prefix: refused before allocation.
+        let mut r = futures::io::Cursor::new(vec![0xff, 0xff, 0xff, 0x7f, 0]);
+        assert!(read_frame::<_, MatchMsg>(&mut r, 1 << 20).await.is_err());
+        // Unknown tag, truncated body, garbage control.
+        for bad in [
+            vec![2, 0, 0, 0, 9, 0],
+            vec![10, 0, 0, 0, 0, 1],
+            vec![3, 0, 0, 0, 0, 0xff, 0xff],
+        ] {
+            let mut r = futures::io::Cursor::new(bad);
+            assert!(read_frame::<_, MatchMsg>(&mut r, 1024).await.is_err());
+        }
+    }
+}

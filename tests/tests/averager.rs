@@ -1,0 +1,202 @@
+//! Averaging across whole groups of peers on 127.0.0.1.
+
+use std::time::{Duration, Instant};
+
+use starling_averager::{Averager, AveragerConfig, AveragingMode, RoundReport, SpanOutcome};
+use starling_node::{cluster::LocalCluster, Node, NodeConfig};
+use starling_tests::{bounded, init_tracing, normal_vec, rel_error};
+
+const SIZES: [usize; 3] = [1, 1000, 3_000_000];
+
+fn node_cfg() -> NodeConfig {
+    NodeConfig::default().with_request_timeout(Duration::from_secs(5))
+}
+
+fn avg_cfg(prefix: &str, codec: &str, group: usize) -> AveragerConfig {
+    let mut c = AveragerConfig::new(prefix);
+    c.codec = codec.parse().unwrap();
+    c.target_group_size = group;
+    c.min_group_size = 2;
+    c.matchmaking_time = Duration::from_secs(8);
+    c
+}
+
+/// Each peer's tensors: random normal, different per peer.
+fn peer_tensors(peer: usize) -> Vec<Vec<f32>> {
+    SIZES
+        .iter()
+        .enumerate()
+        .map(|(t, n)| normal_vec(*n, (peer * 10 + t) as u64 + 1))
+        .collect()
+}
+
+/// The exact weighted mean of every peer's tensors, in f64.
+fn exact_mean(all: &[Vec<Vec<f32>>], weights: &[f32]) -> Vec<Vec<f32>> {
+    let w: f64 = weights.iter().map(|w| f64::from(*w)).sum();
+    (0..SIZES.len())
+        .map(|t| {
+            (0..SIZES[t])
+                .map(|k| {
+                    let s: f64 = all
+                        .iter()
+                        .zip(weights)
+                        .map(|(p, wi)| f64::from(p[t][k]) * f64::from(*wi))
+                        .sum();
+                    (s / w) as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `||x - mean|| / ||mean||`: the size of the delta a codec encodes, relative to the mean.
+fn delta_scale(x: &[f32], mean: &[f32]) -> f64 {
+    rel_error(x, mean).max(1e-12)
+}
+
+async fn run_round(
+    averagers: &[Averager],
+    tensors: &mut [Vec<Vec<f32>>],
+    weights: &[f32],
+) -> Vec<RoundReport> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let futs =
+        averagers
+            .iter()
+            .zip(tensors.iter_mut())
+            .zip(weights)
+            .map(|((a, t), w)| async move {
+                let mut views: Vec<&mut [f32]> = t.iter_mut().map(|v| &mut v[..]).collect();
+                a.step(&mut views, *w, deadline).await
+            });
+    futures::future::join_all(futs)
+        .await
+        .into_iter()
+        .map(|r| r.expect("round succeeds"))
+        .collect()
+}
+
+async fn exact_mean_with(codec: &str, bound: f64) {
+    let cluster = LocalCluster::start(4, node_cfg()).await.unwrap();
+    let mut averagers = Vec::new();
+    for n in &cluster.nodes {
+        averagers.push(
+            Averager::new(n.clone(), avg_cfg("exact", codec, 4))
+                .await
+                .unwrap(),
+        );
+    }
+    let mut tensors: Vec<Vec<Vec<f32>>> = (0..4).map(peer_tensors).collect();
+    let weights = [1.0f32, 2.0, 0.5, 3.5];
+    let expected = exact_mean(&tensors, &weights);
+    let originals = tensors.clone();
+    let reports = run_round(&averagers, &mut tensors, &weights).await;
+    for (p, report) in reports.iter().enumerate() {
+        assert_eq!(report.group.len(), 4, "peer {p} was in a group of 4");
+        assert!(report.failed_peers.is_empty());
+        assert_eq!(report.averaged_fraction(), 1.0);
+        for s in &report.spans {
+            match &s.outcome {
+                SpanOutcome::Averaged { contributors } => assert_eq!(contributors.len(), 4),
+                other => panic!("span {:?} not averaged: {other:?}", s.range),
+            }
+        }
+        for t in 0..SIZES.len() {
+            // A lossy codec's error applies to what it encodes: the delta between a peer's own
+            // values and the mean. Measure the error against that scale (for `none`, exactness
+            // is checked against the mean itself).
+            let scale = if codec == "none" {
+                1.0
+            } else {
+                delta_scale(&originals[p][t], &expected[t])
+            };
+            let err = rel_error(&tensors[p][t], &expected[t]) / scale;
+            assert!(
+                err < bound,
+                "{codec}: peer {p} tensor {t} rel error {err} >= {bound}"
+            );
+        }
+    }
+    for a in averagers {
+        a.shutdown().await;
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_hold_the_exact_weighted_mean_uncompressed() {
+    init_tracing();
+    bounded(Duration::from_secs(180), exact_mean_with("none", 1e-6)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_average_within_codec_bounds() {
+    init_tracing();
+    bounded(Duration::from_secs(240), async {
+        exact_mean_with("f16", 1e-3).await;
+        exact_mean_with("u8", 3e-2).await;
+        exact_mean_with("blockwise8", 1.2e-2).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_mode_peer_averages_without_listening() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(3, node_cfg()).await.unwrap();
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        let client = Node::start(node_cfg().client(true).bootstrap_from(boot))
+            .await
+            .unwrap();
+        assert!(client.listen_addrs().await.unwrap().is_empty());
+        let mut nodes = cluster.nodes.clone();
+        nodes.push(client.clone());
+        let mut averagers = Vec::new();
+        for (i, n) in nodes.iter().enumerate() {
+            let mut c = avg_cfg("client", "none", 4);
+            if i == 3 {
+                c.mode = AveragingMode::Client;
+            }
+            averagers.push(Averager::new(n.clone(), c).await.unwrap());
+        }
+        let mut tensors: Vec<Vec<Vec<f32>>> = (0..4)
+            .map(|p| vec![normal_vec(10_000, p as u64 + 7)])
+            .collect();
+        let weights = [1.0f32; 4];
+        let expected: Vec<f32> = (0..10_000)
+            .map(|k| tensors.iter().map(|t| t[0][k]).sum::<f32>() / 4.0)
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let futs =
+            averagers
+                .iter()
+                .zip(tensors.iter_mut())
+                .zip(weights)
+                .map(|((a, t), w)| async move {
+                    let mut views: Vec<&mut [f32]> = t.iter_mut().map(|v| &mut v[..]).collect();
+                    a.step(&mut views, w, deadline).await
+                });
+        let reports: Vec<RoundReport> = futures::future::join_all(futs)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        let client_report = &reports[3];
+        assert_eq!(client_report.group.len(), 4);
+        // The client reduced nothing: every span it reports belongs to another peer.
+        assert!(client_report
+            .spans
+            .iter()
+            .all(|s| s.reducer != client.peer_id()));
+        for t in &tensors {
+            assert!(rel_error(&t[0], &expected) < 1e-6, "{reports:#?}");
+        }
+        for a in averagers {
+            a.shutdown().await;
+        }
+        client.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
