@@ -59,14 +59,23 @@ pub fn solve_fractions(bandwidths: &[f64], modes: &[AveragingMode]) -> Option<Ve
         }
     };
     let total = |t: f64| (0..bw.len()).map(|i| cap(i, t)).sum::<f64>();
-    let mut hi = 1.0f64;
+    // No split finishes before every sender has moved its own data once: time L / b for nodes
+    // and clients. Below that floor, extra room costs nothing, so solve from the floor up.
+    let floor = (0..bw.len())
+        .filter(|&i| modes[i] != AveragingMode::Aux)
+        .map(|i| 1.0 / bw[i])
+        .fold(0.0, f64::max);
+    let mut hi = floor.max(f64::MIN_POSITIVE);
     while total(hi) < 1.0 {
         hi *= 2.0;
         if !hi.is_finite() {
             return None;
         }
     }
-    let mut lo = 0.0f64;
+    let mut lo = floor;
+    if total(lo) >= 1.0 {
+        hi = lo;
+    }
     for _ in 0..200 {
         let mid = 0.5 * (lo + hi);
         if total(mid) >= 1.0 {
