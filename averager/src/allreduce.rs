@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use crate::averager::Shared;
+use crate::config::Fault;
 use crate::matchmaking::Group;
 use crate::partition::{solve_fractions, spans};
 use crate::wire::{
@@ -137,6 +138,9 @@ pub(crate) async fn run_allreduce(
     });
     let me = group.my_index;
     let i_send = modes[me] != AveragingMode::Aux;
+    if shared.config.fault == Some(Fault::BeforeSending) {
+        shared.node.shutdown().await;
+    }
 
     // Senders: one task per remote reducer with a non-empty span.
     let mut sends = Vec::new();
@@ -247,7 +251,11 @@ async fn send_span(
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
         let mut as_sent = (cfg.codec != Codec::None).then(|| vec![0.0f32; part.len()]);
-        for chunk in chunks {
+        for (index, chunk) in chunks.enumerate() {
+            if cfg.fault == Some(Fault::AfterSentChunks(index)) {
+                round.shared.node.shutdown().await;
+                return Err("fault injected: crashed while sending".into());
+            }
             let chunk = chunk.map_err(|e| e.to_string())?;
             if let Some(buf) = as_sent.as_mut() {
                 let header = ChunkHeader::parse(&chunk).map_err(|e| e.to_string())?;
@@ -356,7 +364,8 @@ async fn reduce_span(
     let mut streams: HashMap<u32, Stream> = HashMap::new();
     let mut failed: Vec<u32> = Vec::new();
     let mut pending: FuturesUnordered<tokio::task::JoinHandle<Received>> = FuturesUnordered::new();
-    let no_show = (Instant::now() + cfg.sender_timeout).min(round.deadline);
+    // A sender must open its stream within the time to set one up plus `sender_timeout`.
+    let no_show = (Instant::now() + cfg.request_timeout + cfg.sender_timeout).min(round.deadline);
 
     while !expected.is_empty() || !pending.is_empty() {
         tokio::select! {
@@ -411,6 +420,9 @@ async fn reduce_span(
         p.abort();
     }
 
+    if cfg.fault == Some(Fault::WhileReducing) {
+        round.shared.node.shutdown().await;
+    }
     let mine = &round.flat[range.clone()];
     let i_contribute = round.modes[me as usize] != AveragingMode::Aux;
     let mut all: Vec<(u32, f64, &[f32])> = contributions

@@ -59,6 +59,23 @@ pub struct AveragerConfig {
     pub group_bits: u32,
     /// Largest accepted frame on an averaging stream, in bytes (bounds every read buffer).
     pub max_frame_bytes: usize,
+    /// Fault injection for tests: crash this peer at a chosen point of the next rounds.
+    #[doc(hidden)]
+    pub fault: Option<Fault>,
+}
+
+/// Where a test makes a peer crash (its node shuts down, dropping every connection).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// After the group formed, before sending anything.
+    BeforeSending,
+    /// After sending this many chunks to some reducer.
+    AfterSentChunks(usize),
+    /// After receiving every part of its own span, before returning results.
+    WhileReducing,
+    /// As leader, after accepting this many followers and before the round begins.
+    LeaderAfterFollowers(usize),
 }
 
 impl AveragerConfig {
@@ -80,6 +97,7 @@ impl AveragerConfig {
             mode: AveragingMode::Node,
             group_bits: 0,
             max_frame_bytes: 16 << 20,
+            fault: None,
         }
     }
 

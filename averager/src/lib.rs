@@ -33,6 +33,6 @@ mod report;
 pub mod wire;
 
 pub use averager::Averager;
-pub use config::{AveragerConfig, AveragingMode};
+pub use config::{AveragerConfig, AveragingMode, Fault};
 pub use error::AveragerError;
 pub use report::{RoundReport, SpanOutcome, SpanReport};

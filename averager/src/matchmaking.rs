@@ -184,6 +184,10 @@ async fn run_window(
                 let sent = timeout(cfg.request_timeout, write_control(&mut join.stream, &msg)).await;
                 if reply.is_none() && matches!(sent, Ok(Ok(_))) {
                     followers.push(join);
+                    if cfg.fault == Some(crate::config::Fault::LeaderAfterFollowers(followers.len())) {
+                        shared.node.shutdown().await;
+                        return Err(AveragerError::Closed);
+                    }
                     if followers.len() + 1 >= cfg.target_group_size {
                         return Ok(Some(begin(shared, me, followers).await));
                     }
