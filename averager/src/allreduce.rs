@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -229,11 +230,7 @@ async fn send_span(
 ) -> Result<(Vec<u32>, Vec<f32>), String> {
     let cfg = &round.shared.config;
     let work = async {
-        let mut stream = round
-            .shared
-            .open_stream(round.peers[j], &round.addrs[j], REDUCE_PROTOCOL)
-            .await
-            .map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
         let hello = ReduceMsg::Hello {
             round_id: round.round_id,
             sender: round.me,
@@ -241,9 +238,7 @@ async fn send_span(
             start: range.start as u64,
             len: range.len() as u64,
         };
-        let mut sent = write_control(&mut stream, &hello)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (mut stream, mut sent) = open_with_hello(round, j, &hello).await?;
         let opts = EncodeOptions::default();
         let part = &round.flat[range.clone()];
         let chunks =
@@ -277,6 +272,7 @@ async fn send_span(
             .counters
             .sent
             .fetch_add(sent as u64, Ordering::Relaxed);
+        let t_sent = t0.elapsed();
 
         let reply: ReduceMsg = timeout(
             cfg.reducer_timeout,
@@ -322,7 +318,9 @@ async fn send_span(
         if !assembler.is_complete() {
             return Err("reducer's result is incomplete".into());
         }
+        let _ = futures::AsyncWriteExt::close(&mut stream).await;
         let mut result = assembler.finish().map_err(|e| e.to_string())?;
+        tracing::debug!(reducer = j, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // Turn the delta into the new values: (what the reducer saw of us) + delta.
         match as_sent {
             Some(base) => result.iter_mut().zip(&base).for_each(|(d, b)| *d += b),
@@ -333,6 +331,64 @@ async fn send_span(
     timeout_at(round.deadline, work)
         .await
         .unwrap_or_else(|_| Err("deadline passed".into()))
+}
+
+/// How long a sender keeps retrying to get a stream past libp2p-stream's accept queue.
+const HELLO_RETRY_PAUSE: Duration = Duration::from_millis(25);
+
+/// Opens a reduce stream to member `j` and waits for its `Ready`, retrying streams that were
+/// dropped before the reducer saw them (libp2p-stream drops inbound streams that arrive while its
+/// accept queue is busy). Retrying is safe: a reducer counts each sender at most once.
+async fn open_with_hello(
+    round: &Round,
+    j: usize,
+    hello: &ReduceMsg,
+) -> Result<(Stream, usize), String> {
+    let cfg = &round.shared.config;
+    // The reducer may still be starting its round: allow for that, then give up.
+    let give_up = Instant::now() + cfg.request_timeout * 2;
+    let mut last = String::from("no attempt");
+    let mut attempt = 0u32;
+    while Instant::now() < give_up {
+        if attempt > 0 {
+            tokio::time::sleep(HELLO_RETRY_PAUSE * attempt.min(8)).await;
+        }
+        attempt += 1;
+        let mut stream = match round
+            .shared
+            .open_stream(round.peers[j], &round.addrs[j], REDUCE_PROTOCOL)
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                last = e.to_string();
+                continue;
+            }
+        };
+        let sent = match write_control(&mut stream, hello).await {
+            Ok(n) => n,
+            Err(e) => {
+                last = e.to_string();
+                continue;
+            }
+        };
+        match timeout_at(
+            give_up,
+            read_control::<_, ReduceMsg>(&mut stream, cfg.max_frame_bytes),
+        )
+        .await
+        {
+            Ok(Ok(ReduceMsg::Ready)) => return Ok((stream, sent)),
+            Ok(Ok(ReduceMsg::Excluded(why))) => return Err(format!("excluded by reducer: {why}")),
+            Ok(Ok(other)) => return Err(format!("unexpected message {other:?}")),
+            Ok(Err(e)) => {
+                tracing::debug!(reducer = j, attempt, "hello stream dropped, retrying: {e}");
+                last = e.to_string();
+            }
+            Err(_) => return Err("reducer did not acknowledge in time".into()),
+        }
+    }
+    Err(format!("could not reach the reducer: {last}"))
 }
 
 fn decode_options(len: usize) -> DecodeOptions {
@@ -383,6 +439,9 @@ async fn reduce_span(
                     tracing::debug!(%peer, "refused a sender with a bad hello");
                     let _ = timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Excluded("bad hello".into()))).await;
                     continue;
+                }
+                if !matches!(timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Ready)).await, Ok(Ok(_))) {
+                    continue; // the sender retries on a new stream
                 }
                 expected.remove(&sender);
                 let round = round.clone();
@@ -529,7 +588,8 @@ async fn send_result(
         sent += write_data(stream, &chunk?).await?;
     }
     sent += write_control(stream, &ReduceMsg::ResultDone).await?;
-    futures::AsyncWriteExt::flush(stream).await?;
+    // Close (FIN) rather than drop (RST), so the last frames are never discarded in flight.
+    futures::AsyncWriteExt::close(stream).await?;
     round
         .counters
         .sent

@@ -158,7 +158,12 @@ async fn run_window(
                     return Ok(Some(begin(shared, me, followers).await));
                 }
                 for f in followers.iter_mut() {
-                    let _ = timeout(cfg.request_timeout, write_control(&mut f.stream, &MatchMsg::Disband)).await;
+                    let _ = timeout(cfg.request_timeout, async {
+                        write_control(&mut f.stream, &MatchMsg::Disband).await?;
+                        futures::AsyncWriteExt::close(&mut f.stream).await?;
+                        Ok::<_, AveragerError>(())
+                    })
+                    .await;
                 }
                 if cfg.min_group_size <= 1 {
                     return Ok(Some(begin(shared, me, Vec::new()).await));
@@ -240,8 +245,15 @@ async fn begin(shared: &Arc<Shared>, me: &MemberInfo, mut followers: Vec<Incomin
     };
     let timeout_each = shared.config.request_timeout;
     futures::future::join_all(followers.iter_mut().map(|f| async {
-        if let Err(e) = timeout(timeout_each, write_control(&mut f.stream, &msg)).await {
-            tracing::debug!("follower missed the begin message: {e}");
+        let sent = timeout(timeout_each, async {
+            write_control(&mut f.stream, &msg).await?;
+            // Close (FIN) rather than drop (RST), so the message is never discarded in flight.
+            futures::AsyncWriteExt::close(&mut f.stream).await?;
+            Ok::<_, AveragerError>(())
+        })
+        .await;
+        if !matches!(sent, Ok(Ok(()))) {
+            tracing::debug!("follower missed the begin message");
         }
     }))
     .await;
@@ -284,13 +296,15 @@ async fn follow_inner(
         .await
         .map_err(|e| refused(&e))?
         .map_err(|e| refused(&e))?;
+    // A stream closed without a word was most likely dropped by libp2p-stream's accept queue
+    // under a burst of requests: ask again shortly rather than giving up on this leader.
     let reply: MatchMsg = timeout(
         cfg.request_timeout,
         read_control(&mut stream, cfg.max_frame_bytes),
     )
     .await
     .map_err(|e| refused(&e))?
-    .map_err(|e| refused(&e))?;
+    .map_err(|_| FollowError::Busy)?;
     match reply {
         MatchMsg::Accepted => {}
         MatchMsg::Rejected(RejectReason::Busy) => return Err(FollowError::Busy),

@@ -101,6 +101,10 @@ pub enum ReduceMsg {
         /// Elements in the span.
         len: u64,
     },
+    /// Reducer to sender: hello accepted, send the data. (libp2p-stream drops inbound streams
+    /// that arrive while its accept queue is busy; waiting for this tells a dropped stream, to be
+    /// retried, from a slow reducer.)
+    Ready,
     /// Sender to reducer: every chunk of the span has been sent.
     SendDone,
     /// Reducer to sender: the span was averaged over these members; deltas follow.

@@ -13,6 +13,11 @@ use starling_node::{cluster::LocalCluster, Node, NodeConfig};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
+    /// Rounds of butterfly all-reduce between N peers on 127.0.0.1 (one group).
+    Allreduce(crate::bench_allreduce::AllreduceArgs),
+    /// One peer of `bench allreduce --procs` (started by it).
+    #[command(hide = true)]
+    AllreduceWorker(crate::bench_allreduce::WorkerArgs),
     /// Store and read records across N in-process peers on 127.0.0.1.
     Dht {
         /// Number of peers.
@@ -173,6 +178,8 @@ async fn bench_dht(
 
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
+        BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
+        BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht {
             peers,
             records,

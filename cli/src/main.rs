@@ -1,6 +1,7 @@
 //! `starling`: run a node, bootstrap a private swarm, use the DHT, benchmark.
 
 mod bench;
+mod bench_allreduce;
 mod dht_cmd;
 mod node_cmd;
 

@@ -706,6 +706,14 @@ impl Actor {
                     }));
                 }
             }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                cause,
+                num_established,
+                ..
+            } => {
+                tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
+            }
             SwarmEvent::IncomingConnectionError {
                 error,
                 send_back_addr,

@@ -1,0 +1,325 @@
+//! `starling bench allreduce`: rounds of averaging between N peers on 127.0.0.1, in one process
+//! or (with `--procs`) one process per peer.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use starling_averager::{Averager, AveragerConfig};
+use starling_compression::synthetic::normal;
+use starling_node::{cluster::LocalCluster, Multiaddr, Node, NodeConfig};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[derive(Args, Debug, Clone)]
+pub struct AllreduceArgs {
+    /// Number of peers (one group of this size).
+    #[arg(long, default_value_t = 4)]
+    pub peers: usize,
+    /// Elements (f32) per peer.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub size: usize,
+    /// Codec on the wire (none, f16, bf16, u8, blockwise8, ...).
+    #[arg(long, default_value = "none")]
+    pub codec: String,
+    /// Measured rounds (one extra warm-up round runs first).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Run each peer in its own process.
+    #[arg(long)]
+    pub procs: bool,
+    /// Largest chunk on the wire, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub chunk_bytes: usize,
+}
+
+/// One worker's view of one round.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+struct RoundSample {
+    round: usize,
+    matchmaking_s: f64,
+    allreduce_s: f64,
+    rel_error: f64,
+    group: usize,
+    bytes_sent: u64,
+}
+
+#[derive(Serialize)]
+struct AllreduceBench {
+    bench: &'static str,
+    peers: usize,
+    size: usize,
+    codec: String,
+    procs: bool,
+    rounds: usize,
+    chunk_bytes: usize,
+    /// Median over rounds of the slowest peer's time.
+    median_round_s: f64,
+    median_matchmaking_s: f64,
+    median_allreduce_s: f64,
+    /// size * 4 bytes / median all-reduce time.
+    algbw_gb_s: f64,
+    /// algbw * 2 (n - 1) / n, comparable to NCCL's bus bandwidth.
+    busbw_gb_s: f64,
+    /// Bytes one peer put on the wire per round (median).
+    bytes_sent_per_peer: u64,
+    max_rel_error: f64,
+    incomplete_rounds: usize,
+}
+
+fn peer_data(index: usize, size: usize) -> Vec<f32> {
+    normal(size, 1_000 + index as u64)
+}
+
+fn exact_mean(peers: usize, size: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f64; size];
+    for p in 0..peers {
+        for (s, x) in sum.iter_mut().zip(peer_data(p, size)) {
+            *s += f64::from(x);
+        }
+    }
+    sum.into_iter().map(|s| (s / peers as f64) as f32).collect()
+}
+
+fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
+    let mut c = AveragerConfig::new("bench-allreduce");
+    c.codec = args.codec.parse().map_err(|e| anyhow!("--codec: {e}"))?;
+    c.target_group_size = args.peers;
+    c.min_group_size = args.peers;
+    c.matchmaking_time = Duration::from_secs(30);
+    c.sender_timeout = Duration::from_secs(30);
+    c.reducer_timeout = Duration::from_secs(60);
+    c.chunk_bytes = args.chunk_bytes;
+    Ok(c)
+}
+
+/// Runs `rounds + 1` steps on one averager; every round restarts from the peer's original data so
+/// the exact mean is the same each time.
+async fn worker_rounds(
+    averager: &Averager,
+    index: usize,
+    args: &AllreduceArgs,
+    mean: &[f32],
+) -> Result<Vec<RoundSample>> {
+    let original = peer_data(index, args.size);
+    let mut samples = Vec::new();
+    for round in 0..=args.rounds {
+        let mut data = original.clone();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let report = averager.step(&mut [&mut data[..]], 1.0, deadline).await?;
+        samples.push(RoundSample {
+            round,
+            matchmaking_s: report.matchmaking_time.as_secs_f64(),
+            allreduce_s: report.allreduce_time.as_secs_f64(),
+            rel_error: rel_error(&data, mean),
+            group: report.group.len(),
+            bytes_sent: report.bytes_sent,
+        });
+    }
+    Ok(samples)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> AllreduceBench {
+    let mut round_s = Vec::new();
+    let mut mm_s = Vec::new();
+    let mut ar_s = Vec::new();
+    let mut sent = Vec::new();
+    let mut max_err = 0.0f64;
+    let mut incomplete = 0;
+    for round in 1..=args.rounds {
+        let samples: Vec<&RoundSample> = per_peer
+            .iter()
+            .filter_map(|s| s.iter().find(|x| x.round == round))
+            .collect();
+        if samples.len() < args.peers || samples.iter().any(|s| s.group < args.peers) {
+            incomplete += 1;
+        }
+        mm_s.push(samples.iter().map(|s| s.matchmaking_s).fold(0.0, f64::max));
+        ar_s.push(samples.iter().map(|s| s.allreduce_s).fold(0.0, f64::max));
+        round_s.push(
+            samples
+                .iter()
+                .map(|s| s.matchmaking_s + s.allreduce_s)
+                .fold(0.0, f64::max),
+        );
+        sent.extend(samples.iter().map(|s| s.bytes_sent as f64));
+        max_err = samples.iter().map(|s| s.rel_error).fold(max_err, f64::max);
+    }
+    let ar = median(ar_s.clone());
+    let algbw = if ar > 0.0 {
+        (args.size * 4) as f64 / ar / 1e9
+    } else {
+        0.0
+    };
+    let n = args.peers as f64;
+    AllreduceBench {
+        bench: "allreduce",
+        peers: args.peers,
+        size: args.size,
+        codec: args.codec.clone(),
+        procs: args.procs,
+        rounds: args.rounds,
+        chunk_bytes: args.chunk_bytes,
+        median_round_s: median(round_s),
+        median_matchmaking_s: median(mm_s),
+        median_allreduce_s: ar,
+        algbw_gb_s: algbw,
+        busbw_gb_s: algbw * 2.0 * (n - 1.0) / n,
+        bytes_sent_per_peer: median(sent) as u64,
+        max_rel_error: max_err,
+        incomplete_rounds: incomplete,
+    }
+}
+
+pub async fn run(args: AllreduceArgs) -> Result<()> {
+    ensure!(args.peers >= 2, "--peers must be at least 2");
+    ensure!(args.size >= 1, "--size must be at least 1");
+    ensure!(args.rounds >= 1, "--rounds must be at least 1");
+    let result = if args.procs {
+        run_procs(&args).await?
+    } else {
+        run_in_process(&args).await?
+    };
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
+
+async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
+    let cfg = averager_config(args)?;
+    let mean = exact_mean(args.peers, args.size);
+    let cluster = LocalCluster::start(args.peers, NodeConfig::default()).await?;
+    let mut averagers = Vec::new();
+    for n in &cluster.nodes {
+        averagers.push(Averager::new(n.clone(), cfg.clone()).await?);
+    }
+    let futs = averagers
+        .iter()
+        .enumerate()
+        .map(|(i, a)| worker_rounds(a, i, args, &mean));
+    let per_peer: Vec<Vec<RoundSample>> = futures::future::try_join_all(futs).await?;
+    for a in averagers {
+        a.shutdown().await;
+    }
+    cluster.shutdown().await;
+    Ok(summarize(args, per_peer))
+}
+
+async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
+    averager_config(args)?;
+    // A bootstrap node in this process; it does not average.
+    let boot =
+        Node::start(NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse()?)).await?;
+    let boot_addr = boot
+        .listen_addrs()
+        .await?
+        .into_iter()
+        .next()
+        .context("bootstrap node has no address")?;
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for i in 0..args.peers {
+        let child = tokio::process::Command::new(&exe)
+            .args([
+                "bench",
+                "allreduce-worker",
+                "--bootstrap",
+                &boot_addr.to_string(),
+                "--index",
+                &i.to_string(),
+            ])
+            .args([
+                "--peers",
+                &args.peers.to_string(),
+                "--size",
+                &args.size.to_string(),
+            ])
+            .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
+            .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("spawning a worker process")?;
+        children.push(child);
+    }
+    let mut per_peer = Vec::new();
+    for (i, mut child) in children.into_iter().enumerate() {
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let mut samples = Vec::new();
+        while let Some(line) = lines.next_line().await? {
+            samples.push(
+                serde_json::from_str::<RoundSample>(&line)
+                    .with_context(|| format!("worker {i} printed {line:?}"))?,
+            );
+        }
+        let status = child.wait().await?;
+        if !status.success() {
+            bail!("worker {i} failed ({status})");
+        }
+        per_peer.push(samples);
+    }
+    boot.shutdown().await;
+    Ok(summarize(args, per_peer))
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    common: AllreduceArgs,
+    /// Where to join.
+    #[arg(long)]
+    bootstrap: Multiaddr,
+    /// This worker's index (selects its data).
+    #[arg(long)]
+    index: usize,
+    /// Address to listen on.
+    #[arg(long, default_value = "/ip4/127.0.0.1/tcp/0")]
+    listen: Multiaddr,
+}
+
+/// One peer of `bench allreduce --procs`: prints one JSON line per round.
+pub async fn worker(args: WorkerArgs) -> Result<()> {
+    let cfg = averager_config(&args.common)?;
+    let started = Instant::now();
+    let node = Node::start(
+        NodeConfig::default()
+            .listen_on(args.listen.clone())
+            .bootstrap_from(args.bootstrap.clone()),
+    )
+    .await?;
+    let averager = Averager::new(node.clone(), cfg).await?;
+    let mean = exact_mean(args.common.peers, args.common.size);
+    tracing::info!(
+        index = args.index,
+        setup_s = started.elapsed().as_secs_f64(),
+        "worker ready"
+    );
+    let samples = worker_rounds(&averager, args.index, &args.common, &mean).await?;
+    for s in samples {
+        println!("{}", serde_json::to_string(&s)?);
+    }
+    averager.shutdown().await;
+    node.shutdown().await;
+    Ok(())
+}
