@@ -13,6 +13,15 @@ use starling_node::{cluster::LocalCluster, Node, NodeConfig};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
+    /// Encode/decode throughput, wire size and error of every codec: one JSON object per codec.
+    Compression {
+        /// Elements (f32) of the random normal test tensor.
+        #[arg(long, default_value_t = 10_000_000)]
+        size: usize,
+        /// Timed repetitions per codec (the best is reported).
+        #[arg(long, default_value_t = 5)]
+        iterations: usize,
+    },
     /// Rounds of butterfly all-reduce between N peers on 127.0.0.1 (one group).
     Allreduce(crate::bench_allreduce::AllreduceArgs),
     /// One peer of `bench allreduce --procs` (started by it).
@@ -178,6 +187,12 @@ async fn bench_dht(
 
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
+        BenchCommand::Compression { size, iterations } => {
+            ensure!(size >= 1 && iterations >= 1, "--size and --iterations must be at least 1");
+            for report in starling_compression::bench::run_benchmark(size, iterations) {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+        }
         BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht {

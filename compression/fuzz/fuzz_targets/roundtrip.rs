@@ -35,12 +35,21 @@ fuzz_target!(|data: &[u8]| {
                 let max = codec.frame_len(1).unwrap_or(0) + usize::from(selector & 0x3f) * 64;
                 if let Ok(chunks) = split_chunks(codec, &x, max, &opts) {
                     let mut assembler = ChunkAssembler::new(x.len()).expect("assembler");
+                    let mut complete = true;
                     for chunk in chunks {
-                        let chunk = chunk.expect("chunk of finite input");
+                        let chunk = match chunk {
+                            Ok(chunk) => chunk,
+                            // A chunk has its own statistics: its spread can exceed the whole tensor's.
+                            Err(Error::OutOfRange { .. }) if codec == Codec::ScaledFloat16 => {
+                                complete = false;
+                                continue;
+                            }
+                            Err(e) => panic!("{codec}: chunk of finite input failed: {e}"),
+                        };
                         assert!(chunk.len() <= max);
                         assembler.accept(&chunk).expect("own chunk");
                     }
-                    assert!(assembler.is_complete());
+                    assert_eq!(assembler.is_complete(), complete);
                 }
             }
         }
