@@ -48,12 +48,19 @@ pub(crate) struct Outcome {
     pub failed_peers: Vec<PeerId>,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// This peer's upload rate (bytes/s) as seen on this round's streams, if enough was sent.
+    pub measured_bandwidth: Option<f64>,
 }
+
+/// Streams shorter than this say too little about bandwidth to be measured.
+const MIN_MEASURED_BYTES: usize = 256 * 1024;
 
 #[derive(Default)]
 struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
+    /// Sum over concurrent sender streams of bytes / seconds (bits of f64).
+    rate_sum: std::sync::Mutex<f64>,
 }
 
 struct RoundGuard<'a> {
@@ -106,7 +113,27 @@ pub(crate) async fn run_allreduce(
     let modes: Vec<AveragingMode> = group.members.iter().map(|m| m.mode).collect();
     let bandwidths: Vec<f64> = group.members.iter().map(|m| m.bandwidth).collect();
     let total = flat.len();
-    let Some(fractions) = solve_fractions(&bandwidths, &modes) else {
+    let solved = if shared.config.load_balance {
+        solve_fractions(&bandwidths, &modes)
+    } else {
+        let reducers = modes
+            .iter()
+            .filter(|m| **m != AveragingMode::Client)
+            .count();
+        (reducers > 0).then(|| {
+            modes
+                .iter()
+                .map(|m| {
+                    if *m == AveragingMode::Client {
+                        0.0
+                    } else {
+                        1.0 / reducers as f64
+                    }
+                })
+                .collect()
+        })
+    };
+    let Some(fractions) = solved else {
         return Outcome {
             result: flat,
             group: peers,
@@ -114,6 +141,7 @@ pub(crate) async fn run_allreduce(
             failed_peers: vec![],
             bytes_sent: 0,
             bytes_received: 0,
+            measured_bandwidth: None,
         };
     };
     let ranges = spans(total, &fractions);
@@ -218,6 +246,13 @@ pub(crate) async fn run_allreduce(
         failed_peers: failed,
         bytes_sent: round.counters.sent.load(Ordering::Relaxed),
         bytes_received: round.counters.received.load(Ordering::Relaxed),
+        measured_bandwidth: round
+            .counters
+            .rate_sum
+            .lock()
+            .ok()
+            .map(|r| *r)
+            .filter(|r| *r > 0.0),
     }
 }
 
@@ -273,6 +308,11 @@ async fn send_span(
             .sent
             .fetch_add(sent as u64, Ordering::Relaxed);
         let t_sent = t0.elapsed();
+        if sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
+            if let Ok(mut r) = round.counters.rate_sum.lock() {
+                *r += sent as f64 / t_sent.as_secs_f64();
+            }
+        }
 
         let reply: ReduceMsg = timeout(
             cfg.reducer_timeout,

@@ -23,7 +23,7 @@ const MAX_INBOUND_HANDSHAKES: usize = 256;
 /// may learn of the round a little after the sender).
 const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
 /// Weight of a new bandwidth measurement in the running average.
-const BANDWIDTH_EMA: f64 = 0.3;
+const BANDWIDTH_EMA: f64 = 0.5;
 
 /// State shared by the averager handle, its accept loops and running rounds.
 pub(crate) struct Shared {
@@ -31,7 +31,8 @@ pub(crate) struct Shared {
     pub config: AveragerConfig,
     pub join_routes: Mutex<HashMap<String, mpsc::Sender<IncomingJoin>>>,
     pub round_routes: Mutex<HashMap<u64, mpsc::Sender<IncomingSender>>>,
-    bandwidth: Mutex<f64>,
+    /// Measured upload rate (bytes/s); `None` until the first measurement.
+    bandwidth: Mutex<Option<f64>>,
     grid_index: Mutex<u32>,
 }
 
@@ -65,21 +66,24 @@ impl Shared {
     }
 
     pub fn bandwidth(&self) -> f64 {
-        self.config.bandwidth.unwrap_or_else(|| {
-            self.bandwidth
-                .lock()
-                .map(|b| *b)
-                .unwrap_or(self.config.initial_bandwidth)
-        })
+        self.config
+            .bandwidth
+            .or_else(|| self.bandwidth.lock().ok().and_then(|b| *b))
+            .unwrap_or(self.config.initial_bandwidth)
     }
 
-    fn record_bandwidth(&self, bytes: u64, elapsed: Duration) {
-        if bytes < 1 << 20 || elapsed.is_zero() {
-            return; // too little traffic to say anything
-        }
-        let measured = bytes as f64 / elapsed.as_secs_f64();
+    /// Folds a measured upload rate (bytes/s, from this round's sender streams) into the
+    /// running estimate that the next rounds declare.
+    fn record_bandwidth(&self, measured: Option<f64>) {
+        let Some(measured) = measured.filter(|m| m.is_finite() && *m > 0.0) else {
+            return;
+        };
         if let Ok(mut b) = self.bandwidth.lock() {
-            *b = (1.0 - BANDWIDTH_EMA) * *b + BANDWIDTH_EMA * measured;
+            // The first measurement replaces the initial guess outright; later ones are smoothed.
+            *b = Some(match *b {
+                None => measured,
+                Some(old) => (1.0 - BANDWIDTH_EMA) * old + BANDWIDTH_EMA * measured,
+            });
         }
     }
 }
@@ -137,7 +141,7 @@ impl Averager {
         };
         let shared = Arc::new(Shared {
             node,
-            bandwidth: Mutex::new(config.initial_bandwidth),
+            bandwidth: Mutex::new(None),
             config,
             join_routes: Mutex::new(HashMap::new()),
             round_routes: Mutex::new(HashMap::new()),
@@ -242,8 +246,7 @@ impl Averager {
         let ar_start = Instant::now();
         let outcome = run_allreduce(&self.shared, &group, flat, f64::from(weight), deadline).await;
         let allreduce_time = ar_start.elapsed();
-        self.shared
-            .record_bandwidth(outcome.bytes_sent + outcome.bytes_received, allreduce_time);
+        self.shared.record_bandwidth(outcome.measured_bandwidth);
         if cfg.group_bits > 0 {
             if let Ok(mut g) = self.shared.grid_index.lock() {
                 *g = (group.my_index as u32) % (1 << cfg.group_bits);

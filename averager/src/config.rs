@@ -59,6 +59,9 @@ pub struct AveragerConfig {
     pub group_bits: u32,
     /// Largest accepted frame on an averaging stream, in bytes (bounds every read buffer).
     pub max_frame_bytes: usize,
+    /// Size spans by the load-balancing solve (`true`, the default) or split equally among the
+    /// members that may reduce (`false`; for comparisons).
+    pub load_balance: bool,
     /// Fault injection for tests: crash this peer at a chosen point of the next rounds.
     #[doc(hidden)]
     pub fault: Option<Fault>,
@@ -97,6 +100,7 @@ impl AveragerConfig {
             mode: AveragingMode::Node,
             group_bits: 0,
             max_frame_bytes: 16 << 20,
+            load_balance: true,
             fault: None,
         }
     }

@@ -188,7 +188,10 @@ async fn bench_dht(
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Compression { size, iterations } => {
-            ensure!(size >= 1 && iterations >= 1, "--size and --iterations must be at least 1");
+            ensure!(
+                size >= 1 && iterations >= 1,
+                "--size and --iterations must be at least 1"
+            );
             for report in starling_compression::bench::run_benchmark(size, iterations) {
                 println!("{}", serde_json::to_string(&report)?);
             }

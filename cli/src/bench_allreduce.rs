@@ -32,6 +32,9 @@ pub struct AllreduceArgs {
     /// Largest chunk on the wire, in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
+    /// Split spans equally instead of by measured bandwidth (for comparison).
+    #[arg(long)]
+    pub equal_spans: bool,
 }
 
 /// One worker's view of one round.
@@ -43,6 +46,8 @@ struct RoundSample {
     rel_error: f64,
     group: usize,
     bytes_sent: u64,
+    /// Fraction of the vector this peer reduced.
+    span_fraction: f64,
 }
 
 #[derive(Serialize)]
@@ -101,6 +106,7 @@ fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
     c.sender_timeout = Duration::from_secs(30);
     c.reducer_timeout = Duration::from_secs(60);
     c.chunk_bytes = args.chunk_bytes;
+    c.load_balance = !args.equal_spans;
     Ok(c)
 }
 
@@ -118,7 +124,15 @@ async fn worker_rounds(
         let mut data = original.clone();
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         let report = averager.step(&mut [&mut data[..]], 1.0, deadline).await?;
+        let me = report.group[report.my_index];
+        let reduced: usize = report
+            .spans
+            .iter()
+            .filter(|s| s.reducer == me)
+            .map(|s| s.range.len())
+            .sum();
         samples.push(RoundSample {
+            span_fraction: reduced as f64 / args.size as f64,
             round,
             matchmaking_s: report.matchmaking_time.as_secs_f64(),
             allreduce_s: report.allreduce_time.as_secs_f64(),
@@ -255,6 +269,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             ])
             .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
+            .args(args.equal_spans.then_some("--equal-spans"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
