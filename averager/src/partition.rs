@@ -1,11 +1,16 @@
 //! Load balancing: which part of the flattened vector each member reduces.
 //!
-//! Cost model (per direction, full duplex), for a vector of `L` elements and `s` senders: a
-//! `Node` member with span fraction `f` sends `(1 - f) L` of its own data to the other reducers
-//! and `f L (s - 1)` of averaged deltas back, so its time is `L (1 + f (s - 2)) / b`; an `Aux`
+//! Cost model: upload is the scarce resource (volunteers' links are asymmetric) and `b` is each
+//! member's measured upload rate. For a vector of `L` elements and `s` senders, a `Node` member
+//! with span fraction `f` uploads `(1 - f) L` of its own data to the other reducers and then
+//! `f L (s - 1)` of averaged deltas back, so its time is `L (1 + f (s - 2)) / b`; an `Aux`
 //! member (weight 0, sends nothing of its own) takes `L f s / b`; a `Client` takes `L / b`
 //! whatever happens. [`solve_fractions`] minimises the slowest member's time subject to
 //! `sum f = 1` by bisection on that time; members whose bandwidth is too low to help get no span.
+//!
+//! Not modelled yet: download limits. On a *symmetric* slow link a member moves about
+//! `(s - 1) / s` of the vector each way in each phase whatever its span, so there the equal share
+//! is the best split and shrinking the slow member's span does not help.
 
 use std::ops::Range;
 

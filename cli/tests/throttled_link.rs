@@ -1,5 +1,5 @@
-//! A peer whose link is throttled to a tenth of the others' gets a small span (or none), and the
-//! round is faster than with equal spans. Each peer is a `starling` process in its own network
+//! A peer whose upload is throttled to a twentieth of the others' gets a small span (or none), and
+//! the round is faster than with equal spans. Each peer is a `starling` process in its own network
 //! namespace, joined through a bridge; `tc tbf` limits the links. Needs root, `ip` and `tc`;
 //! skipped with a message otherwise. Namespaces are deleted on exit, also on failure.
 
@@ -83,15 +83,18 @@ impl Net {
             sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
             sh(&["ip", "-n", &hub, "link", "set", outer, "master", "br0"])?;
             sh(&["ip", "-n", &hub, "link", "set", outer, "up"])?;
+            // Fast peers: FAST_RATE both ways. The slow peer: SLOW_RATE upload, FAST_RATE download,
+            // like a home connection. (On a symmetric slow link each peer must move about
+            // (n-1)/n of the vector both ways in both phases whatever the split, so there the
+            // equal share is already the best a butterfly can do; upload is what delegation saves.)
             let rate = if i == SLOW { SLOW_RATE } else { FAST_RATE };
-            // Both directions: the peer's egress, and the hub's egress towards the peer.
             sh(&[
                 "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                 "rate", rate, "burst", "64kb", "latency", "50ms",
             ])?;
             sh(&[
                 "ip", "netns", "exec", &hub, "tc", "qdisc", "add", "dev", outer, "root", "tbf",
-                "rate", rate, "burst", "64kb", "latency", "50ms",
+                "rate", FAST_RATE, "burst", "64kb", "latency", "50ms",
             ])?;
         }
         Ok(net)
