@@ -325,7 +325,12 @@ async fn accept_joins(shared: Arc<Shared>, mut incoming: starling_node::Incoming
             else {
                 return;
             };
-            let MatchMsg::Join { group_key, info } = msg else {
+            let MatchMsg::Join {
+                group_key,
+                info,
+                window_end,
+            } = msg
+            else {
                 return;
             };
             if info.peer_id != peer.to_bytes() {
@@ -338,7 +343,11 @@ async fn accept_joins(shared: Arc<Shared>, mut incoming: starling_node::Incoming
                 .ok()
                 .and_then(|r| r.get(&group_key).cloned());
             let refusal = match route {
-                Some(tx) => match tx.try_send(IncomingJoin { info, stream }) {
+                Some(tx) => match tx.try_send(IncomingJoin {
+                    info,
+                    window_end,
+                    stream,
+                }) {
                     Ok(()) => return,
                     Err(e) => {
                         stream = match e {

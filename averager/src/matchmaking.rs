@@ -8,14 +8,20 @@
 //! - **requesting / following**: a join request is in flight, or was accepted and the peer waits
 //!   for the leader's `Begin` (until the leader's window end plus `request_timeout`). A refusal, a
 //!   `Disband`, a timeout or a dead leader send it back to searching.
-//! - **leading**: accepted at least one follower; it stops looking for leaders and begins as soon
-//!   as the group is full, or at its window end if the group has `min_group_size` members;
-//!   otherwise it disbands and everyone searches again in a new window.
+//! - **leading**: accepted at least one follower; it begins as soon as the group is full, or at
+//!   its window end if the group has `min_group_size` members; otherwise it disbands and everyone
+//!   searches again in a new window. While not full it keeps reading the key: if a peer declared
+//!   earlier is searching (declarations reach peers at different times), it disbands and joins
+//!   that peer, so groups merge towards the earliest peer instead of splitting.
+//!
+//! A leader accepts a follower only if it still ranks ahead of it under its *current*
+//! declaration (a follower may have read an older one); otherwise it answers `Stale`.
 //!
 //! Incoming join requests are answered by the same task, so a peer is never both leading and
 //! following.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,6 +58,8 @@ pub(crate) struct Group {
 /// A join request routed to the search in progress.
 pub(crate) struct IncomingJoin {
     pub info: MemberInfo,
+    /// The follower's window end.
+    pub window_end: u64,
     pub stream: Stream,
 }
 
@@ -131,6 +139,17 @@ pub(crate) async fn find_group(
     }
 }
 
+/// A short printable form of a peer id, for logs.
+fn short(peer: &[u8]) -> String {
+    PeerId::from_bytes(peer)
+        .map(|p| p.to_string())
+        .unwrap_or_default()
+        .chars()
+        .rev()
+        .take(6)
+        .collect()
+}
+
 fn rank(window_end: u64, peer: &[u8]) -> (u64, Vec<u8>) {
     (window_end, peer.to_vec())
 }
@@ -149,22 +168,18 @@ async fn run_window(
     let mut refused: HashSet<Vec<u8>> = HashSet::new();
     let mut busy: HashMap<Vec<u8>, Instant> = HashMap::new();
     let mut attempt: Option<FollowFuture> = None;
+    // Set once the leader of `attempt` accepted us: we are following, not just asking.
+    let mut following = Arc::new(AtomicBool::new(false));
     let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = sleep_until(window_end), if attempt.is_none() => {
+                tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
                 if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
                     return Ok(Some(begin(shared, me, followers).await));
                 }
-                for f in followers.iter_mut() {
-                    let _ = timeout(cfg.request_timeout, async {
-                        write_control(&mut f.stream, &MatchMsg::Disband).await?;
-                        futures::AsyncWriteExt::close(&mut f.stream).await?;
-                        Ok::<_, AveragerError>(())
-                    })
-                    .await;
-                }
+                disband(&mut followers, cfg.request_timeout).await;
                 if cfg.min_group_size <= 1 {
                     return Ok(Some(begin(shared, me, Vec::new()).await));
                 }
@@ -172,6 +187,10 @@ async fn run_window(
             }
             Some(mut join) = rx.recv() => {
                 let reply = if me.mode == AveragingMode::Client {
+                    Some(RejectReason::NotLeading)
+                } else if rank(join.window_end, &join.info.peer_id) <= my_rank {
+                    Some(RejectReason::Stale)
+                } else if attempt.is_some() && following.load(Ordering::Acquire) {
                     Some(RejectReason::NotLeading)
                 } else if attempt.is_some() {
                     Some(RejectReason::Busy)
@@ -187,6 +206,7 @@ async fn run_window(
                     None => MatchMsg::Accepted,
                 };
                 let sent = timeout(cfg.request_timeout, write_control(&mut join.stream, &msg)).await;
+                tracing::trace!(me = %short(&me.peer_id), from = %short(&join.info.peer_id), ?reply, "join request");
                 if reply.is_none() && matches!(sent, Ok(Ok(_))) {
                     followers.push(join);
                     if cfg.fault == Some(crate::config::Fault::LeaderAfterFollowers(followers.len())) {
@@ -209,12 +229,15 @@ async fn run_window(
                         busy.insert(leader, Instant::now() + BUSY_BACKOFF);
                     }
                     Err(FollowError::Refused(why)) => {
-                        tracing::trace!("join refused: {why}");
+                        tracing::trace!(me = %short(&me.peer_id), "join refused: {why}");
                         refused.insert(leader);
                     }
                 }
             }
-            _ = refresh.tick(), if attempt.is_none() && followers.is_empty() => {
+            // Also while leading a group that is not full: if an earlier peer is searching, this
+            // group disbands and everyone joins that peer, so groups grow instead of splitting
+            // when declarations reach peers at different times.
+            _ = refresh.tick(), if attempt.is_none() && followers.len() + 1 < cfg.target_group_size => {
                 let found = timeout(cfg.request_timeout, shared.node.get::<Declaration>(group_key)).await;
                 let Ok(Ok(entries)) = found else { continue };
                 let now = Instant::now();
@@ -227,11 +250,28 @@ async fn run_window(
                     .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
                     .min_by(|a, b| rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id)));
                 if let Some(leader) = best {
-                    attempt = Some(follow(shared.clone(), group_key.to_string(), me.clone(), leader).boxed());
+                    tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), followers = followers.len(), "asking to join");
+                    disband(&mut followers, cfg.request_timeout).await;
+                    following = Arc::new(AtomicBool::new(false));
+                    attempt = Some(follow(shared.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone()).boxed());
                 }
             }
         }
     }
+}
+
+/// Tells every follower to search again, and lets them go.
+async fn disband(followers: &mut Vec<IncomingJoin>, each: Duration) {
+    for f in followers.iter_mut() {
+        let _ = timeout(each, async {
+            write_control(&mut f.stream, &MatchMsg::Disband).await?;
+            // Close (FIN) rather than drop (RST), so the message is never discarded in flight.
+            futures::AsyncWriteExt::close(&mut f.stream).await?;
+            Ok::<_, AveragerError>(())
+        })
+        .await;
+    }
+    followers.clear();
 }
 
 /// The leader's move: fix the member list, tell every follower, and return the group.
@@ -268,10 +308,12 @@ async fn follow(
     shared: Arc<Shared>,
     group_key: String,
     me: MemberInfo,
+    my_window_end: u64,
     leader: Declaration,
+    accepted: Arc<AtomicBool>,
 ) -> (Vec<u8>, Result<Option<Group>, FollowError>) {
     let id = leader.info.peer_id.clone();
-    let result = follow_inner(&shared, group_key, me, leader).await;
+    let result = follow_inner(&shared, group_key, me, my_window_end, leader, accepted).await;
     (id, result)
 }
 
@@ -279,7 +321,9 @@ async fn follow_inner(
     shared: &Shared,
     group_key: String,
     me: MemberInfo,
+    my_window_end: u64,
     leader: Declaration,
+    accepted: Arc<AtomicBool>,
 ) -> Result<Option<Group>, FollowError> {
     let cfg = &shared.config;
     let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
@@ -291,13 +335,15 @@ async fn follow_inner(
     let join = MatchMsg::Join {
         group_key,
         info: me.clone(),
+        window_end: my_window_end,
     };
+    // A stream that fails before any answer was most likely dropped by libp2p-stream's accept
+    // queue under a burst of requests: ask again shortly rather than giving up on this leader.
+    // (A leader that is really gone stops being a candidate when its declaration expires.)
     timeout(cfg.request_timeout, write_control(&mut stream, &join))
         .await
         .map_err(|e| refused(&e))?
-        .map_err(|e| refused(&e))?;
-    // A stream closed without a word was most likely dropped by libp2p-stream's accept queue
-    // under a burst of requests: ask again shortly rather than giving up on this leader.
+        .map_err(|_| FollowError::Busy)?;
     let reply: MatchMsg = timeout(
         cfg.request_timeout,
         read_control(&mut stream, cfg.max_frame_bytes),
@@ -306,8 +352,10 @@ async fn follow_inner(
     .map_err(|e| refused(&e))?
     .map_err(|_| FollowError::Busy)?;
     match reply {
-        MatchMsg::Accepted => {}
-        MatchMsg::Rejected(RejectReason::Busy) => return Err(FollowError::Busy),
+        MatchMsg::Accepted => accepted.store(true, Ordering::Release),
+        MatchMsg::Rejected(RejectReason::Busy | RejectReason::Stale) => {
+            return Err(FollowError::Busy)
+        }
         other => return Err(FollowError::Refused(format!("{other:?}"))),
     }
     // Wait for the leader's decision, at most until its window closes (plus slack).

@@ -56,6 +56,10 @@ pub enum MatchMsg {
         group_key: String,
         /// The follower.
         info: MemberInfo,
+        /// The follower's own window end. A leader accepts only followers it still ranks ahead
+        /// of with its *current* window (the follower may have read an older declaration);
+        /// otherwise it refuses with [`RejectReason::Stale`].
+        window_end: u64,
     },
     /// Leader to follower: you are in; wait for `Begin`.
     Accepted,
@@ -83,6 +87,9 @@ pub enum RejectReason {
     Full,
     /// Busy with its own join request; try again shortly.
     Busy,
+    /// The follower ranked this peer by an old declaration; under the current one the follower
+    /// is ahead. Read the group key again.
+    Stale,
 }
 
 /// All-reduce control messages.
