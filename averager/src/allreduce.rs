@@ -333,33 +333,16 @@ async fn send_span(
         {
             return Err("reducer's contributor list is malformed".into());
         }
-        let mut assembler = ChunkAssembler::with_options(range.len(), decode_options(range.len()))
-            .map_err(|e| e.to_string())?;
-        loop {
-            let (frame, n) = timeout(
-                cfg.reducer_timeout,
-                read_frame::<_, ReduceMsg>(&mut stream, cfg.max_frame_bytes),
-            )
-            .await
-            .map_err(|_| "reducer stalled while returning the result".to_string())?
-            .map_err(|e| e.to_string())?;
-            round
-                .counters
-                .received
-                .fetch_add(n as u64, Ordering::Relaxed);
-            match frame {
-                Frame::Data(chunk) => {
-                    assembler.accept(&chunk).map_err(|e| e.to_string())?;
-                }
-                Frame::Control(ReduceMsg::ResultDone) => break,
-                Frame::Control(other) => return Err(format!("unexpected message {other:?}")),
-            }
-        }
-        if !assembler.is_complete() {
-            return Err("reducer's result is incomplete".into());
-        }
+        let delta = receive_chunks(
+            round,
+            &mut stream,
+            range.len(),
+            cfg.reducer_timeout,
+            Phase::Result,
+        )
+        .await?;
         let _ = futures::AsyncWriteExt::close(&mut stream).await;
-        let mut result = assembler.finish().map_err(|e| e.to_string())?;
+        let mut result = delta;
         tracing::debug!(reducer = j, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // Turn the delta into the new values: (what the reducer saw of us) + delta.
         match as_sent {
@@ -487,7 +470,10 @@ async fn reduce_span(
                 let round = round.clone();
                 let len = range.len();
                 pending.push(tokio::spawn(async move {
-                    let r = receive_part(&round, &mut stream, len).await.map(|data| (weight, data));
+                    let gap = round.shared.config.sender_timeout;
+                    let r = receive_chunks(&round, &mut stream, len, gap, Phase::Part)
+                        .await
+                        .map(|data| (weight, data));
                     (sender, stream, r)
                 }));
             }
@@ -586,32 +572,53 @@ async fn reduce_span(
     }
 }
 
-async fn receive_part(round: &Round, stream: &mut Stream, len: usize) -> Result<Vec<f32>, String> {
+/// Which stream phase [`receive_chunks`] reads.
+#[derive(Clone, Copy)]
+enum Phase {
+    /// A sender's part, ended by `SendDone`.
+    Part,
+    /// A reducer's delta, ended by `ResultDone`.
+    Result,
+}
+
+/// Reads data chunks of a span of `len` elements until the phase's end marker, allowing at most
+/// `gap` between frames, and returns the span once every element has arrived.
+async fn receive_chunks(
+    round: &Round,
+    stream: &mut Stream,
+    len: usize,
+    gap: Duration,
+    phase: Phase,
+) -> Result<Vec<f32>, String> {
     let cfg = &round.shared.config;
     let mut assembler =
         ChunkAssembler::with_options(len, decode_options(len)).map_err(|e| e.to_string())?;
     loop {
-        let (frame, n) = timeout(
-            cfg.sender_timeout,
-            read_frame::<_, ReduceMsg>(stream, cfg.max_frame_bytes),
-        )
-        .await
-        .map_err(|_| "sender stalled".to_string())?
-        .map_err(|e| e.to_string())?;
+        let (frame, n) = timeout(gap, read_frame::<_, ReduceMsg>(stream, cfg.max_frame_bytes))
+            .await
+            .map_err(|_| match phase {
+                Phase::Part => "sender stalled".to_string(),
+                Phase::Result => "reducer stalled while returning the result".to_string(),
+            })?
+            .map_err(|e| e.to_string())?;
         round
             .counters
             .received
             .fetch_add(n as u64, Ordering::Relaxed);
-        match frame {
-            Frame::Data(chunk) => {
+        match (frame, phase) {
+            (Frame::Data(chunk), _) => {
                 assembler.accept(&chunk).map_err(|e| e.to_string())?;
             }
-            Frame::Control(ReduceMsg::SendDone) => break,
-            Frame::Control(other) => return Err(format!("unexpected message {other:?}")),
+            (Frame::Control(ReduceMsg::SendDone), Phase::Part)
+            | (Frame::Control(ReduceMsg::ResultDone), Phase::Result) => break,
+            (Frame::Control(other), _) => return Err(format!("unexpected message {other:?}")),
         }
     }
     if !assembler.is_complete() {
-        return Err("sender's part is incomplete".into());
+        return Err(match phase {
+            Phase::Part => "sender's part is incomplete".into(),
+            Phase::Result => "reducer's result is incomplete".into(),
+        });
     }
     assembler.finish().map_err(|e| e.to_string())
 }

@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use starling_averager::{Averager, AveragerConfig};
-use starling_compression::synthetic::normal;
+use starling_compression::{bench::relative_error, synthetic::normal};
 use starling_node::{cluster::LocalCluster, Multiaddr, Node, NodeConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -87,16 +87,6 @@ fn exact_mean(peers: usize, size: usize) -> Vec<f32> {
     sum.into_iter().map(|s| (s / peers as f64) as f32).collect()
 }
 
-fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
-}
-
 fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
     let mut c = AveragerConfig::new("bench-allreduce");
     c.codec = args.codec.parse().map_err(|e| anyhow!("--codec: {e}"))?;
@@ -136,7 +126,7 @@ async fn worker_rounds(
             round,
             matchmaking_s: report.matchmaking_time.as_secs_f64(),
             allreduce_s: report.allreduce_time.as_secs_f64(),
-            rel_error: rel_error(&data, mean),
+            rel_error: relative_error(mean, &data),
             group: report.group.len(),
             bytes_sent: report.bytes_sent,
         });

@@ -35,14 +35,8 @@ pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// `||a - b|| / ||b||` in f64.
+/// `||a - b|| / ||b||` in f64 (`b` is the reference).
 pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+    starling_compression::bench::relative_error(b, a)
 }
