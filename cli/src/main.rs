@@ -102,8 +102,10 @@ fn init_swarm(out: &std::path::Path) -> Result<()> {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(
+                |_| // A lone first node has nobody to bootstrap from: libp2p-kad says so at warn level.
+                tracing_subscriber::EnvFilter::new("warn,libp2p_kad=error"),
+            ),
         )
         .with_writer(std::io::stderr)
         .init();
