@@ -99,13 +99,15 @@ fn init_swarm(out: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// Log filter when `RUST_LOG` is unset: warnings only, and not libp2p-kad's warning that a lone
+/// first node has nobody to bootstrap from.
+const DEFAULT_LOG_FILTER: &str = "warn,libp2p_kad=error";
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(
-                |_| // A lone first node has nobody to bootstrap from: libp2p-kad says so at warn level.
-                tracing_subscriber::EnvFilter::new("warn,libp2p_kad=error"),
-            ),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
         )
         .with_writer(std::io::stderr)
         .init();
