@@ -1,9 +1,11 @@
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use serde::de::DeserializeOwned;
 use starling_node::{Multiaddr, Node, PeerId, Stream, StreamProtocol};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
@@ -148,8 +150,8 @@ impl Averager {
             grid_index: Mutex::new(grid),
         });
         let tasks = vec![
-            tokio::spawn(accept_joins(shared.clone(), joins)),
-            tokio::spawn(accept_reduces(shared.clone(), reduces)),
+            tokio::spawn(serve_inbound(shared.clone(), joins, on_join)),
+            tokio::spawn(serve_inbound(shared.clone(), reduces, on_reduce)),
         ];
         Ok(Averager {
             shared,
@@ -307,68 +309,18 @@ pub(crate) fn schema_hash(sizes: &[usize], codec: &str) -> u64 {
     h
 }
 
-async fn accept_joins(shared: Arc<Shared>, mut incoming: starling_node::IncomingStreams) {
-    let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
-    while let Some((peer, mut stream)) = incoming.next().await {
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            continue; // overloaded: dropping the stream refuses it
-        };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let cfg = &shared.config;
-            let Ok(Ok(msg)) = timeout(
-                cfg.request_timeout,
-                read_control::<_, MatchMsg>(&mut stream, cfg.max_frame_bytes),
-            )
-            .await
-            else {
-                return;
-            };
-            let MatchMsg::Join {
-                group_key,
-                info,
-                window_end,
-            } = msg
-            else {
-                return;
-            };
-            if info.peer_id != peer.to_bytes() {
-                tracing::debug!(%peer, "join request names another peer");
-                return;
-            }
-            let route = shared
-                .join_routes
-                .lock()
-                .ok()
-                .and_then(|r| r.get(&group_key).cloned());
-            let refusal = match route {
-                Some(tx) => match tx.try_send(IncomingJoin {
-                    info,
-                    window_end,
-                    stream,
-                }) {
-                    Ok(()) => return,
-                    Err(e) => {
-                        stream = match e {
-                            mpsc::error::TrySendError::Full(j)
-                            | mpsc::error::TrySendError::Closed(j) => j.stream,
-                        };
-                        RejectReason::Busy
-                    }
-                },
-                None => RejectReason::NotSearching,
-            };
-            let _ = timeout(
-                cfg.request_timeout,
-                write_control(&mut stream, &MatchMsg::Rejected(refusal)),
-            )
-            .await;
-        });
-    }
-}
-
-async fn accept_reduces(shared: Arc<Shared>, mut incoming: starling_node::IncomingStreams) {
+/// Serves one inbound protocol: reads each stream's first control message (bounded in time and
+/// size, at most `MAX_INBOUND_HANDSHAKES` at once; extra streams are dropped, which refuses them)
+/// and hands it to `handle` on its own task.
+async fn serve_inbound<M, F, Fut>(
+    shared: Arc<Shared>,
+    mut incoming: starling_node::IncomingStreams,
+    handle: F,
+) where
+    M: DeserializeOwned + Send + 'static,
+    F: Fn(Arc<Shared>, PeerId, M, Stream) -> Fut + Copy + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
     while let Some((peer, mut stream)) = incoming.next().await {
         let Ok(permit) = limit.clone().try_acquire_owned() else {
@@ -378,52 +330,98 @@ async fn accept_reduces(shared: Arc<Shared>, mut incoming: starling_node::Incomi
         tokio::spawn(async move {
             let _permit = permit;
             let cfg = &shared.config;
-            let Ok(Ok(hello)) = timeout(
+            let first = timeout(
                 cfg.request_timeout,
-                read_control::<_, ReduceMsg>(&mut stream, cfg.max_frame_bytes),
+                read_control::<_, M>(&mut stream, cfg.max_frame_bytes),
             )
-            .await
-            else {
-                return;
-            };
-            let ReduceMsg::Hello { round_id, .. } = hello else {
-                return;
-            };
-            // The round may not be registered yet: wait a little for it.
-            let give_up = Instant::now() + cfg.request_timeout;
-            let route = loop {
-                if let Some(tx) = shared
-                    .round_routes
-                    .lock()
-                    .ok()
-                    .and_then(|r| r.get(&round_id).cloned())
-                {
-                    break Some(tx);
-                }
-                if Instant::now() >= give_up {
-                    break None;
-                }
-                tokio::time::sleep(ROUND_ROUTE_WAIT).await;
-            };
-            match route {
-                Some(tx) => {
-                    let _ = tx
-                        .send(IncomingSender {
-                            peer,
-                            hello,
-                            stream,
-                        })
-                        .await;
-                }
-                None => {
-                    let _ = timeout(
-                        cfg.request_timeout,
-                        write_control(&mut stream, &ReduceMsg::Excluded("unknown round".into())),
-                    )
-                    .await;
-                }
+            .await;
+            if let Ok(Ok(msg)) = first {
+                handle(shared.clone(), peer, msg, stream).await;
             }
         });
+    }
+}
+
+/// Routes a join request to the search in progress under its group key, or refuses it.
+async fn on_join(shared: Arc<Shared>, peer: PeerId, msg: MatchMsg, mut stream: Stream) {
+    let MatchMsg::Join {
+        group_key,
+        info,
+        window_end,
+    } = msg
+    else {
+        return;
+    };
+    if info.peer_id != peer.to_bytes() {
+        tracing::debug!(%peer, "join request names another peer");
+        return;
+    }
+    let route = shared
+        .join_routes
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&group_key).cloned());
+    let refusal = match route {
+        Some(tx) => match tx.try_send(IncomingJoin {
+            info,
+            window_end,
+            stream,
+        }) {
+            Ok(()) => return,
+            Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
+                stream = j.stream;
+                RejectReason::Busy
+            }
+        },
+        None => RejectReason::NotSearching,
+    };
+    let reply = MatchMsg::Rejected(refusal);
+    let _ = timeout(
+        shared.config.request_timeout,
+        write_control(&mut stream, &reply),
+    )
+    .await;
+}
+
+/// Routes a sender's stream to the round its hello names, waiting a little for a round that
+/// this peer has not started yet.
+async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Stream) {
+    let ReduceMsg::Hello { round_id, .. } = hello else {
+        return;
+    };
+    let give_up = Instant::now() + shared.config.request_timeout;
+    let route = loop {
+        if let Some(tx) = shared
+            .round_routes
+            .lock()
+            .ok()
+            .and_then(|r| r.get(&round_id).cloned())
+        {
+            break Some(tx);
+        }
+        if Instant::now() >= give_up {
+            break None;
+        }
+        tokio::time::sleep(ROUND_ROUTE_WAIT).await;
+    };
+    match route {
+        Some(tx) => {
+            let _ = tx
+                .send(IncomingSender {
+                    peer,
+                    hello,
+                    stream,
+                })
+                .await;
+        }
+        None => {
+            let reply = ReduceMsg::Excluded("unknown round".into());
+            let _ = timeout(
+                shared.config.request_timeout,
+                write_control(&mut stream, &reply),
+            )
+            .await;
+        }
     }
 }
 

@@ -132,22 +132,7 @@ fn encode_frame_inner(
         zstd: false,
         body_len: raw_len,
     };
-    if let Some(level) = opts.zstd_level {
-        if let Some(compressed) = zstd_if_smaller(&out[HEADER_LEN..], level)? {
-            out.truncate(HEADER_LEN);
-            out.extend_from_slice(&compressed);
-            header.zstd = true;
-            header.body_len = compressed.len();
-        }
-    }
-    let head: &mut [u8; HEADER_LEN] =
-        (&mut out[..HEADER_LEN])
-            .try_into()
-            .map_err(|_| Error::Truncated {
-                len: 0,
-                need: HEADER_LEN,
-            })?;
-    header.write(head);
+    finish_frame(out, &mut header, opts)?;
     Ok(header)
 }
 
@@ -242,22 +227,7 @@ fn encode_half_bits(
         zstd: false,
         body_len: 2 * count,
     };
-    if let Some(level) = opts.zstd_level {
-        if let Some(compressed) = zstd_if_smaller(&out[HEADER_LEN..], level)? {
-            out.truncate(HEADER_LEN);
-            out.extend_from_slice(&compressed);
-            header.zstd = true;
-            header.body_len = compressed.len();
-        }
-    }
-    let head: &mut [u8; HEADER_LEN] =
-        (&mut out[..HEADER_LEN])
-            .try_into()
-            .map_err(|_| Error::Truncated {
-                len: 0,
-                need: HEADER_LEN,
-            })?;
-    header.write(head);
+    finish_frame(&mut out, &mut header, opts)?;
     Ok(out)
 }
 
@@ -445,4 +415,26 @@ impl Decoder {
         }
         Ok(view)
     }
+}
+
+/// Runs the optional zstd stage over the body of the frame in `out` (header space reserved at the
+/// front) and writes the final header there.
+fn finish_frame(out: &mut Vec<u8>, header: &mut ChunkHeader, opts: &EncodeOptions) -> Result<()> {
+    if let Some(level) = opts.zstd_level {
+        if let Some(compressed) = zstd_if_smaller(&out[HEADER_LEN..], level)? {
+            out.truncate(HEADER_LEN);
+            out.extend_from_slice(&compressed);
+            header.zstd = true;
+            header.body_len = compressed.len();
+        }
+    }
+    let head: &mut [u8; HEADER_LEN] =
+        (&mut out[..HEADER_LEN])
+            .try_into()
+            .map_err(|_| Error::Truncated {
+                len: 0,
+                need: HEADER_LEN,
+            })?;
+    header.write(head);
+    Ok(())
 }

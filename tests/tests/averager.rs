@@ -169,21 +169,7 @@ async fn client_mode_peer_averages_without_listening() {
         let expected: Vec<f32> = (0..10_000)
             .map(|k| tensors.iter().map(|t| t[0][k]).sum::<f32>() / 4.0)
             .collect();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let futs =
-            averagers
-                .iter()
-                .zip(tensors.iter_mut())
-                .zip(weights)
-                .map(|((a, t), w)| async move {
-                    let mut views: Vec<&mut [f32]> = t.iter_mut().map(|v| &mut v[..]).collect();
-                    a.step(&mut views, w, deadline).await
-                });
-        let reports: Vec<RoundReport> = futures::future::join_all(futs)
-            .await
-            .into_iter()
-            .map(|r| r.unwrap())
-            .collect();
+        let reports = run_round(&averagers, &mut tensors, &weights).await;
         let client_report = &reports[3];
         assert_eq!(client_report.group.len(), 4);
         // The client reduced nothing: every span it reports belongs to another peer.
