@@ -1,8 +1,41 @@
-//! Starling's decentralized mixture-of-experts (in progress).
+//! Starling's decentralized mixture-of-experts.
 //!
-//! This crate will hold expert backends (forward, backward with their own optimizer), a server
-//! that batches requests and declares its experts in the DHT, and the client side
-//! (`RemoteExpert`, `RemoteMixtureOfExperts` with beam search over live experts and failure
-//! tolerance).
+//! Peers with spare compute host experts; a model anywhere in the swarm routes each input to its
+//! best live experts, so the model grows past one machine and no expert is a single point of
+//! failure (the idea of hivemind's `RemoteMixtureOfExperts`).
 //!
-//! Nothing is exported yet: the API lands with the experts issue.
+//! - [`Expert`] ([`backend`]): a feed-forward or transformer-block layer on candle, with forward,
+//!   and a backward that returns input gradients and takes an AdamW step on its own parameters;
+//!   checkpoints as safetensors.
+//! - [`ExpertServer`] ([`server`]): hosts many experts; a task pool per expert batches requests
+//!   from many clients (max batch, max wait) for one compute thread; bounded queues answer
+//!   `Overloaded` instead of growing; declares its experts in the DHT under their grid uid
+//!   prefixes ([`grid`]) and renews them; checkpoints and restores.
+//! - [`ExpertClient`] / [`RemoteExpert`] ([`client`]): calls over a libp2p stream protocol
+//!   ([`wire`]), payloads through `starling_compression`, pooled streams, timeouts.
+//! - [`RemoteMixtureOfExperts`] ([`moe`]): gating, beam search over live DHT prefixes, parallel
+//!   calls with `k_min` / `timeout_after_k_min`, failed experts masked out of the softmax, and
+//!   a candle autograd node so gradients reach the experts and the gate.
+//!
+//! Shapes are checked on every request on both sides; all payloads are `f32` in memory.
+
+pub mod backend;
+pub mod client;
+mod error;
+pub mod grid;
+pub mod moe;
+mod schema;
+pub mod server;
+pub mod wire;
+
+pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
+pub use client::{ClientConfig, ExpertClient, RemoteExpert};
+pub use error::{ExpertError, RemoteErrorKind, Result};
+pub use grid::{expand_uid_pattern, ExpertHost, ExpertUid};
+pub use moe::{MoeConfig, MoeStats, RemoteMixtureOfExperts};
+pub use schema::{DType, ExpertSchema, TensorSpec};
+pub use server::{ExpertServer, ServerConfig, ServerStats};
+pub use wire::{ExpertInfo, EXPERTS_PROTOCOL};
+
+pub use candle_core;
+pub use candle_nn;

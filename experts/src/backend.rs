@@ -1,0 +1,536 @@
+//! Expert backends: the layers a server hosts, with forward, and a backward that returns the
+//! input gradient and updates the expert's own parameters with AdamW.
+//!
+//! Built on candle (autodiff on CPU; candle reaches CUDA through cudarc where it is built with
+//! its `cuda` feature). Parameters live in a [`VarMap`], so checkpoints are safetensors files.
+
+use std::path::Path;
+
+use candle_core::{DType as CDType, Device, Module, Tensor, Var, D};
+use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::schema::{ExpertSchema, TensorSpec};
+use crate::{ExpertError, Result};
+
+/// The architectures an expert can have.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ExpertKind {
+    /// `Linear(dim, hidden) - GELU - Linear(hidden, dim)`; samples are vectors of `dim`.
+    Ffn,
+    /// A pre-norm transformer block (multi-head self-attention and a GELU feed-forward of width
+    /// `hidden`, both residual); samples are sequences `[seq_len, dim]`.
+    Transformer {
+        /// Tokens per sample.
+        seq_len: usize,
+        /// Attention heads; must divide `dim`.
+        heads: usize,
+    },
+}
+
+/// AdamW settings of an expert's own optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSpec {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl Default for OptimizerSpec {
+    fn default() -> Self {
+        OptimizerSpec {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Everything needed to build an expert: architecture, sizes and optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertSpec {
+    /// Architecture.
+    pub kind: ExpertKind,
+    /// Model width: input and output features per token.
+    pub dim: usize,
+    /// Inner width of the feed-forward part.
+    pub hidden: usize,
+    /// The expert's optimizer.
+    pub optimizer: OptimizerSpec,
+}
+
+impl ExpertSpec {
+    /// A feed-forward expert `dim -> hidden -> dim`.
+    pub fn ffn(dim: usize, hidden: usize) -> ExpertSpec {
+        ExpertSpec {
+            kind: ExpertKind::Ffn,
+            dim,
+            hidden,
+            optimizer: OptimizerSpec::default(),
+        }
+    }
+
+    /// A transformer-block expert over sequences of `seq_len` tokens of width `dim`.
+    pub fn transformer(dim: usize, hidden: usize, seq_len: usize, heads: usize) -> ExpertSpec {
+        ExpertSpec {
+            kind: ExpertKind::Transformer { seq_len, heads },
+            dim,
+            hidden,
+            optimizer: OptimizerSpec::default(),
+        }
+    }
+
+    /// The same spec with another learning rate.
+    pub fn with_lr(mut self, lr: f64) -> ExpertSpec {
+        self.optimizer.lr = lr;
+        self
+    }
+
+    /// The input/output schema this spec implies.
+    pub fn schema(&self) -> ExpertSchema {
+        let shape = match self.kind {
+            ExpertKind::Ffn => vec![self.dim],
+            ExpertKind::Transformer { seq_len, .. } => vec![seq_len, self.dim],
+        };
+        ExpertSchema {
+            input: TensorSpec::f32(&shape),
+            output: TensorSpec::f32(&shape),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.dim == 0 || self.hidden == 0 {
+            return Err(ExpertError::Invalid(
+                "dim and hidden must be positive".into(),
+            ));
+        }
+        if let ExpertKind::Transformer { seq_len, heads } = self.kind {
+            if seq_len == 0 || heads == 0 || !self.dim.is_multiple_of(heads) {
+                return Err(ExpertError::Invalid(format!(
+                    "transformer: seq_len {seq_len} must be positive and heads {heads} must divide dim {}",
+                    self.dim
+                )));
+            }
+        }
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr >= 0.0 && o.eps > 0.0) {
+            return Err(ExpertError::Invalid(format!(
+                "bad optimizer settings {o:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+struct Ffn {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Module for Ffn {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.gelu()?)
+    }
+}
+
+/// Layer norm written with differentiable primitives (candle's fused layer-norm op has no
+/// backward).
+struct Norm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Norm {
+    fn new(dim: usize, vb: VarBuilder) -> candle_core::Result<Norm> {
+        Ok(Norm {
+            weight: vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?,
+            bias: vb.get_with_hints(dim, "bias", candle_nn::Init::Const(0.0))?,
+        })
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let centred = x.broadcast_sub(&mean)?;
+        let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centred.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+        normed
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+struct Block {
+    ln1: Norm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: Norm,
+    ff: Ffn,
+    heads: usize,
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, s, d) = x.dims3()?;
+        let dh = d / self.heads;
+        let h = self.ln1.forward(x)?;
+        let qkv = self
+            .qkv
+            .forward(&h)?
+            .reshape((b, s, 3, self.heads, dh))?
+            .permute((2, 0, 3, 1, 4))?; // [3, B, H, S, dh]
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let att = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (dh as f64).sqrt()))?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, d))?;
+        let x = (x + self.proj.forward(&o)?)?;
+        let f = self.ff.forward(&self.ln2.forward(&x)?)?;
+        x + f
+    }
+}
+
+enum Net {
+    Ffn(Ffn),
+    Block(Block),
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Net::Ffn(f) => f.forward(x),
+            Net::Block(b) => b.forward(x),
+        }
+    }
+}
+
+/// One expert: its parameters, its network and its optimizer.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use starling_experts::{Expert, ExpertSpec};
+/// let mut expert = Expert::new(&ExpertSpec::ffn(8, 32), 7).unwrap();
+/// let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu).unwrap();
+/// let y = expert.forward(&x).unwrap();
+/// // Gradient of some loss with respect to y; backward returns d loss / d x and takes an
+/// // AdamW step on the expert's parameters.
+/// let grad_x = expert.backward(&x, &y.ones_like().unwrap()).unwrap();
+/// assert_eq!(grad_x.dims(), &[4, 8]);
+/// ```
+pub struct Expert {
+    spec: ExpertSpec,
+    schema: ExpertSchema,
+    varmap: VarMap,
+    net: Net,
+    opt: AdamW,
+    steps: u64,
+}
+
+impl Expert {
+    /// Builds an expert with parameters drawn from a generator seeded with `seed`, so two
+    /// experts built from the same spec and seed are identical.
+    pub fn new(spec: &ExpertSpec, seed: u64) -> Result<Expert> {
+        spec.validate()?;
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, CDType::F32, &Device::Cpu);
+        let ffn = |vb: VarBuilder| -> candle_core::Result<Ffn> {
+            Ok(Ffn {
+                l1: linear(spec.dim, spec.hidden, vb.pp("ff1"))?,
+                l2: linear(spec.hidden, spec.dim, vb.pp("ff2"))?,
+            })
+        };
+        let net = match spec.kind {
+            ExpertKind::Ffn => Net::Ffn(ffn(vb.clone())?),
+            ExpertKind::Transformer { heads, .. } => Net::Block(Block {
+                ln1: Norm::new(spec.dim, vb.pp("ln1"))?,
+                qkv: linear(spec.dim, 3 * spec.dim, vb.pp("qkv"))?,
+                proj: linear(spec.dim, spec.dim, vb.pp("proj"))?,
+                ln2: Norm::new(spec.dim, vb.pp("ln2"))?,
+                ff: ffn(vb.clone())?,
+                heads,
+            }),
+        };
+        seeded_init(&varmap, seed)?;
+        let o = spec.optimizer;
+        let opt = AdamW::new(
+            varmap.all_vars(),
+            ParamsAdamW {
+                lr: o.lr,
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+            },
+        )?;
+        Ok(Expert {
+            schema: spec.schema(),
+            spec: spec.clone(),
+            varmap,
+            net,
+            opt,
+            steps: 0,
+        })
+    }
+
+    /// The spec it was built from.
+    pub fn spec(&self) -> &ExpertSpec {
+        &self.spec
+    }
+
+    /// Input and output shapes.
+    pub fn schema(&self) -> &ExpertSchema {
+        &self.schema
+    }
+
+    /// Optimizer steps taken (backward calls) since creation or the last checkpoint restore.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Number of trainable parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.varmap
+            .all_vars()
+            .iter()
+            .map(|v| v.as_tensor().elem_count())
+            .sum()
+    }
+
+    /// Runs the expert on a batch `[batch, ..input shape]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_input(x)?;
+        Ok(self.net.forward(x)?.detach())
+    }
+
+    /// Given the inputs of a forward pass and the gradient of the loss with respect to its
+    /// outputs, returns the gradient with respect to the inputs and takes one AdamW step on the
+    /// expert's parameters (the gradient used is that of `sum(y * grad_out)`).
+    pub fn backward(&mut self, x: &Tensor, grad_out: &Tensor) -> Result<Tensor> {
+        let batch = self.check_input(x)?;
+        let grad_batch = self.schema.output.check_batch(
+            "output gradient",
+            grad_out.dims(),
+            crate::DType::F32,
+        )?;
+        if grad_batch != batch {
+            return Err(ExpertError::Invalid(format!(
+                "output gradient has {grad_batch} samples, input has {batch}"
+            )));
+        }
+        let xv = Var::from_tensor(x)?;
+        let y = self.net.forward(xv.as_tensor())?;
+        let loss = (y * grad_out)?.sum_all()?;
+        let grads = loss.backward()?;
+        let grad_x = grads
+            .get(xv.as_tensor())
+            .cloned()
+            .unwrap_or(x.zeros_like()?);
+        self.opt.step(&grads)?;
+        self.steps += 1;
+        Ok(grad_x)
+    }
+
+    fn check_input(&self, x: &Tensor) -> Result<usize> {
+        if x.dtype() != CDType::F32 {
+            return Err(ExpertError::Invalid(format!("input dtype {:?}", x.dtype())));
+        }
+        self.schema
+            .input
+            .check_batch("input", x.dims(), crate::DType::F32)
+    }
+
+    /// Writes the parameters to `path` (safetensors), atomically: a crash leaves either the old
+    /// file or the new one.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let err = |e: &dyn std::fmt::Display| ExpertError::Checkpoint {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        let tmp = path.with_extension("tmp");
+        self.varmap.save(&tmp).map_err(|e| err(&e))?;
+        std::fs::rename(&tmp, path).map_err(|e| err(&e))
+    }
+
+    /// Restores parameters saved by [`Self::save`]. Fails (and leaves the expert unchanged) if a
+    /// tensor is missing or has another shape.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let err = |m: String| ExpertError::Checkpoint {
+            path: path.display().to_string(),
+            message: m,
+        };
+        let loaded =
+            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(e.to_string()))?;
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| err("poisoned".into()))?;
+        for (name, var) in data.iter() {
+            match loaded.get(name) {
+                Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
+                Some(t) => {
+                    return Err(err(format!(
+                        "{name}: shape {:?}, expected {:?}",
+                        t.dims(),
+                        var.dims()
+                    )))
+                }
+                None => return Err(err(format!("{name} missing"))),
+            }
+        }
+        for (name, var) in data.iter() {
+            if let Some(t) = loaded.get(name) {
+                var.set(t)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Re-draws every parameter from a seeded generator: weights (rank 2) uniform in
+/// `±1/sqrt(fan_in)`, linear biases zero; layer-norm scales and shifts keep their constants.
+fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|_| ExpertError::Invalid("parameter map poisoned".into()))?;
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for name in names {
+        let var = &data[name];
+        let dims = var.dims().to_vec();
+        let is_norm = name.starts_with("ln");
+        let values: Vec<f32> = if dims.len() == 2 {
+            let bound = 1.0 / (dims[1] as f32).sqrt();
+            (0..dims[0] * dims[1])
+                .map(|_| rng.gen_range(-bound..bound))
+                .collect()
+        } else if is_norm {
+            continue;
+        } else {
+            vec![0.0; var.elem_count()]
+        };
+        var.set(&Tensor::from_vec(values, dims, &Device::Cpu)?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let num: f32 = a.iter().zip(&b).map(|(x, y)| (x - y).powi(2)).sum();
+        let den: f32 = b.iter().map(|y| y * y).sum();
+        (num / den.max(1e-30)).sqrt()
+    }
+
+    /// Finite differences on the input gradient, for both architectures.
+    #[test]
+    fn input_gradients_match_finite_differences() {
+        for spec in [ExpertSpec::ffn(6, 12), ExpertSpec::transformer(8, 16, 3, 2)] {
+            let spec = spec.with_lr(0.0);
+            let mut e = Expert::new(&spec, 1).unwrap();
+            let mut shape = vec![2];
+            shape.extend(spec.schema().input.shape);
+            let x = randn(&shape, 2);
+            let g = randn(&shape, 3);
+            let grad = e.backward(&x, &g).unwrap();
+            let loss = |x: &Tensor| -> f64 {
+                (e.forward(x).unwrap() * &g)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            };
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let grads = grad.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for i in [0, xs.len() / 2, xs.len() - 1] {
+                let h = 1e-2f32;
+                let mut p = xs.clone();
+                p[i] += h;
+                let mut m = xs.clone();
+                m[i] -= h;
+                let lp = loss(&Tensor::from_vec(p, shape.as_slice(), &Device::Cpu).unwrap());
+                let lm = loss(&Tensor::from_vec(m, shape.as_slice(), &Device::Cpu).unwrap());
+                let fd = (lp - lm) / (2.0 * h as f64);
+                assert!(
+                    (fd - grads[i] as f64).abs() < 2e-2 * (1.0 + fd.abs()),
+                    "{:?}: element {i}: finite difference {fd}, backward {}",
+                    spec.kind,
+                    grads[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn same_seed_same_expert_and_training_changes_it() {
+        let spec = ExpertSpec::ffn(8, 16);
+        let mut a = Expert::new(&spec, 5).unwrap();
+        let b = Expert::new(&spec, 5).unwrap();
+        let c = Expert::new(&spec, 6).unwrap();
+        let x = randn(&[3, 8], 9);
+        let ya = a.forward(&x).unwrap();
+        assert_eq!(max_rel(&ya, &b.forward(&x).unwrap()), 0.0);
+        assert!(max_rel(&ya, &c.forward(&x).unwrap()) > 0.1);
+        a.backward(&x, &ya.ones_like().unwrap()).unwrap();
+        assert!(max_rel(&a.forward(&x).unwrap(), &ya) > 1e-4);
+        assert_eq!(a.steps(), 1);
+    }
+
+    #[test]
+    fn checkpoints_round_trip_and_refuse_other_shapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.safetensors");
+        let spec = ExpertSpec::transformer(8, 16, 4, 2);
+        let mut a = Expert::new(&spec, 1).unwrap();
+        let x = randn(&[2, 4, 8], 2);
+        a.backward(&x, &randn(&[2, 4, 8], 3)).unwrap();
+        a.save(&path).unwrap();
+        let mut b = Expert::new(&spec, 99).unwrap();
+        b.load(&path).unwrap();
+        assert_eq!(
+            max_rel(&a.forward(&x).unwrap(), &b.forward(&x).unwrap()),
+            0.0
+        );
+        let mut other = Expert::new(&ExpertSpec::transformer(16, 16, 4, 2), 1).unwrap();
+        let before = other.forward(&randn(&[1, 4, 16], 4)).unwrap();
+        assert!(other.load(&path).is_err());
+        assert_eq!(
+            max_rel(&other.forward(&randn(&[1, 4, 16], 4)).unwrap(), &before),
+            0.0
+        );
+    }
+
+    #[test]
+    fn wrong_shapes_are_refused() {
+        let mut e = Expert::new(&ExpertSpec::ffn(4, 8), 1).unwrap();
+        assert!(e.forward(&randn(&[2, 5], 1)).is_err());
+        assert!(e.forward(&randn(&[4], 1)).is_err());
+        assert!(e.backward(&randn(&[2, 4], 1), &randn(&[3, 4], 1)).is_err());
+    }
+}

@@ -1,0 +1,415 @@
+//! Calling experts: [`ExpertClient`] (streams, DHT lookups) and [`RemoteExpert`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use starling_compression::Codec;
+use starling_node::{Multiaddr, Node, PeerId, Stream};
+use tokio::time::Instant;
+
+use crate::grid::{prefix_key, ExpertHost, ExpertUid};
+use crate::wire::{
+    read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
+};
+use crate::{ExpertError, Result};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Codec for payloads sent (the server answers with the same codec).
+    pub codec: Codec,
+    /// Time to dial, open a stream and complete the hello.
+    pub connect_timeout: Duration,
+    /// Default time for a whole forward call.
+    pub forward_timeout: Duration,
+    /// Default time for a whole backward call.
+    pub backward_timeout: Duration,
+    /// Largest response frame accepted, in bytes.
+    pub max_frame_bytes: usize,
+    /// Open streams kept per server for reuse.
+    pub max_idle_streams: usize,
+    /// An idle stream older than this is not reused (servers close streams idle for 60 s).
+    pub stream_idle: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            codec: Codec::None,
+            connect_timeout: Duration::from_secs(5),
+            forward_timeout: Duration::from_secs(30),
+            backward_timeout: Duration::from_secs(60),
+            max_frame_bytes: 256 << 20,
+            max_idle_streams: 16,
+            stream_idle: Duration::from_secs(20),
+        }
+    }
+}
+
+struct Inner {
+    node: Node,
+    cfg: ClientConfig,
+    idle: Mutex<HashMap<PeerId, Vec<(Stream, Instant)>>>,
+}
+
+/// Calls experts over the node's streams and finds them in the DHT. Cheap to clone.
+///
+/// ```no_run
+/// # async fn demo(node: starling_node::Node) -> starling_experts::Result<()> {
+/// use starling_experts::{ClientConfig, ExpertClient};
+/// let client = ExpertClient::new(node, ClientConfig::default());
+/// let expert = client.find("ffn.0.3").await?.expect("no live expert ffn.0.3");
+/// let x = candle_core::Tensor::randn(0f32, 1.0, (4, 256), &candle_core::Device::Cpu)?;
+/// let y = expert.forward(&x).await?;
+/// let grad_x = expert.backward(&x, &y.ones_like()?).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ExpertClient {
+    inner: Arc<Inner>,
+}
+
+impl ExpertClient {
+    /// A client on `node`.
+    pub fn new(node: Node, cfg: ClientConfig) -> ExpertClient {
+        ExpertClient {
+            inner: Arc::new(Inner {
+                node,
+                cfg,
+                idle: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.cfg
+    }
+
+    /// The node it calls through.
+    pub fn node(&self) -> &Node {
+        &self.inner.node
+    }
+
+    /// A handle on expert `uid` served by `peer` (reachable at `addrs` if not connected yet).
+    pub fn expert(&self, uid: &str, peer: PeerId, addrs: Vec<Multiaddr>) -> RemoteExpert {
+        RemoteExpert {
+            uid: uid.to_string(),
+            peer,
+            addrs,
+            client: self.clone(),
+        }
+    }
+
+    /// Looks expert `uid` up in the DHT; `None` if no live declaration exists.
+    pub async fn find(&self, uid: &str) -> Result<Option<RemoteExpert>> {
+        let parsed = ExpertUid::parse(uid)?;
+        let last = parsed.coords.len() - 1;
+        let children = self.children(&parsed.name, &parsed.coords[..last]).await?;
+        Ok(children
+            .get(&parsed.coords[last])
+            .and_then(|h| Some(self.expert(uid, h.peer_id()?, h.multiaddrs()))))
+    }
+
+    /// The live coordinates under a prefix (`name.prefix...`) and who declared each.
+    pub async fn children(&self, name: &str, prefix: &[u32]) -> Result<HashMap<u32, ExpertHost>> {
+        let entries: Vec<(String, ExpertHost, u64)> =
+            self.inner.node.get(&prefix_key(name, prefix)).await?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|(sub, host, _)| Some((sub.parse::<u32>().ok()?, host)))
+            .collect())
+    }
+
+    /// Every live expert of grid `name` with a grid of `depth` dimensions, walking the DHT
+    /// prefix by prefix (at most `limit` experts).
+    pub async fn list(&self, name: &str, depth: usize, limit: usize) -> Result<Vec<RemoteExpert>> {
+        let mut frontier: Vec<Vec<u32>> = vec![vec![]];
+        let mut found = Vec::new();
+        for level in 0..depth {
+            let mut next = Vec::new();
+            for prefix in &frontier {
+                let children = self.children(name, prefix).await?;
+                let mut coords: Vec<_> = children.into_iter().collect();
+                coords.sort_by_key(|(c, _)| *c);
+                for (c, host) in coords {
+                    let mut p = prefix.clone();
+                    p.push(c);
+                    if level + 1 == depth {
+                        if let Some(peer) = host.peer_id() {
+                            let uid = ExpertUid {
+                                name: name.to_string(),
+                                coords: p,
+                            };
+                            found.push(self.expert(&uid.to_string(), peer, host.multiaddrs()));
+                            if found.len() >= limit {
+                                return Ok(found);
+                            }
+                        }
+                    } else if next.len() < limit {
+                        next.push(p);
+                    }
+                }
+            }
+            frontier = next;
+        }
+        Ok(found)
+    }
+
+    async fn open(&self, peer: PeerId, addrs: &[Multiaddr]) -> Result<Stream> {
+        let cfg = &self.inner.cfg;
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let mut control = self.inner.node.stream_control();
+        let mut dialed = false;
+        let mut last_err = String::from("no attempt");
+        // A new stream can be dropped by the server's accept loop under bursts; the hello tells
+        // us it was taken. Retry a few times before giving up.
+        for attempt in 0..4u32 {
+            if Instant::now() >= deadline {
+                break;
+            }
+            let opened =
+                tokio::time::timeout_at(deadline, control.open_stream(peer, EXPERTS_PROTOCOL))
+                    .await;
+            let mut stream = match opened {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    last_err = e.to_string();
+                    if !dialed {
+                        dialed = true;
+                        for a in addrs {
+                            if tokio::time::timeout_at(deadline, self.inner.node.dial(a.clone()))
+                                .await
+                                .is_ok_and(|r| r.is_ok())
+                            {
+                                break;
+                            }
+                        }
+                    }
+                    continue;
+                }
+                Err(_) => break,
+            };
+            let hello = async {
+                write_msg(&mut stream, &Request::Hello).await?;
+                match read_msg::<_, Response>(&mut stream, 1024).await? {
+                    Response::Ready => Ok(()),
+                    other => Err(ExpertError::Protocol(format!(
+                        "expected Ready, got {other:?}"
+                    ))),
+                }
+            };
+            match tokio::time::timeout_at(deadline, hello).await {
+                Ok(Ok(())) => return Ok(stream),
+                Ok(Err(e)) => last_err = e.to_string(),
+                Err(_) => break,
+            }
+            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+        }
+        Err(ExpertError::Timeout(format!(
+            "cannot open an expert stream to {peer} ({last_err})"
+        )))
+    }
+
+    fn take_idle(&self, peer: PeerId) -> Option<Stream> {
+        let mut idle = self.inner.idle.lock().ok()?;
+        let list = idle.get_mut(&peer)?;
+        while let Some((s, since)) = list.pop() {
+            if since.elapsed() < self.inner.cfg.stream_idle {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    fn put_idle(&self, peer: PeerId, stream: Stream) {
+        if let Ok(mut idle) = self.inner.idle.lock() {
+            let list = idle.entry(peer).or_default();
+            if list.len() < self.inner.cfg.max_idle_streams {
+                list.push((stream, Instant::now()));
+            }
+        }
+    }
+
+    /// Forgets pooled streams to `peer` (after it failed).
+    fn forget(&self, peer: PeerId) {
+        if let Ok(mut idle) = self.inner.idle.lock() {
+            idle.remove(&peer);
+        }
+    }
+
+    /// Sends one request and reads its response within `limit`. Idempotent requests retry once
+    /// on a fresh stream when a reused one turns out to be dead.
+    async fn call(
+        &self,
+        peer: PeerId,
+        addrs: &[Multiaddr],
+        req: &Request,
+        limit: Duration,
+    ) -> Result<Response> {
+        let deadline = Instant::now() + limit;
+        let idempotent = !matches!(req, Request::Backward { .. });
+        let exchange = |mut stream: Stream| async move {
+            write_msg(&mut stream, req).await?;
+            let resp = read_msg::<_, Response>(&mut stream, self.inner.cfg.max_frame_bytes).await?;
+            Ok::<_, ExpertError>((stream, resp))
+        };
+        let run = async {
+            if let Some(stream) = self.take_idle(peer) {
+                match exchange(stream).await {
+                    Ok(r) => return Ok(r),
+                    Err(e) if !idempotent => return Err(e),
+                    Err(_) => {}
+                }
+            }
+            let stream = self.open(peer, addrs).await?;
+            exchange(stream).await
+        };
+        match tokio::time::timeout_at(deadline, run).await {
+            Ok(Ok((stream, resp))) => {
+                self.put_idle(peer, stream);
+                Ok(resp)
+            }
+            Ok(Err(e)) => {
+                self.forget(peer);
+                Err(e)
+            }
+            Err(_) => Err(ExpertError::Timeout(format!(
+                "no answer from {peer} within {limit:?}"
+            ))),
+        }
+    }
+}
+
+/// An expert served somewhere in the swarm.
+#[derive(Clone)]
+pub struct RemoteExpert {
+    uid: String,
+    peer: PeerId,
+    addrs: Vec<Multiaddr>,
+    client: ExpertClient,
+}
+
+impl std::fmt::Debug for RemoteExpert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RemoteExpert({} at {})", self.uid, self.peer)
+    }
+}
+
+impl RemoteExpert {
+    /// Its uid.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// The server hosting it.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Asks the server for the expert's description.
+    pub async fn info(&self) -> Result<ExpertInfo> {
+        let req = Request::Info {
+            uid: self.uid.clone(),
+        };
+        match self
+            .client
+            .call(
+                self.peer,
+                &self.addrs,
+                &req,
+                self.client.inner.cfg.connect_timeout * 2,
+            )
+            .await?
+        {
+            Response::Info(i) => Ok(i),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Runs the expert on `x` (`[batch, ..]`, f32) with the client's default forward timeout.
+    pub async fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_within(x, self.client.inner.cfg.forward_timeout)
+            .await
+    }
+
+    /// Runs the expert on `x`, giving up after `limit`.
+    pub async fn forward_within(&self, x: &Tensor, limit: Duration) -> Result<Tensor> {
+        let req = Request::Forward {
+            uid: self.uid.clone(),
+            inputs: vec![self.to_wire(x)?],
+        };
+        self.tensor_reply(
+            self.client
+                .call(self.peer, &self.addrs, &req, limit)
+                .await?,
+            x.dims(),
+        )
+    }
+
+    /// Sends the inputs of a forward and the gradient of the loss with respect to its outputs;
+    /// returns the gradient with respect to the inputs. The server takes an optimizer step.
+    pub async fn backward(&self, x: &Tensor, grad_out: &Tensor) -> Result<Tensor> {
+        self.backward_within(x, grad_out, self.client.inner.cfg.backward_timeout)
+            .await
+    }
+
+    /// [`Self::backward`] giving up after `limit`.
+    pub async fn backward_within(
+        &self,
+        x: &Tensor,
+        grad_out: &Tensor,
+        limit: Duration,
+    ) -> Result<Tensor> {
+        let req = Request::Backward {
+            uid: self.uid.clone(),
+            inputs: vec![self.to_wire(x)?],
+            grad_outputs: vec![self.to_wire(grad_out)?],
+        };
+        self.tensor_reply(
+            self.client
+                .call(self.peer, &self.addrs, &req, limit)
+                .await?,
+            x.dims(),
+        )
+    }
+
+    fn to_wire(&self, t: &Tensor) -> Result<WireTensor> {
+        let values = t
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        WireTensor::encode(t.dims(), &values, self.client.inner.cfg.codec)
+    }
+
+    fn tensor_reply(&self, resp: Response, batch_dims: &[usize]) -> Result<Tensor> {
+        match resp {
+            Response::Tensors(ts) if ts.len() == 1 => {
+                let t = &ts[0];
+                let dims = t.dims();
+                if dims.first() != batch_dims.first() {
+                    return Err(ExpertError::Protocol(format!(
+                        "{}: answer has shape {dims:?} for a batch of {:?}",
+                        self.uid,
+                        batch_dims.first()
+                    )));
+                }
+                Ok(Tensor::from_vec(t.decode()?, dims, &Device::Cpu)?)
+            }
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    fn unexpected(&self, resp: Response) -> ExpertError {
+        match resp {
+            Response::Error { kind, message } => ExpertError::Remote {
+                uid: self.uid.clone(),
+                kind,
+                message,
+            },
+            other => ExpertError::Protocol(format!("{}: unexpected answer {other:?}", self.uid)),
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! Errors of the experts crate.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// What went wrong, on the server or the client side.
+#[derive(Debug, Error)]
+pub enum ExpertError {
+    /// A tensor operation failed (shapes, numerics).
+    #[error("tensor operation failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// The node (DHT, streams) failed.
+    #[error(transparent)]
+    Node(#[from] starling_node::NodeError),
+    /// A stream failed.
+    #[error("stream error: {0}")]
+    Io(#[from] std::io::Error),
+    /// Compression or decompression of a payload failed.
+    #[error("payload codec: {0}")]
+    Codec(#[from] starling_compression::Error),
+    /// The peer broke the protocol (malformed or oversized frame, unexpected message).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The remote expert answered with an error.
+    #[error("expert {uid} refused: {kind:?}: {message}")]
+    Remote {
+        /// The expert called.
+        uid: String,
+        /// The class of error.
+        kind: RemoteErrorKind,
+        /// What the server said.
+        message: String,
+    },
+    /// A request did not complete in time.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Input does not match an expert's schema, or a configuration is invalid.
+    #[error("invalid input: {0}")]
+    Invalid(String),
+    /// Too few experts answered for some sample.
+    #[error("only {answered} of the required {k_min} experts answered for sample {sample}")]
+    NotEnoughExperts {
+        /// The first sample short of answers.
+        sample: usize,
+        /// How many answered for it.
+        answered: usize,
+        /// The configured minimum.
+        k_min: usize,
+    },
+    /// Saving or loading a checkpoint failed.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// The server or runtime has shut down.
+    #[error("the expert server has shut down")]
+    Closed,
+}
+
+/// The classes of error a server reports to a client. Sent on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RemoteErrorKind {
+    /// No expert with that uid is hosted here.
+    UnknownExpert,
+    /// Wrong number of tensors, wrong shapes or dtype for the expert's schema.
+    BadSchema,
+    /// The request is larger than the server accepts (rows or bytes).
+    TooLarge,
+    /// The payload could not be decoded, or held NaN/Inf.
+    Malformed,
+    /// The expert's queue is full: retry later or elsewhere.
+    Overloaded,
+    /// The computation failed on the server.
+    Internal,
+    /// The server is shutting down.
+    ShuttingDown,
+}
+
+/// Result alias.
+pub type Result<T, E = ExpertError> = std::result::Result<T, E>;

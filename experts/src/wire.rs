@@ -1,0 +1,258 @@
+//! The expert protocol: messages and their framing.
+//!
+//! A client opens a stream on [`EXPERTS_PROTOCOL`], sends [`Request::Hello`] and waits for
+//! [`Response::Ready`] (libp2p-stream drops inbound streams that arrive while the server's
+//! accept loop is busy; the handshake tells the client its stream was taken, so a request is
+//! never sent into a stream nobody reads, and a backward is never applied twice). The stream
+//! then carries any number of request/response pairs, one at a time, until either side closes
+//! it. A frame is a little-endian `u32` length and that many bytes of postcard; tensors inside
+//! are `starling_compression` frames.
+
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use starling_compression::{ChunkHeader, Codec, DecodeOptions, EncodeOptions};
+use starling_node::StreamProtocol;
+
+use crate::backend::ExpertSpec;
+use crate::error::RemoteErrorKind;
+use crate::schema::{DType, ExpertSchema};
+use crate::{ExpertError, Result};
+
+/// Protocol name of expert calls.
+pub const EXPERTS_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/experts/1");
+
+/// A client's request.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Request {
+    /// First message on a new stream.
+    Hello,
+    /// Describe an expert.
+    Info {
+        /// The expert's uid.
+        uid: String,
+    },
+    /// Run the expert forward.
+    Forward {
+        /// The expert's uid.
+        uid: String,
+        /// Its inputs, `[batch, ..]`.
+        inputs: Vec<WireTensor>,
+    },
+    /// Backward: input gradients back, and one optimizer step on the expert.
+    Backward {
+        /// The expert's uid.
+        uid: String,
+        /// The inputs of the forward pass.
+        inputs: Vec<WireTensor>,
+        /// Gradients of the loss with respect to the outputs.
+        grad_outputs: Vec<WireTensor>,
+    },
+}
+
+/// A server's answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Response {
+    /// Answer to `Hello`: the stream is served.
+    Ready,
+    /// Answer to `Info`.
+    Info(ExpertInfo),
+    /// Outputs of a forward, or input gradients of a backward.
+    Tensors(Vec<WireTensor>),
+    /// The request failed; the stream stays usable unless the frame itself was bad.
+    Error {
+        /// Class of error.
+        kind: RemoteErrorKind,
+        /// Human-readable reason.
+        message: String,
+    },
+}
+
+/// What a server says about one of its experts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertInfo {
+    /// The uid.
+    pub uid: String,
+    /// Architecture and sizes.
+    pub spec: ExpertSpec,
+    /// Input and output shapes.
+    pub schema: ExpertSchema,
+    /// Optimizer steps taken so far.
+    pub steps: u64,
+    /// Largest request (samples) the server accepts.
+    pub max_request_rows: usize,
+}
+
+/// A tensor on the wire: its full shape and one compression frame holding its values.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireTensor {
+    /// Full shape, batch dimension first.
+    pub shape: Vec<u32>,
+    /// Element type.
+    pub dtype: DType,
+    /// The values in the `starling_compression` wire format.
+    #[serde(with = "serde_bytes")]
+    pub frame: Vec<u8>,
+}
+
+impl WireTensor {
+    /// Encodes `values` (row-major, `shape`) with `codec`. NaN/Inf are refused.
+    pub fn encode(shape: &[usize], values: &[f32], codec: Codec) -> Result<WireTensor> {
+        let n: usize = shape.iter().product();
+        if n != values.len() {
+            return Err(ExpertError::Invalid(format!(
+                "shape {shape:?} holds {n} values, got {}",
+                values.len()
+            )));
+        }
+        let shape = shape
+            .iter()
+            .map(|&d| {
+                u32::try_from(d).map_err(|_| ExpertError::Invalid("dimension too large".into()))
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        Ok(WireTensor {
+            shape,
+            dtype: DType::F32,
+            frame: starling_compression::encode(codec, values, &EncodeOptions::default())?,
+        })
+    }
+
+    /// The shape as `usize`s.
+    pub fn dims(&self) -> Vec<usize> {
+        self.shape.iter().map(|&d| d as usize).collect()
+    }
+
+    /// Decodes the values after checking that the frame holds exactly the shape's element
+    /// count (before allocating anything) and no NaN/Inf.
+    pub fn decode(&self) -> Result<Vec<f32>> {
+        let n = self
+            .shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))
+            .ok_or_else(|| ExpertError::Protocol("tensor shape overflows".into()))?;
+        let header = ChunkHeader::parse_prefix(&self.frame)?;
+        if header.count != n || header.offset != 0 || header.total != n as u64 {
+            return Err(ExpertError::Protocol(format!(
+                "tensor frame holds {} values at offset {} of {}, shape {:?} needs {n}",
+                header.count, header.offset, header.total, self.shape
+            )));
+        }
+        let opts = DecodeOptions {
+            max_elements: n.max(1),
+            ..DecodeOptions::default()
+        };
+        Ok(starling_compression::decode(&self.frame, &opts)?)
+    }
+}
+
+/// Writes one frame.
+pub async fn write_msg<S: AsyncWrite + Unpin, M: Serialize>(s: &mut S, msg: &M) -> Result<usize> {
+    let body = postcard::to_stdvec(msg).map_err(|e| ExpertError::Protocol(e.to_string()))?;
+    let len = u32::try_from(body.len())
+        .map_err(|_| ExpertError::Protocol("message larger than 4 GiB".into()))?;
+    s.write_all(&len.to_le_bytes()).await?;
+    s.write_all(&body).await?;
+    s.flush().await?;
+    Ok(body.len() + 4)
+}
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The frame's length exceeds the limit; the stream cannot be resynchronised.
+    TooLarge(usize),
+    /// The bytes are not a valid message; the stream is still in sync.
+    Malformed(String),
+    /// The stream failed or ended.
+    Io(std::io::Error),
+}
+
+impl From<ReadError> for ExpertError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::TooLarge(n) => {
+                ExpertError::Protocol(format!("frame of {n} bytes is over the limit"))
+            }
+            ReadError::Malformed(m) => ExpertError::Protocol(m),
+            ReadError::Io(e) => ExpertError::Io(e),
+        }
+    }
+}
+
+/// Reads one frame of at most `max_bytes`, refusing a larger one before allocating.
+pub async fn read_msg<S: AsyncRead + Unpin, M: DeserializeOwned>(
+    s: &mut S,
+    max_bytes: usize,
+) -> Result<M, ReadError> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.map_err(ReadError::Io)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max_bytes {
+        return Err(ReadError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await.map_err(ReadError::Io)?;
+    postcard::from_bytes(&body)
+        .map_err(|e| ReadError::Malformed(format!("undecodable message: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn messages_round_trip_and_bad_frames_are_refused() {
+        let t = WireTensor::encode(&[2, 3], &[1.0, -2.0, 3.0, 4.5, 5.0, 6.0], Codec::None).unwrap();
+        let mut buf = Vec::new();
+        write_msg(
+            &mut buf,
+            &Request::Forward {
+                uid: "ffn.0.1".into(),
+                inputs: vec![t],
+            },
+        )
+        .await
+        .unwrap();
+        let mut r = futures::io::Cursor::new(buf.clone());
+        match read_msg::<_, Request>(&mut r, 1 << 20).await.unwrap() {
+            Request::Forward { uid, inputs } => {
+                assert_eq!(uid, "ffn.0.1");
+                assert_eq!(inputs[0].dims(), vec![2, 3]);
+                assert_eq!(
+                    inputs[0].decode().unwrap(),
+                    vec![1.0, -2.0, 3.0, 4.5, 5.0, 6.0]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Over the limit: refused from the length prefix alone.
+        let mut r = futures::io::Cursor::new(buf.clone());
+        assert!(matches!(
+            read_msg::<_, Request>(&mut r, 8).await,
+            Err(ReadError::TooLarge(_))
+        ));
+        // Garbage of a valid length: malformed, not a panic.
+        let mut r = futures::io::Cursor::new(vec![3, 0, 0, 0, 0xff, 0xff, 0xff]);
+        assert!(matches!(
+            read_msg::<_, Request>(&mut r, 64).await,
+            Err(ReadError::Malformed(_))
+        ));
+        // Truncated.
+        let mut r = futures::io::Cursor::new(buf[..buf.len() - 3].to_vec());
+        assert!(matches!(
+            read_msg::<_, Request>(&mut r, 1 << 20).await,
+            Err(ReadError::Io(_))
+        ));
+    }
+
+    #[test]
+    fn tensor_shape_must_match_frame() {
+        let mut t = WireTensor::encode(&[2, 2], &[1.0, 2.0, 3.0, 4.0], Codec::Float16).unwrap();
+        t.shape = vec![4, 2];
+        assert!(t.decode().is_err());
+        t.shape = vec![u32::MAX, u32::MAX, u32::MAX];
+        assert!(t.decode().is_err());
+        assert!(WireTensor::encode(&[2], &[f32::NAN, 1.0], Codec::None).is_err());
+        assert!(WireTensor::encode(&[3], &[1.0, 1.0], Codec::None).is_err());
+    }
+}
