@@ -1,8 +1,10 @@
-//! `starling`: run a node, bootstrap a private swarm, use the DHT, benchmark.
+//! `starling`: run a node, bootstrap a private swarm, use the DHT, host experts, benchmark.
 
 mod bench;
 mod bench_allreduce;
+mod bench_experts;
 mod dht_cmd;
+mod experts_cmd;
 mod node_cmd;
 
 use std::path::PathBuf;
@@ -36,6 +38,11 @@ enum Command {
     Dht {
         #[command(subcommand)]
         command: dht_cmd::DhtCommand,
+    },
+    /// Host mixture-of-experts layers, or list the live ones.
+    Experts {
+        #[command(subcommand)]
+        command: experts_cmd::ExpertsCommand,
     },
     /// Benchmarks that print one JSON object.
     Bench {
@@ -124,6 +131,7 @@ fn main() {
             Command::InitSwarm { out } => init_swarm(&out),
             Command::Node(args) => node_cmd::run(args).await,
             Command::Dht { command } => dht_cmd::run(command).await,
+            Command::Experts { command } => experts_cmd::run(command).await,
             Command::Bench { command } => bench::run(command).await,
         }
     });

@@ -68,7 +68,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
 }
 
 #[cfg(unix)]
-async fn terminate() {
+pub async fn terminate() {
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(mut s) => {
             s.recv().await;
@@ -78,6 +78,6 @@ async fn terminate() {
 }
 
 #[cfg(not(unix))]
-async fn terminate() {
+pub async fn terminate() {
     futures::future::pending::<()>().await
 }

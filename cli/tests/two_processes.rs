@@ -1,5 +1,6 @@
 //! The real `starling` binary: a private swarm of two node processes that connect and exchange a
-//! record through `starling dht put` / `starling dht get`.
+//! record through `starling dht put` / `starling dht get`; an expert server found by
+//! `starling experts ls`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -193,4 +194,97 @@ fn two_node_processes_connect_and_exchange_a_record() {
         swarm,
     ]);
     assert!(!get.status.success());
+}
+
+/// `starling experts serve` hosts a grid of experts, `starling experts ls` finds them through the
+/// DHT, and SIGTERM stops the server cleanly with a final checkpoint.
+#[test]
+fn experts_serve_and_ls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let server = Proc::spawn(&[
+        "experts",
+        "serve",
+        "--uids",
+        "ffn.0.[0:4]",
+        "--hidden",
+        "16",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--status-interval",
+        "1",
+    ]);
+    let addr = server.wait_for("the server's address", Duration::from_secs(30), |l| {
+        l.starts_with("listening on ")
+    });
+    let addr = addr.trim_start_matches("listening on ").to_string();
+    let serving = server.wait_for("serving", Duration::from_secs(30), |l| {
+        l.starts_with("serving ")
+    });
+    assert!(
+        serving.contains("serving 4 Ffn experts (ffn.0.0 .. ffn.0.3)"),
+        "{serving}"
+    );
+    let mut listing = String::new();
+    for _ in 0..20 {
+        let ls = run(&[
+            "experts",
+            "ls",
+            "--grid",
+            "ffn",
+            "--info",
+            "--bootstrap",
+            &addr,
+        ]);
+        assert!(
+            ls.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ls.stderr)
+        );
+        listing = String::from_utf8_lossy(&ls.stdout).to_string();
+        if listing.contains("4 live expert(s)") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(listing.contains("4 live expert(s)"), "{listing}");
+    for i in 0..4 {
+        assert!(
+            listing.contains(&format!("ffn.0.{i}\t"))
+                && listing.contains("Ffn dim 16 hidden 64 steps 0"),
+            "{listing}"
+        );
+    }
+    // Unknown grid: an empty listing, not an error.
+    let ls = run(&["experts", "ls", "--grid", "nothing", "--bootstrap", &addr]);
+    assert!(ls.status.success());
+    assert!(String::from_utf8_lossy(&ls.stdout).contains("no live experts"));
+    // SIGTERM: clean shutdown with a final checkpoint.
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    server.wait_for("shutdown", Duration::from_secs(30), |l| {
+        l.starts_with("shutting down")
+    });
+    let mut server = server;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success());
+    for i in 0..4 {
+        assert!(ckpt.join(format!("ffn.0.{i}.safetensors")).exists());
+    }
 }

@@ -123,38 +123,60 @@ impl ExpertClient {
             .collect())
     }
 
-    /// Every live expert of grid `name` with a grid of `depth` dimensions, walking the DHT
-    /// prefix by prefix (at most `limit` experts).
-    pub async fn list(&self, name: &str, depth: usize, limit: usize) -> Result<Vec<RemoteExpert>> {
-        let mut frontier: Vec<Vec<u32>> = vec![vec![]];
+    /// Every live expert of grid `name` (at most `limit`), walking the DHT prefix by prefix:
+    /// a coordinate whose own prefix key lists nothing is an expert. Lookups run `parallel` at a
+    /// time.
+    pub async fn list(&self, name: &str, limit: usize) -> Result<Vec<RemoteExpert>> {
+        use futures::stream::StreamExt;
+        let parallel = 16;
+        let mut frontier: Vec<(Vec<u32>, Option<ExpertHost>)> = vec![(vec![], None)];
         let mut found = Vec::new();
-        for level in 0..depth {
+        for _level in 0..=crate::grid::MAX_GRID_DEPTH {
+            if frontier.is_empty() || found.len() >= limit {
+                break;
+            }
+            let lookups =
+                futures::stream::iter(frontier.into_iter().map(|(prefix, host)| async move {
+                    let children = self.children(name, &prefix).await;
+                    (prefix, host, children)
+                }))
+                .buffer_unordered(parallel)
+                .collect::<Vec<_>>()
+                .await;
             let mut next = Vec::new();
-            for prefix in &frontier {
-                let children = self.children(name, prefix).await?;
-                let mut coords: Vec<_> = children.into_iter().collect();
-                coords.sort_by_key(|(c, _)| *c);
-                for (c, host) in coords {
-                    let mut p = prefix.clone();
-                    p.push(c);
-                    if level + 1 == depth {
+            for (prefix, host, children) in lookups {
+                let children = children?;
+                match host {
+                    Some(host) if children.is_empty() => {
                         if let Some(peer) = host.peer_id() {
                             let uid = ExpertUid {
                                 name: name.to_string(),
-                                coords: p,
+                                coords: prefix,
                             };
                             found.push(self.expert(&uid.to_string(), peer, host.multiaddrs()));
-                            if found.len() >= limit {
-                                return Ok(found);
-                            }
                         }
-                    } else if next.len() < limit {
-                        next.push(p);
+                    }
+                    _ => {
+                        for (c, h) in children {
+                            let mut p = prefix.clone();
+                            p.push(c);
+                            next.push((p, Some(h)));
+                        }
                     }
                 }
             }
+            next.truncate(limit.saturating_mul(4).max(64));
             frontier = next;
         }
+        found.sort_by(|a, b| {
+            let key = |e: &RemoteExpert| {
+                ExpertUid::parse(&e.uid)
+                    .map(|u| u.coords)
+                    .unwrap_or_default()
+            };
+            key(a).cmp(&key(b))
+        });
+        found.truncate(limit);
         Ok(found)
     }
 

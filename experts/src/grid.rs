@@ -13,6 +13,8 @@ use crate::{ExpertError, Result};
 
 /// Namespace of expert keys in the DHT.
 pub const DHT_NAMESPACE: &str = "experts/";
+/// Most grid dimensions a uid may have.
+pub const MAX_GRID_DEPTH: usize = 8;
 /// Largest coordinate on any grid dimension.
 pub const MAX_GRID_SIZE: u32 = 1 << 20;
 
@@ -51,7 +53,7 @@ impl ExpertUid {
                 _ => Err(bad("coordinates must be integers below 2^20")),
             })
             .collect::<Result<Vec<u32>>>()?;
-        if coords.is_empty() || coords.len() > 8 {
+        if coords.is_empty() || coords.len() > MAX_GRID_DEPTH {
             return Err(bad("expected 1 to 8 grid coordinates, as in ffn.3.7"));
         }
         Ok(ExpertUid {

@@ -717,3 +717,162 @@ async fn moe_model_trains_on_digits_and_survives_a_server_loss() {
     })
     .await;
 }
+
+/// A peer that declares experts and accepts calls but never answers.
+async fn stalling_server(node: Node, uids: &[&str]) -> tokio::task::JoinHandle<()> {
+    let host = starling_experts::ExpertHost {
+        peer: node.peer_id().to_bytes(),
+        addrs: node
+            .listen_addrs()
+            .await
+            .unwrap()
+            .iter()
+            .map(|a| a.to_string())
+            .collect(),
+    };
+    for uid in uids {
+        let uid = starling_experts::ExpertUid::parse(uid).unwrap();
+        for level in 0..uid.coords.len() {
+            let (key, sub) = uid.declaration_at(level);
+            node.store(&key, &sub, &host, starling_dht::now_ms() + 600_000)
+                .await
+                .unwrap();
+        }
+    }
+    let mut incoming = node.stream_control().accept(EXPERTS_PROTOCOL).unwrap();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        let mut held = Vec::new();
+        while let Some((_, mut s)) = incoming.next().await {
+            if let Ok(Request::Hello) = read_msg::<_, Request>(&mut s, 1024).await {
+                let _ = write_msg(&mut s, &Response::Ready).await;
+                held.push(s); // read nothing more, answer nothing
+            }
+        }
+    })
+}
+
+/// Stalled experts are masked out after `timeout_after_k_min`, the output is the mixture of
+/// the experts that answered, and fewer than `k_min` answers is an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stalled_experts_are_masked_and_k_min_is_enforced() {
+    init_tracing();
+    bounded(Duration::from_secs(40), async {
+        let cluster = LocalCluster::start(3, node_cfg()).await.unwrap();
+        let spec = ExpertSpec::ffn(8, 16).with_lr(0.0);
+        let live: Vec<String> = (0..4).map(|i| format!("ffn.{i}")).collect();
+        let server = ExpertServer::start(
+            cluster.nodes[0].clone(),
+            experts(&spec, &live, 1),
+            ServerConfig::default(),
+        )
+        .await
+        .unwrap();
+        let staller = stalling_server(
+            cluster.nodes[1].clone(),
+            &["ffn.4", "ffn.5", "ffn.6", "ffn.7"],
+        )
+        .await;
+        let client = ExpertClient::new(cluster.nodes[2].clone(), ClientConfig::default());
+        for u in ["ffn.0", "ffn.3", "ffn.4", "ffn.7"] {
+            wait_for(&client, u).await;
+        }
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let moe_with = |k_min: usize, forward_timeout: Duration| {
+                let vars = VarMap::new();
+                let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+                let mut cfg = MoeConfig::new("ffn", &[8], &[8]);
+                cfg.k_best = 8;
+                cfg.k_min = k_min;
+                cfg.forward_timeout = forward_timeout;
+                cfg.timeout_after_k_min = Duration::from_millis(300);
+                let moe =
+                    RemoteMixtureOfExperts::new(vb.pp("moe"), client.clone(), cfg, rt.clone())
+                        .unwrap();
+                (vars, moe)
+            };
+            // A forward timeout far beyond the test's bound: only `timeout_after_k_min` can end the wait.
+            let (vars, moe) = moe_with(4, Duration::from_secs(120));
+            let x = tensor(&[5, 8], 21);
+            let y = moe.forward(&x).unwrap();
+            let stats = moe.last_stats();
+            assert_eq!((stats.called, stats.answered), (8, 4), "{stats:?}");
+            let mut failed = stats.failed.clone();
+            failed.sort();
+            assert_eq!(failed, vec!["ffn.4", "ffn.5", "ffn.6", "ffn.7"]);
+            // Reference: softmax over the live experts' gate scores only.
+            let local: Vec<Expert> = (0..4)
+                .map(|i| Expert::new(&spec, 1 + i as u64).unwrap())
+                .collect();
+            let w = vars.data().lock().unwrap()["moe.gate0.weight"]
+                .as_tensor()
+                .clone();
+            let b = vars.data().lock().unwrap()["moe.gate0.bias"]
+                .as_tensor()
+                .clone();
+            let logits = x
+                .matmul(&w.t().unwrap())
+                .unwrap()
+                .broadcast_add(&b)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let xs = x.to_vec2::<f32>().unwrap();
+            let mut expected = Vec::new();
+            for (row, l) in logits.iter().enumerate() {
+                let m = l[..4].iter().cloned().fold(f32::MIN, f32::max);
+                let e: Vec<f32> = l[..4].iter().map(|v| (v - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                let xr = Tensor::from_vec(xs[row].clone(), (1, 8), &Device::Cpu).unwrap();
+                let mut acc = vec![0f32; 8];
+                for (j, expert) in local.iter().enumerate() {
+                    for (a, v) in acc.iter_mut().zip(values(&expert.forward(&xr).unwrap())) {
+                        *a += v * e[j] / z;
+                    }
+                }
+                expected.extend(acc);
+            }
+            let err = rel_error(&values(&y), &expected);
+            assert!(
+                err < 1e-5,
+                "output vs the live experts' mixture: rel. error {err}"
+            );
+            // Backward reaches only the live experts and still gives a gradient.
+            let xv = candle_core::Var::from_tensor(&x).unwrap();
+            let grads = moe
+                .forward(&xv)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            assert!(grads.get(&xv).is_some());
+            // The stallers are now skipped without waiting.
+            assert_eq!(moe.last_stats().called, 4);
+            assert_eq!(moe.last_stats().backward_failed, 0);
+            // k_min above what can answer: a clear error once the forward timeout passes, not a
+            // hang or a NaN.
+            let (_, strict) = moe_with(5, Duration::from_secs(2));
+            match strict.try_forward(&x) {
+                Err(ExpertError::NotEnoughExperts {
+                    answered, k_min, ..
+                }) => {
+                    assert_eq!((answered, k_min), (4, 5))
+                }
+                other => panic!(
+                    "expected NotEnoughExperts, got {:?}",
+                    other.map(|t| t.dims().to_vec())
+                ),
+            }
+        })
+        .await
+        .unwrap();
+        staller.abort();
+        server.shutdown().await.unwrap();
+        cluster.shutdown().await;
+    })
+    .await;
+}
