@@ -165,7 +165,21 @@ impl RemoteMixtureOfExperts {
     }
 
     /// The forward pass, with a typed error. `x` is `[batch, ..sample_shape]`.
+    ///
+    /// If some sample is left with fewer than `k_min` answers because chosen experts failed,
+    /// the routing is done once more without them (they are banned for `failure_ban`), so a
+    /// server that just died costs one retry rather than a failed step.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self.forward_once(x) {
+            Err(ExpertError::NotEnoughExperts { .. }) if !self.last_stats().failed.is_empty() => {
+                debug!("retrying the MoE forward without the experts that just failed");
+                self.forward_once(x)
+            }
+            other => other,
+        }
+    }
+
+    fn forward_once(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         if dims.len() != 1 + self.cfg.sample_shape.len()
             || dims[1..] != self.cfg.sample_shape[..]

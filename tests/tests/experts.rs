@@ -706,7 +706,7 @@ async fn moe_model_trains_on_digits_and_survives_a_server_loss() {
             baseline.0
         );
         // Training went on after the kill and the loss kept falling.
-        assert!(failed <= 3, "{failed} batches failed");
+        assert!(failed <= 1, "{failed} batches failed");
         assert!(
             losses[epochs - 1] < losses[kill_at],
             "loss did not keep falling after the kill: {losses:?}"
