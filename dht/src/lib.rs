@@ -37,6 +37,7 @@ mod store;
 mod time;
 mod validate;
 
+pub use ed25519_dalek::VerifyingKey;
 pub use error::DhtError;
 pub use owner::{owner_marker, required_owner, OwnerKey};
 pub use record::{decode_value, encode_value, DictionaryRecord, Entry, RECORD_FORMAT_VERSION};

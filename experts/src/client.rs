@@ -9,7 +9,7 @@ use starling_compression::Codec;
 use starling_node::{Multiaddr, Node, PeerId, Stream};
 use tokio::time::Instant;
 
-use crate::grid::{prefix_key, ExpertHost, ExpertUid};
+use crate::grid::{parse_declaration, prefix_key, ExpertHost, ExpertUid};
 use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
@@ -103,33 +103,49 @@ impl ExpertClient {
         }
     }
 
-    /// Looks expert `uid` up in the DHT; `None` if no live declaration exists.
+    /// Looks expert `uid` up in the DHT: the most recently declared live replica, or `None`.
     pub async fn find(&self, uid: &str) -> Result<Option<RemoteExpert>> {
-        let parsed = ExpertUid::parse(uid)?;
-        let last = parsed.coords.len() - 1;
-        let children = self.children(&parsed.name, &parsed.coords[..last]).await?;
-        Ok(children
-            .get(&parsed.coords[last])
-            .and_then(|h| Some(self.expert(uid, h.peer_id()?, h.multiaddrs()))))
+        Ok(self.find_replicas(uid).await?.into_iter().next())
     }
 
-    /// The live coordinates under a prefix (`name.prefix...`) and who declared each.
-    pub async fn children(&self, name: &str, prefix: &[u32]) -> Result<HashMap<u32, ExpertHost>> {
-        let entries: Vec<(String, ExpertHost, u64)> =
-            self.inner.node.get(&prefix_key(name, prefix)).await?;
-        Ok(entries
+    /// Every live replica of expert `uid` (one per serving peer), most recently declared first.
+    pub async fn find_replicas(&self, uid: &str) -> Result<Vec<RemoteExpert>> {
+        let parsed = ExpertUid::parse(uid)?;
+        let last = parsed.coords.len() - 1;
+        let mut children = self.children(&parsed.name, &parsed.coords[..last]).await?;
+        Ok(children
+            .remove(&parsed.coords[last])
+            .unwrap_or_default()
             .into_iter()
-            .filter_map(|(sub, host, _)| Some((sub.parse::<u32>().ok()?, host)))
+            .filter_map(|h| Some(self.expert(uid, h.peer_id()?, h.multiaddrs())))
             .collect())
     }
 
-    /// Every live expert of grid `name` (at most `limit`), walking the DHT prefix by prefix:
-    /// a coordinate whose own prefix key lists nothing is an expert. Lookups run `parallel` at a
-    /// time.
+    /// The live coordinates under a prefix (`name.prefix...`) and the servers that declared each,
+    /// most recent declaration first. Declarations not signed by the peer they name are dropped.
+    pub async fn children(
+        &self,
+        name: &str,
+        prefix: &[u32],
+    ) -> Result<HashMap<u32, Vec<ExpertHost>>> {
+        let key = prefix_key(name, prefix);
+        let mut entries: Vec<(String, ExpertHost, u64)> = self.inner.node.get(&key).await?;
+        entries.sort_by_key(|e| std::cmp::Reverse(e.2));
+        let mut out: HashMap<u32, Vec<ExpertHost>> = HashMap::new();
+        for (sub, host, _) in entries {
+            if let Some(c) = parse_declaration(&key, &sub, &host) {
+                out.entry(c).or_default().push(host);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every live expert of grid `name` (at most `limit`; one entry per replica), walking the DHT
+    /// prefix by prefix: a coordinate whose own prefix key lists nothing is an expert.
     pub async fn list(&self, name: &str, limit: usize) -> Result<Vec<RemoteExpert>> {
         use futures::stream::StreamExt;
         let parallel = 16;
-        let mut frontier: Vec<(Vec<u32>, Option<ExpertHost>)> = vec![(vec![], None)];
+        let mut frontier: Vec<(Vec<u32>, Vec<ExpertHost>)> = vec![(vec![], vec![])];
         let mut found = Vec::new();
         for _level in 0..=crate::grid::MAX_GRID_DEPTH {
             if frontier.is_empty() || found.len() >= limit {
@@ -144,24 +160,24 @@ impl ExpertClient {
                 .collect::<Vec<_>>()
                 .await;
             let mut next = Vec::new();
-            for (prefix, host, children) in lookups {
+            for (prefix, hosts, children) in lookups {
                 let children = children?;
-                match host {
-                    Some(host) if children.is_empty() => {
+                if children.is_empty() && !hosts.is_empty() {
+                    let uid = ExpertUid {
+                        name: name.to_string(),
+                        coords: prefix,
+                    }
+                    .to_string();
+                    for host in hosts {
                         if let Some(peer) = host.peer_id() {
-                            let uid = ExpertUid {
-                                name: name.to_string(),
-                                coords: prefix,
-                            };
-                            found.push(self.expert(&uid.to_string(), peer, host.multiaddrs()));
+                            found.push(self.expert(&uid, peer, host.multiaddrs()));
                         }
                     }
-                    _ => {
-                        for (c, h) in children {
-                            let mut p = prefix.clone();
-                            p.push(c);
-                            next.push((p, Some(h)));
-                        }
+                } else {
+                    for (c, h) in children {
+                        let mut p = prefix.clone();
+                        p.push(c);
+                        next.push((p, h));
                     }
                 }
             }

@@ -1,10 +1,13 @@
 //! Expert uids on a grid (`ffn.3.7`) and how they are declared in the DHT.
 //!
 //! An expert `name.c0.c1...` is declared under every prefix: the DHT key `experts/name.` holds
-//! sub-key `c0`, the key `experts/name.c0.` holds sub-key `c1`, and so on; the value is the
-//! [`ExpertHost`] serving something under that prefix (for the last coordinate: the expert
-//! itself). A client walks these keys level by level (beam search) and sees only prefixes that
-//! still hold a live (unexpired) declaration.
+//! sub-key `c0[owner:<server key>]`, the key `experts/name.c0.` holds sub-key
+//! `c1[owner:<server key>]`, and so on; the value is the [`ExpertHost`] serving something under
+//! that prefix (for the last coordinate: the expert itself). The owner marker makes every
+//! declaration signed by the server it names: nobody can overwrite or forge another server's
+//! declaration, several servers can host replicas of one uid side by side, and a reader drops any
+//! declaration whose signer is not the peer it points to. A client walks these keys level by
+//! level (beam search) and sees only prefixes that still hold a live (unexpired) declaration.
 
 use serde::{Deserialize, Serialize};
 use starling_node::{Multiaddr, PeerId};
@@ -62,12 +65,12 @@ impl ExpertUid {
         })
     }
 
-    /// The DHT key of the prefix made of the first `level` coordinates, and the sub-key this
-    /// uid occupies under it.
-    pub fn declaration_at(&self, level: usize) -> (String, String) {
+    /// The DHT key of the prefix made of the first `level` coordinates, and the sub-key a server
+    /// with owner marker `owner_marker` (see `Node::owner_marker`) declares this uid under.
+    pub fn declaration_at(&self, level: usize, owner_marker: &str) -> (String, String) {
         (
             prefix_key(&self.name, &self.coords[..level]),
-            self.coords[level].to_string(),
+            format!("{}{owner_marker}", self.coords[level]),
         )
     }
 }
@@ -162,6 +165,16 @@ impl ExpertHost {
     }
 }
 
+/// The coordinate a declaration (sub-key `c[owner:..]` under `key`, value `host`) stands for,
+/// if it is well-formed and signed by the peer it names. (The DHT has already checked the
+/// signature against the owner marker.)
+pub fn parse_declaration(key: &str, subkey: &str, host: &ExpertHost) -> Option<u32> {
+    let (coord, _) = subkey.split_once('[')?;
+    let coord: u32 = coord.parse().ok().filter(|c| *c < MAX_GRID_SIZE)?;
+    let owner = starling_dht::required_owner(key, subkey).ok()??;
+    (starling_node::peer_id_of_owner(&owner)? == host.peer_id()?).then_some(coord)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,8 +183,28 @@ mod tests {
     fn uids_parse_and_expand() {
         let u = ExpertUid::parse("ffn.3.7").unwrap();
         assert_eq!(u.to_string(), "ffn.3.7");
-        assert_eq!(u.declaration_at(0), ("experts/ffn.".into(), "3".into()));
-        assert_eq!(u.declaration_at(1), ("experts/ffn.3.".into(), "7".into()));
+        assert_eq!(
+            u.declaration_at(0, "[owner:ab]"),
+            ("experts/ffn.".into(), "3[owner:ab]".into())
+        );
+        assert_eq!(
+            u.declaration_at(1, ""),
+            ("experts/ffn.3.".into(), "7".into())
+        );
+        let k = starling_node::Keypair::generate_ed25519();
+        let owner = starling_node::owner_key_of(&k).unwrap();
+        let host = ExpertHost {
+            peer: k.public().to_peer_id().to_bytes(),
+            addrs: vec![],
+        };
+        let (key, sub) = u.declaration_at(1, &owner.marker());
+        assert_eq!(parse_declaration(&key, &sub, &host), Some(7));
+        let other = ExpertHost {
+            peer: starling_node::PeerId::random().to_bytes(),
+            addrs: vec![],
+        };
+        assert_eq!(parse_declaration(&key, &sub, &other), None);
+        assert_eq!(parse_declaration(&key, "7", &host), None);
         for bad in [
             "",
             "ffn",

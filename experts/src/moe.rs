@@ -44,7 +44,8 @@ pub struct MoeConfig {
     pub timeout_after_k_min: Duration,
     /// DHT prefix listings are reused for this long.
     pub dht_cache: Duration,
-    /// An expert that failed is skipped by beam search for this long.
+    /// A replica (expert uid on one peer) that failed is skipped by beam search for this long;
+    /// other replicas of the same uid are still used.
     pub failure_ban: Duration,
 }
 
@@ -80,7 +81,7 @@ pub struct MoeStats {
     pub backward_failed: usize,
 }
 
-type Hosts = HashMap<u32, crate::grid::ExpertHost>;
+type Hosts = HashMap<u32, Vec<crate::grid::ExpertHost>>;
 /// DHT prefix listings by prefix, with the time they were fetched.
 type PrefixCache = Arc<Mutex<HashMap<Vec<u32>, (Instant, Hosts)>>>;
 /// A partial path through the grid: coordinates so far, summed score, who declared it.
@@ -261,7 +262,10 @@ impl RemoteMixtureOfExperts {
                 None => {
                     let uid = calls[i].expert.uid().to_string();
                     if let Ok(mut banned) = self.banned.lock() {
-                        banned.insert(uid.clone(), Instant::now() + self.cfg.failure_ban);
+                        banned.insert(
+                            ban_key(&uid, &calls[i].expert.peer()),
+                            Instant::now() + self.cfg.failure_ban,
+                        );
                     }
                     stats.failed.push(uid);
                 }
@@ -335,6 +339,11 @@ impl Module for RemoteMixtureOfExperts {
             other => candle_core::Error::Msg(other.to_string()),
         })
     }
+}
+
+/// Failures are remembered per replica: `uid@peer`.
+fn ban_key(uid: &str, peer: &starling_node::PeerId) -> String {
+    format!("{uid}@{peer}")
 }
 
 /// Runs `fut` on `rt` and waits for it from the calling (non-async) thread.
@@ -429,21 +438,27 @@ impl Searcher {
                     let Some(hosts) = children.get(prefix) else {
                         continue;
                     };
-                    for (&c, host) in hosts {
+                    for (&c, replicas) in hosts {
                         if c as usize >= self.cfg.grid[level] {
                             continue;
                         }
                         let mut p = prefix.clone();
                         p.push(c);
-                        if level + 1 == levels {
+                        // At the last level, the freshest replica that has not failed lately.
+                        let host = if level + 1 == levels {
                             let uid = ExpertUid {
                                 name: self.cfg.name.clone(),
                                 coords: p.clone(),
-                            };
-                            if banned.contains(&uid.to_string()) {
-                                continue;
                             }
-                        }
+                            .to_string();
+                            replicas.iter().find(|h| {
+                                h.peer_id()
+                                    .is_some_and(|peer| !banned.contains(&ban_key(&uid, &peer)))
+                            })
+                        } else {
+                            replicas.first()
+                        };
+                        let Some(host) = host else { continue };
                         next.push((p, score + level_scores[row][c as usize], Some(host.clone())));
                     }
                 }

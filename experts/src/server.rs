@@ -755,12 +755,13 @@ async fn declare_loop(
     cfg: ServerConfig,
     mut stop: watch::Receiver<bool>,
 ) {
+    let marker = node.owner_marker();
     let mut pairs: Vec<(String, String)> = uids
         .iter()
         .filter_map(|u| ExpertUid::parse(u).ok())
         .flat_map(|u| {
             (0..u.coords.len())
-                .map(move |l| u.declaration_at(l))
+                .map(|l| u.declaration_at(l, &marker))
                 .collect::<Vec<_>>()
         })
         .collect();

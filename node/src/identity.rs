@@ -61,6 +61,22 @@ pub fn owner_key_of(keypair: &Keypair) -> Option<OwnerKey> {
     Some(OwnerKey::from_secret_bytes(&secret))
 }
 
+/// The peer id of the node whose identity is the ed25519 key `owner` (the key in a DHT owner
+/// marker). Lets a reader check that a signed record about a peer was written by that peer.
+///
+/// ```
+/// let keypair = starling_node::Keypair::generate_ed25519();
+/// let owner = starling_node::owner_key_of(&keypair).unwrap();
+/// assert_eq!(
+///     starling_node::peer_id_of_owner(&owner.public()),
+///     Some(keypair.public().to_peer_id())
+/// );
+/// ```
+pub fn peer_id_of_owner(owner: &starling_dht::VerifyingKey) -> Option<libp2p::PeerId> {
+    let ed = libp2p::identity::ed25519::PublicKey::try_from_bytes(owner.as_bytes()).ok()?;
+    Some(libp2p::identity::PublicKey::from(ed).to_peer_id())
+}
+
 /// Writes a file that only its owner may read (mode 0600 on Unix), refusing to overwrite unless
 /// `overwrite` is set.
 pub(crate) fn write_private_file(

@@ -38,7 +38,7 @@ mod swarm_key;
 
 pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;
-pub use identity::{load_or_create_identity, owner_key_of};
+pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
 pub use node::{Node, NodeStatus, PutReport, Reachability};
 pub use swarm_key::SwarmKey;
 

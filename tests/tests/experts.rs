@@ -733,7 +733,7 @@ async fn stalling_server(node: Node, uids: &[&str]) -> tokio::task::JoinHandle<(
     for uid in uids {
         let uid = starling_experts::ExpertUid::parse(uid).unwrap();
         for level in 0..uid.coords.len() {
-            let (key, sub) = uid.declaration_at(level);
+            let (key, sub) = uid.declaration_at(level, &node.owner_marker());
             node.store(&key, &sub, &host, starling_dht::now_ms() + 600_000)
                 .await
                 .unwrap();
@@ -872,6 +872,112 @@ async fn stalled_experts_are_masked_and_k_min_is_enforced() {
         .unwrap();
         staller.abort();
         server.shutdown().await.unwrap();
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// Two servers host replicas of one uid; a peer that writes unsigned or lying declarations is
+/// ignored; when one replica's server dies the layer keeps working through the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_take_over_and_forged_declarations_are_ignored() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let cluster = LocalCluster::start(4, node_cfg()).await.unwrap();
+        let spec = ExpertSpec::ffn(8, 16).with_lr(0.0);
+        let uid = vec!["ffn.0".to_string()];
+        let server_a = ExpertServer::start(
+            cluster.nodes[0].clone(),
+            experts(&spec, &uid, 1),
+            ServerConfig::default(),
+        )
+        .await
+        .unwrap();
+        let server_b = ExpertServer::start(
+            cluster.nodes[1].clone(),
+            experts(&spec, &uid, 1),
+            ServerConfig::default(),
+        )
+        .await
+        .unwrap();
+        // The forger: an unsigned declaration of ffn.1, and a signed one that points at A.
+        let forger = &cluster.nodes[2];
+        let lie = starling_experts::ExpertHost {
+            peer: cluster.nodes[0].peer_id().to_bytes(),
+            addrs: vec![],
+        };
+        let exp = starling_dht::now_ms() + 600_000;
+        forger.store("experts/ffn.", "1", &lie, exp).await.unwrap();
+        forger
+            .store(
+                "experts/ffn.",
+                &format!("2{}", forger.owner_marker()),
+                &lie,
+                exp,
+            )
+            .await
+            .unwrap();
+        // It cannot write under A's marker at all.
+        assert!(forger
+            .store(
+                "experts/ffn.",
+                &format!("0{}", cluster.nodes[0].owner_marker()),
+                &lie,
+                exp
+            )
+            .await
+            .is_err());
+        let client = ExpertClient::new(cluster.nodes[3].clone(), ClientConfig::default());
+        let mut peers = Vec::new();
+        for _ in 0..100 {
+            peers = client
+                .find_replicas("ffn.0")
+                .await
+                .unwrap()
+                .iter()
+                .map(|e| e.peer())
+                .collect();
+            if peers.len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        peers.sort();
+        let mut expected = vec![cluster.nodes[0].peer_id(), cluster.nodes[1].peer_id()];
+        expected.sort();
+        assert_eq!(peers, expected);
+        let coords: Vec<u32> = client
+            .children("ffn", &[])
+            .await
+            .unwrap()
+            .into_keys()
+            .collect();
+        assert_eq!(coords, vec![0], "forged coordinates must not appear");
+        let rt = tokio::runtime::Handle::current();
+        let node_a = cluster.nodes[0].clone();
+        tokio::task::spawn_blocking(move || {
+            let vars = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+            let mut cfg = MoeConfig::new("ffn", &[4], &[8]);
+            cfg.k_best = 1;
+            let moe = RemoteMixtureOfExperts::new(vb.pp("moe"), client, cfg, rt.clone()).unwrap();
+            let x = tensor(&[4, 8], 8);
+            // With k_best 1 and one live uid, the mixture is that expert's output.
+            let reference = values(&Expert::new(&spec, 1).unwrap().forward(&x).unwrap());
+            let e = rel_error(&values(&moe.forward(&x).unwrap()), &reference);
+            assert!(e < 1e-6, "rel. error {e}");
+            rt.block_on(async {
+                server_a.shutdown().await.unwrap();
+                node_a.shutdown().await;
+            });
+            for _ in 0..3 {
+                let e = rel_error(&values(&moe.forward(&x).unwrap()), &reference);
+                assert!(e < 1e-6, "after losing replica A: rel. error {e}");
+            }
+        })
+        .await
+        .unwrap();
+        server_b.shutdown().await.unwrap();
         cluster.shutdown().await;
     })
     .await;
