@@ -814,3 +814,95 @@ async fn checkpoint_loop(shared: Arc<Shared>, dir: PathBuf, mut stop: watch::Rec
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(
+        rows: usize,
+    ) -> (
+        Task,
+        oneshot::Receiver<std::result::Result<Tensor, (RemoteErrorKind, String)>>,
+    ) {
+        let (tx, rx) = oneshot::channel();
+        let t = Task {
+            inputs: Tensor::zeros((rows, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            grads: None,
+            rows,
+            reply: tx,
+        };
+        (t, rx)
+    }
+
+    #[test]
+    fn a_pool_refuses_work_beyond_its_bound() {
+        let (tx, mut rx) = mpsc::channel(100);
+        let pool = Pool {
+            tx,
+            queued_rows: Arc::new(AtomicUsize::new(0)),
+            max_queue_rows: 10,
+        };
+        let mut replies = Vec::new();
+        for _ in 0..2 {
+            let (t, r) = task(4);
+            replies.push(r);
+            assert!(pool.submit(t).is_ok());
+        }
+        let (t, _r) = task(4);
+        let err = pool.submit(t).unwrap_err();
+        assert_eq!(err.0, RemoteErrorKind::Overloaded);
+        assert_eq!(pool.queued_rows.load(Ordering::Acquire), 8);
+        // Once the batcher takes work, room frees up.
+        let taken = rx.try_recv().unwrap();
+        pool.queued_rows.fetch_sub(taken.rows, Ordering::AcqRel);
+        let (t, _r) = task(4);
+        assert!(pool.submit(t).is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_batcher_groups_tasks_up_to_the_batch_limit() {
+        let (tx, rx) = mpsc::channel(100);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let pool = Pool {
+            tx,
+            queued_rows: queued.clone(),
+            max_queue_rows: 1000,
+        };
+        let mut replies = Vec::new();
+        for _ in 0..5 {
+            let (t, r) = task(3);
+            replies.push(r);
+            pool.submit(t).unwrap();
+        }
+        let (rt_tx, mut rt_rx) = mpsc::channel(10);
+        let (_stop_tx, stop_rx) = watch::channel(false);
+        let cfg = ServerConfig {
+            max_batch_rows: 8,
+            max_wait: Duration::from_millis(20),
+            ..ServerConfig::default()
+        };
+        let handle = tokio::spawn(batcher(
+            Arc::from("e.0"),
+            Kind::Forward,
+            rx,
+            queued.clone(),
+            rt_tx,
+            cfg,
+            stop_rx,
+        ));
+        let mut sizes = Vec::new();
+        while sizes.iter().sum::<usize>() < 15 {
+            match rt_rx.recv().await.unwrap() {
+                Job::Run { tasks, kind, .. } => {
+                    assert_eq!(kind, Kind::Forward);
+                    sizes.push(tasks.iter().map(|t| t.rows).sum());
+                }
+                _ => panic!("unexpected job"),
+            }
+        }
+        assert_eq!(sizes, vec![6, 6, 3]);
+        assert_eq!(queued.load(Ordering::Acquire), 0);
+        handle.abort();
+    }
+}
