@@ -95,7 +95,9 @@ pub struct ServerStats {
     pub rows: AtomicU64,
 }
 
-type Reply = oneshot::Sender<std::result::Result<Tensor, (RemoteErrorKind, String)>>;
+/// What a task's submitter receives: the task's rows of the batch result, or an error.
+type TaskResult = std::result::Result<Tensor, (RemoteErrorKind, String)>;
+type Reply = oneshot::Sender<TaskResult>;
 
 struct Task {
     inputs: Tensor,
@@ -819,12 +821,7 @@ async fn checkpoint_loop(shared: Arc<Shared>, dir: PathBuf, mut stop: watch::Rec
 mod tests {
     use super::*;
 
-    fn task(
-        rows: usize,
-    ) -> (
-        Task,
-        oneshot::Receiver<std::result::Result<Tensor, (RemoteErrorKind, String)>>,
-    ) {
+    fn task(rows: usize) -> (Task, oneshot::Receiver<TaskResult>) {
         let (tx, rx) = oneshot::channel();
         let t = Task {
             inputs: Tensor::zeros((rows, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
