@@ -94,7 +94,8 @@ impl Run {
                 let r = span.range.clone();
                 let got = &self.results[p][r.clone()];
                 match &span.outcome {
-                    SpanOutcome::Averaged { contributors } => {
+                    SpanOutcome::Averaged { contributors }
+                    | SpanOutcome::Redelegated { contributors, .. } => {
                         let w: f64 = contributors
                             .iter()
                             .map(|c| f64::from(self.weights[index[c]]))
