@@ -11,11 +11,11 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
-use crate::allreduce::{run_allreduce, IncomingSender};
+use crate::allreduce::{run_allreduce, IncomingSender, RoundRoute};
 use crate::matchmaking::{find_group, IncomingJoin};
 use crate::wire::{
     read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
-    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL,
+    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
 
@@ -32,7 +32,7 @@ pub(crate) struct Shared {
     pub node: Node,
     pub config: AveragerConfig,
     pub join_routes: Mutex<HashMap<String, mpsc::Sender<IncomingJoin>>>,
-    pub round_routes: Mutex<HashMap<u64, mpsc::Sender<IncomingSender>>>,
+    pub round_routes: Mutex<HashMap<u64, RoundRoute>>,
     /// Measured upload rate (bytes/s); `None` until the first measurement.
     bandwidth: Mutex<Option<f64>>,
     grid_index: Mutex<u32>,
@@ -383,20 +383,25 @@ async fn on_join(shared: Arc<Shared>, peer: PeerId, msg: MatchMsg, mut stream: S
     .await;
 }
 
-/// Routes a sender's stream to the round its hello names, waiting a little for a round that
-/// this peer has not started yet.
+/// Routes a sender's stream to the round its hello names (a re-delegation hello to the round's
+/// repair queue), waiting a little for a round that this peer has not started yet.
 async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Stream) {
-    let ReduceMsg::Hello { round_id, .. } = hello else {
-        return;
+    let (round_id, repair) = match hello {
+        ReduceMsg::Hello { round_id, .. } => (round_id, false),
+        ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
+        _ => return,
     };
     let give_up = Instant::now() + shared.config.request_timeout;
     let route = loop {
-        if let Some(tx) = shared
-            .round_routes
-            .lock()
-            .ok()
-            .and_then(|r| r.get(&round_id).cloned())
-        {
+        if let Some(tx) = shared.round_routes.lock().ok().and_then(|r| {
+            r.get(&round_id).map(|route| {
+                if repair {
+                    route.repairs.clone()
+                } else {
+                    route.senders.clone()
+                }
+            })
+        }) {
             break Some(tx);
         }
         if Instant::now() >= give_up {
@@ -415,7 +420,7 @@ async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stre
                 .await;
         }
         None => {
-            let reply = ReduceMsg::Excluded("unknown round".into());
+            let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
             let _ = timeout(
                 shared.config.request_timeout,
                 write_control(&mut stream, &reply),
