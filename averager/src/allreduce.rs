@@ -26,18 +26,21 @@
 //!   that falls to this peer is reduced by this peer.
 //! - **Agreement.** A reducer serves a part only if its own plan for that failed span gives it
 //!   exactly that part (else it answers `Excluded`); so every contributor of a part agreed on
-//!   it, and its result is the exact weighted mean of the contributors it lists. A peer that
-//!   received the failed reducer's result before it died keeps that result (its report says
-//!   `Averaged` with the original contributors) but still serves its planned part for the
-//!   others, with its own original values in it; each peer's report lists, part by part, who
-//!   reduced it and whose values are in it.
-//! - **Waiting.** A peer enters phase 2 only if it saw a failure in phase 1, so a clean round
-//!   costs nothing. A part's reducer waits for the members it believes alive (no-show after
-//!   `request_timeout + sender_timeout`), then averages whoever delivered. A peer that can reduce
-//!   and saw a failure stays at least `request_timeout` in phase 2 to serve parts it did not
-//!   expect. Every wait is bounded by the caller's deadline; a part not back by then, refused,
-//!   or whose reducer fails too keeps its local values (no second repair), and the report
-//!   says why.
+//!   it, and its result is the exact weighted mean of the contributors it lists.
+//! - **Partial delivery.** A peer that received the failed reducer's result before it died
+//!   keeps that result (its report says `Averaged`, with the original contributors). When a
+//!   repair hello reaches it, it serves its planned part and also sends its original values to
+//!   the plan's other parts, so the peers that lost the span average with every survivor and do
+//!   not wait for it. Each peer's report lists, part by part, who reduced it and whose values
+//!   are in it.
+//! - **Waiting.** Only a peer that lost a span waits for phase 2, and only for its own parts:
+//!   a clean round costs the caller nothing. A part's reducer waits for the members it believes
+//!   alive (no-show after `request_timeout + sender_timeout`), then averages whoever
+//!   delivered; no-shows are not counted as failed. After the round, a peer that can reduce
+//!   keeps serving other members' parts in the background for `request_timeout` (one finished
+//!   round at a time per averager, holding its copy of the original values). Every wait is
+//!   bounded by the caller's deadline; a part not back by then, refused, or whose reducer
+//!   fails too keeps its local values (there is no second repair), and the report says why.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
@@ -52,6 +55,7 @@ use starling_compression::{
 };
 use starling_node::{PeerId, Stream};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use crate::averager::Shared;
@@ -93,6 +97,9 @@ pub(crate) struct Outcome {
     pub measured_bandwidth: Option<f64>,
 }
 
+/// How long a reducer crashing by `Fault::WhileReturning` lets its served results travel first.
+const FAULT_FLUSH_GRACE: Duration = Duration::from_millis(500);
+
 /// Streams shorter than this say too little about bandwidth to be measured.
 const MIN_MEASURED_BYTES: usize = 256 * 1024;
 
@@ -104,12 +111,14 @@ struct Counters {
     rate_sum: std::sync::Mutex<f64>,
 }
 
-struct RoundGuard<'a> {
-    shared: &'a Shared,
+/// Keeps a round's routes registered while it lives (the round, then its background repair
+/// server).
+struct RoundGuard {
+    shared: Arc<Shared>,
     round_id: u64,
 }
 
-impl Drop for RoundGuard<'_> {
+impl Drop for RoundGuard {
     fn drop(&mut self) {
         if let Ok(mut r) = self.shared.round_routes.lock() {
             r.remove(&self.round_id);
@@ -246,8 +255,8 @@ pub(crate) async fn run_allreduce(
             },
         );
     }
-    let _guard = RoundGuard {
-        shared,
+    let guard = RoundGuard {
+        shared: shared.clone(),
         round_id: group.round_id,
     };
     let round = Arc::new(Round {
@@ -348,20 +357,28 @@ pub(crate) async fn run_allreduce(
         });
     }
 
-    if !failed.is_empty() || !lost.is_empty() {
-        let mut repair = Repair {
-            round: round.clone(),
-            down,
-            failed,
-            result: &mut result,
-            reports: &mut reports,
-            needed: HashMap::new(),
-            sessions: HashMap::new(),
-            session_tasks: FuturesUnordered::new(),
-            part_tasks: FuturesUnordered::new(),
-        };
-        repair.run(lost, repair_rx).await;
-        failed = repair.failed;
+    // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
+    // lost a span this peer received (in the background: the caller does not wait for it).
+    let mut repair = Repair::new(round.clone(), down, failed);
+    let mut repair_rx = repair_rx;
+    if !lost.is_empty() {
+        repair.start(lost);
+        repair.drive(&mut repair_rx, None).await;
+    }
+    for (range, values) in repair.patches.drain(..) {
+        result[range].copy_from_slice(&values);
+    }
+    reports.append(&mut repair.reports);
+    let failed = repair.failed.clone();
+    let left = deadline.saturating_duration_since(Instant::now());
+    if !ranges[me].is_empty() && left >= shared.config.repair_min_time {
+        let until = (Instant::now() + shared.config.request_timeout).min(deadline);
+        let server = tokio::spawn(async move {
+            repair.drive(&mut repair_rx, Some(until)).await;
+            drop(repair);
+            drop(guard);
+        });
+        shared.set_repair_server(server);
     }
 
     reports.sort_by_key(|r| r.range.start);
@@ -399,27 +416,59 @@ type PartDone = (
     Result<(Vec<u32>, Vec<f32>), SendFail>,
 );
 
-/// The state of phase 2 (re-delegation) on one peer; see the module docs.
-struct Repair<'a> {
+/// Phase 2 (re-delegation) on one peer; see the module docs. Owns its tasks: dropping it aborts
+/// them.
+struct Repair {
     round: Arc<Round>,
     /// Reducers this peer saw fail (input of every repair plan it computes).
     down: BTreeSet<u32>,
     /// Members this peer saw fail in any role.
     failed: HashSet<u32>,
-    result: &'a mut [f32],
-    reports: &'a mut Vec<SpanReport>,
     /// Parts this peer needs back, by `(failed reducer, part start)`: their reducer, range, and
     /// why the failed reducer's span is being repaired.
     needed: HashMap<(u32, usize), (usize, Range<usize>, String)>,
     /// Queues of the parts this peer reduces, by failed reducer (kept after the part is done,
     /// so a part is reduced at most once).
     sessions: HashMap<u32, mpsc::Sender<IncomingSender>>,
-    session_tasks: FuturesUnordered<tokio::task::JoinHandle<(u32, Range<usize>, Reduced)>>,
-    part_tasks: FuturesUnordered<tokio::task::JoinHandle<PartDone>>,
+    session_tasks: FuturesUnordered<JoinHandle<(u32, Range<usize>, Reduced)>>,
+    /// Parts sent to other reducers: those this peer needs, and contributions to spans it did
+    /// not lose.
+    part_tasks: FuturesUnordered<JoinHandle<PartDone>>,
+    /// New values of the parts this peer needed, to write into its result.
+    patches: Vec<(Range<usize>, Vec<f32>)>,
+    /// Reports of the parts (or whole spans) this peer needed.
+    reports: Vec<SpanReport>,
 }
 
-impl Repair<'_> {
-    async fn run(&mut self, lost: Vec<(usize, String)>, mut rx: mpsc::Receiver<IncomingSender>) {
+impl Drop for Repair {
+    fn drop(&mut self) {
+        for t in self.session_tasks.iter() {
+            t.abort();
+        }
+        for t in self.part_tasks.iter() {
+            t.abort();
+        }
+    }
+}
+
+impl Repair {
+    fn new(round: Arc<Round>, down: BTreeSet<u32>, failed: HashSet<u32>) -> Self {
+        Repair {
+            round,
+            down,
+            failed,
+            needed: HashMap::new(),
+            sessions: HashMap::new(),
+            session_tasks: FuturesUnordered::new(),
+            part_tasks: FuturesUnordered::new(),
+            patches: Vec::new(),
+            reports: Vec::new(),
+        }
+    }
+
+    /// Plans the repair of every span this peer lost (`(reducer, why)`), if the deadline leaves
+    /// time, and starts sending and reducing its parts.
+    fn start(&mut self, lost: Vec<(usize, String)>) {
         let round = self.round.clone();
         let cfg = &round.shared.config;
         let me = round.me as usize;
@@ -430,11 +479,12 @@ impl Repair<'_> {
                 .repair_min_time
                 .saturating_add(transfer_estimate(range.len(), round.shared.bandwidth()));
             if left < need {
-                self.keep(j, range, format!(
+                let reason = format!(
                     "{why}; {} ms left before the deadline, too little to re-delegate (needs {} ms)",
                     left.as_millis(),
                     need.as_millis()
-                ));
+                );
+                self.keep(j, range, reason);
                 continue;
             }
             let plan = self.plan(j);
@@ -453,31 +503,28 @@ impl Repair<'_> {
                 if k == me {
                     self.start_session(j as u32, part);
                 } else {
-                    let round = round.clone();
-                    self.part_tasks.push(tokio::spawn(async move {
-                        let kind = SendKind::Repair { failed: j as u32 };
-                        let r = send_span(&round, k, part.clone(), kind).await;
-                        (j as u32, k, part, r)
-                    }));
+                    self.send_part(j as u32, k, part);
                 }
             }
         }
-        // A peer that can reduce and has time stays a little to serve parts it did not expect
-        // (members that lost a span this peer received). Otherwise it stays only for its own
-        // parts.
-        let serve = !round.ranges[me].is_empty() && left >= cfg.repair_min_time;
-        let linger_until = if serve {
-            (Instant::now() + cfg.request_timeout).min(round.deadline)
-        } else {
-            Instant::now()
-        };
+    }
+
+    /// Serves repair hellos and collects finished parts. With `linger == None`, returns once
+    /// every part this peer needs is settled; with `Some(until)`, once `until` has passed and
+    /// no part this peer reduces or contributes to is in flight. Never past the deadline: parts
+    /// still missing then keep their local values.
+    async fn drive(&mut self, rx: &mut mpsc::Receiver<IncomingSender>, linger: Option<Instant>) {
+        let deadline = self.round.deadline;
         loop {
             let idle = self.session_tasks.is_empty() && self.part_tasks.is_empty();
-            if idle && Instant::now() >= linger_until {
-                break;
+            match linger {
+                None if self.needed.is_empty() => break,
+                Some(until) if idle && Instant::now() >= until => break,
+                _ => {}
             }
+            let until = linger.unwrap_or(deadline);
             tokio::select! {
-                Some(inc) = rx.recv(), if serve || !self.sessions.is_empty() => self.dispatch(inc),
+                Some(inc) = rx.recv() => self.dispatch(inc),
                 Some(done) = self.session_tasks.next() => match done {
                     Ok((j, part, reduced)) => self.session_done(j, part, reduced),
                     Err(e) => tracing::warn!("repair reduce task failed: {e}"),
@@ -486,21 +533,15 @@ impl Repair<'_> {
                     Ok((j, k, part, r)) => self.part_done(j, k, part, r),
                     Err(e) => tracing::warn!("repair send task failed: {e}"),
                 },
-                _ = sleep_until(linger_until), if idle => {}
-                _ = sleep_until(round.deadline) => break,
+                _ = sleep_until(until), if idle && linger.is_some() => {}
+                _ = sleep_until(deadline) => break,
             }
-        }
-        for t in self.session_tasks.iter() {
-            t.abort();
-        }
-        for t in self.part_tasks.iter() {
-            t.abort();
         }
         // Parts that did not come back in time keep their local values.
         for ((j, _), (k, part, why)) in std::mem::take(&mut self.needed) {
             let reason = format!(
                 "{why}; the deadline passed before {} returned the re-delegated part",
-                round.peers[k]
+                self.round.peers[k]
             );
             self.keep(j as usize, part, reason);
         }
@@ -527,6 +568,15 @@ impl Repair<'_> {
         });
     }
 
+    /// Sends this peer's original values of `part` of failed reducer `j`'s span to member `k`.
+    fn send_part(&mut self, j: u32, k: usize, part: Range<usize>) {
+        let round = self.round.clone();
+        self.part_tasks.push(tokio::spawn(async move {
+            let r = send_span(&round, k, part.clone(), SendKind::Repair { failed: j }).await;
+            (j, k, part, r)
+        }));
+    }
+
     /// Starts reducing this peer's part of failed reducer `j`'s span.
     fn start_session(&mut self, j: u32, part: Range<usize>) {
         let round = self.round.clone();
@@ -551,8 +601,10 @@ impl Repair<'_> {
         }));
     }
 
-    /// Routes a repair hello to the part it names, starting that part if this peer's own plan
-    /// gives it exactly that part; refuses it otherwise.
+    /// Routes a repair hello to the part it names. A part this peer did not plan for (it did not
+    /// lose that span) starts if its own plan gives it exactly that part; this peer then also
+    /// contributes its original values to the plan's other parts, so the peers repairing the
+    /// span average with it too and need not wait for it. Anything else is refused.
     fn dispatch(&mut self, inc: IncomingSender) {
         let round = self.round.clone();
         let ReduceMsg::RepairHello {
@@ -570,18 +622,26 @@ impl Repair<'_> {
         };
         if !self.sessions.contains_key(&failed) {
             let me = round.me as usize;
-            let valid = (failed as usize) < round.peers.len() && failed as usize != me;
-            let mine = valid
-                && self.plan(failed as usize).into_iter().any(|(k, part)| {
-                    k == me && part.start as u64 == start && part.len() as u64 == len
-                });
+            let plan = if (failed as usize) < round.peers.len() && failed as usize != me {
+                self.plan(failed as usize)
+            } else {
+                vec![]
+            };
+            let mine = plan.iter().any(|(k, part)| {
+                *k == me && part.start as u64 == start && part.len() as u64 == len
+            });
             if !mine {
                 refuse(inc, "that part is not this peer's under its repair plan");
                 return;
             }
-            let part = start as usize..(start + len) as usize;
-            tracing::debug!(failed, ?part, "serving a re-delegated part");
-            self.start_session(failed, part);
+            tracing::debug!(failed, start, len, "serving a re-delegated part");
+            for (k, part) in plan {
+                if k == me {
+                    self.start_session(failed, part);
+                } else if round.modes[me] != AveragingMode::Aux {
+                    self.send_part(failed, k, part);
+                }
+            }
         }
         let Some(tx) = self.sessions.get(&failed) else {
             return;
@@ -595,14 +655,14 @@ impl Repair<'_> {
     }
 
     fn session_done(&mut self, j: u32, part: Range<usize>, reduced: Reduced) {
-        let round = &self.round;
+        let round = self.round.clone();
         self.failed.extend(&reduced.failed);
         if self.needed.remove(&(j, part.start)).is_none() {
             return; // served for others; this peer keeps the failed reducer's own result
         }
         let outcome = match reduced.mean {
             Some(mean) => {
-                self.result[part.clone()].copy_from_slice(&mean);
+                self.patches.push((part.clone(), mean));
                 SpanOutcome::Redelegated {
                     to: round.peers[round.me as usize],
                     contributors: reduced
@@ -629,12 +689,17 @@ impl Repair<'_> {
         r: Result<(Vec<u32>, Vec<f32>), SendFail>,
     ) {
         let round = self.round.clone();
+        if let Err(fail) = &r {
+            if fail.reducer_failed {
+                self.failed.insert(k as u32);
+            }
+        }
         let Some((_, _, why)) = self.needed.remove(&(j, part.start)) else {
-            return;
+            return; // a contribution to a span this peer did not lose
         };
         let outcome = match r {
             Ok((contributors, values)) => {
-                self.result[part.clone()].copy_from_slice(&values);
+                self.patches.push((part.clone(), values));
                 SpanOutcome::Redelegated {
                     to: round.peers[k],
                     contributors: contributors
@@ -643,15 +708,10 @@ impl Repair<'_> {
                         .collect(),
                 }
             }
-            Err(fail) => {
-                if fail.reducer_failed {
-                    self.failed.insert(k as u32);
-                }
-                kept(format!(
-                    "{why}; re-delegating to {} failed: {}",
-                    round.peers[k], fail.reason
-                ))
-            }
+            Err(fail) => kept(format!(
+                "{why}; re-delegating to {} failed: {}",
+                round.peers[k], fail.reason
+            )),
         };
         self.reports.push(SpanReport {
             reducer: round.peers[j as usize],
@@ -1071,6 +1131,8 @@ async fn reduce_span(
                 .await;
             }
         }
+        // Let the served results leave before the connections drop.
+        tokio::time::sleep(FAULT_FLUSH_GRACE).await;
         round.shared.node.shutdown().await;
         contributions.clear();
     }

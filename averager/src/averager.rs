@@ -36,6 +36,8 @@ pub(crate) struct Shared {
     /// Measured upload rate (bytes/s); `None` until the first measurement.
     bandwidth: Mutex<Option<f64>>,
     grid_index: Mutex<u32>,
+    /// The last round's background repair server (see `allreduce`): at most one at a time.
+    repair_server: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Shared {
@@ -64,6 +66,25 @@ impl Shared {
                 "cannot open a stream to {peer}: {e}"
             ))),
             Err(_) => Err(AveragerError::Deadline("opening a stream")),
+        }
+    }
+
+    /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
+    /// previous one: one lingering round at a time bounds the memory and tasks it holds.
+    pub fn set_repair_server(&self, server: JoinHandle<()>) {
+        if let Ok(mut s) = self.repair_server.lock() {
+            if let Some(old) = s.replace(server) {
+                old.abort();
+            }
+        }
+    }
+
+    /// Ends the background repair server, if any.
+    fn stop_repair_server(&self) {
+        if let Ok(mut s) = self.repair_server.lock() {
+            if let Some(old) = s.take() {
+                old.abort();
+            }
         }
     }
 
@@ -148,6 +169,7 @@ impl Averager {
             join_routes: Mutex::new(HashMap::new()),
             round_routes: Mutex::new(HashMap::new()),
             grid_index: Mutex::new(grid),
+            repair_server: Mutex::new(None),
         });
         let tasks = vec![
             tokio::spawn(serve_inbound(shared.clone(), joins, on_join)),
@@ -277,6 +299,7 @@ impl Averager {
 
     /// Stops the accept loops. Rounds in flight on other peers see this peer as failed.
     pub async fn shutdown(mut self) {
+        self.shared.stop_repair_server();
         for t in self.tasks.drain(..) {
             t.abort();
             let _ = t.await;
@@ -286,6 +309,7 @@ impl Averager {
 
 impl Drop for Averager {
     fn drop(&mut self) {
+        self.shared.stop_repair_server();
         for t in &self.tasks {
             t.abort();
         }
