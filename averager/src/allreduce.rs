@@ -518,7 +518,8 @@ impl Repair {
         loop {
             let idle = self.session_tasks.is_empty() && self.part_tasks.is_empty();
             match linger {
-                None if self.needed.is_empty() => break,
+                // (Idle with parts still needed only if a task died: they stay local.)
+                None if self.needed.is_empty() || idle => break,
                 Some(until) if idle && Instant::now() >= until => break,
                 _ => {}
             }

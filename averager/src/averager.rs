@@ -433,25 +433,25 @@ async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stre
         }
         tokio::time::sleep(ROUND_ROUTE_WAIT).await;
     };
-    match route {
-        Some(tx) => {
-            let _ = tx
-                .send(IncomingSender {
-                    peer,
-                    hello,
-                    stream,
-                })
-                .await;
-        }
-        None => {
-            let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
-            let _ = timeout(
-                shared.config.request_timeout,
-                write_control(&mut stream, &reply),
-            )
-            .await;
+    if let Some(tx) = route {
+        let incoming = IncomingSender {
+            peer,
+            hello,
+            stream,
+        };
+        match tx.send(incoming).await {
+            Ok(()) => return,
+            // The round's reduction is over (the round lingers only to serve repairs): to this
+            // sender, as good as a reducer that is gone.
+            Err(mpsc::error::SendError(incoming)) => stream = incoming.stream,
         }
     }
+    let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
+    let _ = timeout(
+        shared.config.request_timeout,
+        write_control(&mut stream, &reply),
+    )
+    .await;
 }
 
 #[cfg(test)]
