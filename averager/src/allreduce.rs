@@ -8,8 +8,41 @@
 //! each contributor its *delta* `mean - received`, so quantization error does not compound.
 //! Senders apply deltas to their exact local values. A sender's contribution counts only when
 //! complete, so a span's result is always the exact weighted mean of the senders it lists.
+//!
+//! # Re-delegation (phase 2)
+//!
+//! A sender whose reducer *failed* (unreachable, stalled past its timeouts, disconnected, broke
+//! the protocol, or does not know the round) re-delegates that reducer's span in the same round,
+//! if the deadline leaves `repair_min_time` plus the span's estimated transfer time:
+//!
+//! - **Plan.** The span is split over the *surviving reducers* (members with a non-empty span,
+//!   other than the failed one and any reducer this peer saw fail) by the same load-balancing
+//!   solve as the round, applied to their declared bandwidths ([`repair_plan`]). The inputs are
+//!   the group's member list and the failures this peer observed, so peers that saw the same
+//!   failures compute the same plan.
+//! - **Parts.** For each part the sender sends its *original* values to that part's reducer
+//!   behind a [`ReduceMsg::RepairHello`] naming the failed reducer and the part; the reducer
+//!   averages them with its own original values and returns deltas, exactly as in phase 1. A part
+//!   that falls to this peer is reduced by this peer.
+//! - **Agreement.** A reducer serves a part only if its own plan for that failed span gives it
+//!   exactly that part (else it answers `Excluded`); so every contributor of a part agreed on
+//!   it, and its result is the exact weighted mean of the contributors it lists.
+//! - **Partial delivery.** A peer that received the failed reducer's result before it died
+//!   keeps that result (its report says `Averaged`, with the original contributors). When a
+//!   repair hello reaches it, it serves its planned part and also sends its original values to
+//!   the plan's other parts, so the peers that lost the span average with every survivor and do
+//!   not wait for it. Each peer's report lists, part by part, who reduced it and whose values
+//!   are in it.
+//! - **Waiting.** Only a peer that lost a span waits for phase 2, and only for its own parts:
+//!   a clean round costs the caller nothing. A part's reducer waits for the members it believes
+//!   alive (no-show after `request_timeout + sender_timeout`), then averages whoever
+//!   delivered; no-shows are not counted as failed. After the round, a peer that can reduce
+//!   keeps serving other members' parts in the background for `request_timeout` (one finished
+//!   round at a time per averager, holding its copy of the original values). Every wait is
+//!   bounded by the caller's deadline; a part not back by then, refused, or whose reducer
+//!   fails too keeps its local values (there is no second repair), and the report says why.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,14 +55,16 @@ use starling_compression::{
 };
 use starling_node::{PeerId, Stream};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use crate::averager::Shared;
-use crate::config::Fault;
+use crate::config::{AveragerConfig, Fault};
 use crate::matchmaking::Group;
 use crate::partition::{solve_fractions, spans};
 use crate::wire::{
     read_control, read_frame, write_control, write_data, Frame, ReduceMsg, REDUCE_PROTOCOL,
+    UNKNOWN_ROUND,
 };
 use crate::{AveragerError, AveragingMode, SpanOutcome, SpanReport};
 
@@ -39,6 +74,16 @@ pub(crate) struct IncomingSender {
     pub hello: ReduceMsg,
     pub stream: Stream,
 }
+
+/// The queues of a running round: plain hellos go to the reduction of this peer's own span,
+/// repair hellos to its re-delegation phase.
+pub(crate) struct RoundRoute {
+    pub senders: mpsc::Sender<IncomingSender>,
+    pub repairs: mpsc::Sender<IncomingSender>,
+}
+
+/// Repair hellos queued per member of the group (a member sends at most one per failed span).
+const REPAIR_QUEUE_PER_MEMBER: usize = 4;
 
 /// What a round produced for the local peer.
 pub(crate) struct Outcome {
@@ -52,6 +97,9 @@ pub(crate) struct Outcome {
     pub measured_bandwidth: Option<f64>,
 }
 
+/// How long a reducer crashing by `Fault::WhileReturning` lets its served results travel first.
+const FAULT_FLUSH_GRACE: Duration = Duration::from_millis(500);
+
 /// Streams shorter than this say too little about bandwidth to be measured.
 const MIN_MEASURED_BYTES: usize = 256 * 1024;
 
@@ -63,12 +111,14 @@ struct Counters {
     rate_sum: std::sync::Mutex<f64>,
 }
 
-struct RoundGuard<'a> {
-    shared: &'a Shared,
+/// Keeps a round's routes registered while it lives (the round, then its background repair
+/// server).
+struct RoundGuard {
+    shared: Arc<Shared>,
     round_id: u64,
 }
 
-impl Drop for RoundGuard<'_> {
+impl Drop for RoundGuard {
     fn drop(&mut self) {
         if let Ok(mut r) = self.shared.round_routes.lock() {
             r.remove(&self.round_id);
@@ -85,9 +135,78 @@ struct Round {
     peers: Vec<PeerId>,
     addrs: Vec<Vec<String>>,
     modes: Vec<AveragingMode>,
+    /// Declared bandwidths, as the group's member list gives them (the repair plan's input).
+    bandwidths: Vec<f64>,
+    /// Each member's span.
+    ranges: Vec<Range<usize>>,
     flat: Arc<Vec<f32>>,
     counters: Counters,
     deadline: Instant,
+}
+
+/// Span fractions for members with these bandwidths and modes: the load-balancing solve, or an
+/// equal split among the members that may reduce. `None` when nobody may reduce.
+fn fractions(
+    cfg: &AveragerConfig,
+    bandwidths: &[f64],
+    modes: &[AveragingMode],
+) -> Option<Vec<f64>> {
+    if cfg.load_balance {
+        return solve_fractions(bandwidths, modes);
+    }
+    let reducers = modes
+        .iter()
+        .filter(|m| **m != AveragingMode::Client)
+        .count();
+    (reducers > 0).then(|| {
+        modes
+            .iter()
+            .map(|m| {
+                if *m == AveragingMode::Client {
+                    0.0
+                } else {
+                    1.0 / reducers as f64
+                }
+            })
+            .collect()
+    })
+}
+
+/// How the span of failed reducer `failed` is split over the surviving reducers, as seen by a
+/// peer that believes the members in `down` failed too: `(member, part)` for every non-empty
+/// part, in range order, covering the whole span (empty when no reducer survives).
+///
+/// A surviving reducer is a member with a non-empty span in `ranges`, other than `failed` and
+/// the members in `down`; parts are sized by the same solve as the round's spans, over the
+/// survivors' declared bandwidths. Deterministic: equal inputs give equal plans on every peer.
+pub(crate) fn repair_plan(
+    cfg: &AveragerConfig,
+    ranges: &[Range<usize>],
+    bandwidths: &[f64],
+    modes: &[AveragingMode],
+    failed: usize,
+    down: &BTreeSet<u32>,
+) -> Vec<(usize, Range<usize>)> {
+    let Some(span) = ranges.get(failed).filter(|r| !r.is_empty()).cloned() else {
+        return vec![];
+    };
+    let survivors: Vec<usize> = (0..ranges.len())
+        .filter(|&i| i != failed && !ranges[i].is_empty() && !down.contains(&(i as u32)))
+        .collect();
+    let bw: Vec<f64> = survivors.iter().map(|&i| bandwidths[i]).collect();
+    let sub_modes: Vec<AveragingMode> = survivors.iter().map(|&i| modes[i]).collect();
+    if survivors.is_empty() {
+        return vec![];
+    }
+    let Some(f) = fractions(cfg, &bw, &sub_modes) else {
+        return vec![];
+    };
+    spans(span.len(), &f)
+        .into_iter()
+        .zip(survivors)
+        .filter(|(part, _)| !part.is_empty())
+        .map(|(part, i)| (i, span.start + part.start..span.start + part.end))
+        .collect()
 }
 
 fn kept(reason: impl Into<String>) -> SpanOutcome {
@@ -113,27 +232,7 @@ pub(crate) async fn run_allreduce(
     let modes: Vec<AveragingMode> = group.members.iter().map(|m| m.mode).collect();
     let bandwidths: Vec<f64> = group.members.iter().map(|m| m.bandwidth).collect();
     let total = flat.len();
-    let solved = if shared.config.load_balance {
-        solve_fractions(&bandwidths, &modes)
-    } else {
-        let reducers = modes
-            .iter()
-            .filter(|m| **m != AveragingMode::Client)
-            .count();
-        (reducers > 0).then(|| {
-            modes
-                .iter()
-                .map(|m| {
-                    if *m == AveragingMode::Client {
-                        0.0
-                    } else {
-                        1.0 / reducers as f64
-                    }
-                })
-                .collect()
-        })
-    };
-    let Some(fractions) = solved else {
+    let Some(fractions) = fractions(&shared.config, &bandwidths, &modes) else {
         return Outcome {
             result: flat,
             group: peers,
@@ -146,11 +245,18 @@ pub(crate) async fn run_allreduce(
     };
     let ranges = spans(total, &fractions);
     let (tx, rx) = mpsc::channel(n + 4);
+    let (repair_tx, repair_rx) = mpsc::channel(REPAIR_QUEUE_PER_MEMBER * n + 4);
     if let Ok(mut routes) = shared.round_routes.lock() {
-        routes.insert(group.round_id, tx);
+        routes.insert(
+            group.round_id,
+            RoundRoute {
+                senders: tx,
+                repairs: repair_tx,
+            },
+        );
     }
-    let _guard = RoundGuard {
-        shared,
+    let guard = RoundGuard {
+        shared: shared.clone(),
         round_id: group.round_id,
     };
     let round = Arc::new(Round {
@@ -161,6 +267,8 @@ pub(crate) async fn run_allreduce(
         peers: peers.clone(),
         addrs: group.members.iter().map(|m| m.addrs.clone()).collect(),
         modes: modes.clone(),
+        bandwidths,
+        ranges: ranges.clone(),
         flat: Arc::new(flat),
         counters: Counters::default(),
         deadline,
@@ -180,7 +288,7 @@ pub(crate) async fn run_allreduce(
                 let range = range.clone();
                 sends.push((
                     j,
-                    tokio::spawn(async move { send_span(&round, j, range).await }),
+                    tokio::spawn(async move { send_span(&round, j, range, SendKind::Span).await }),
                 ));
             }
         }
@@ -190,16 +298,23 @@ pub(crate) async fn run_allreduce(
     let reduced = if my_range.is_empty() {
         None
     } else {
-        Some(reduce_span(round.clone(), my_range.clone(), rx).await)
+        let job = ReduceJob {
+            range: my_range.clone(),
+            allowed: senders_except(&round, &[me as u32]),
+            expected: senders_except(&round, &[me as u32]),
+            repair: None,
+        };
+        Some(reduce_span(round.clone(), job, rx).await)
     };
 
     let mut result: Vec<f32> = round.flat.as_ref().clone();
     let mut reports = Vec::new();
-    let mut failed: HashSet<PeerId> = HashSet::new();
+    // Members seen failing in any role, and reducers seen failing (the repair plan's input).
+    let mut failed: HashSet<u32> = HashSet::new();
+    let mut down: BTreeSet<u32> = BTreeSet::new();
+    let mut lost: Vec<(usize, String)> = Vec::new();
     if let Some(r) = reduced {
-        for f in &r.failed {
-            failed.insert(peers[*f as usize]);
-        }
+        failed.extend(&r.failed);
         let outcome = match r.mean {
             Some(mean) => {
                 result[my_range.clone()].copy_from_slice(&mean);
@@ -224,9 +339,14 @@ pub(crate) async fn run_allreduce(
                     contributors: contributors.iter().map(|c| peers[*c as usize]).collect(),
                 }
             }
-            Ok(Err(reason)) => {
-                failed.insert(peers[j]);
-                kept(reason)
+            Ok(Err(fail)) => {
+                failed.insert(j as u32);
+                if fail.reducer_failed {
+                    down.insert(j as u32);
+                    lost.push((j, fail.reason));
+                    continue;
+                }
+                kept(fail.reason)
             }
             Err(e) => kept(format!("sender task failed: {e}")),
         };
@@ -236,9 +356,35 @@ pub(crate) async fn run_allreduce(
             outcome,
         });
     }
+
+    // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
+    // lost a span this peer received (in the background: the caller does not wait for it).
+    let mut repair = Repair::new(round.clone(), down, failed);
+    let mut repair_rx = repair_rx;
+    if !lost.is_empty() {
+        repair.start(lost);
+        repair.drive(&mut repair_rx, None).await;
+    }
+    for (range, values) in repair.patches.drain(..) {
+        result[range].copy_from_slice(&values);
+    }
+    reports.append(&mut repair.reports);
+    let failed = repair.failed.clone();
+    let left = deadline.saturating_duration_since(Instant::now());
+    if !ranges[me].is_empty() && left >= shared.config.repair_min_time {
+        let until = (Instant::now() + shared.config.request_timeout).min(deadline);
+        let server = tokio::spawn(async move {
+            repair.drive(&mut repair_rx, Some(until)).await;
+            drop(repair);
+            drop(guard);
+        });
+        shared.set_repair_server(server);
+    }
+
     reports.sort_by_key(|r| r.range.start);
-    let mut failed: Vec<PeerId> = failed.into_iter().collect();
+    let mut failed: Vec<PeerId> = failed.into_iter().map(|f| peers[f as usize]).collect();
     failed.sort();
+    failed.dedup();
     Outcome {
         result,
         group: peers,
@@ -256,82 +402,473 @@ pub(crate) async fn run_allreduce(
     }
 }
 
-/// Streams our part of reducer `j`'s span, reads back the averaged delta, and returns the new
-/// values of the span.
+/// The members that send (not `Aux`), except those listed.
+fn senders_except(round: &Round, except: &[u32]) -> HashSet<u32> {
+    (0..round.peers.len() as u32)
+        .filter(|i| !except.contains(i) && round.modes[*i as usize] != AveragingMode::Aux)
+        .collect()
+}
+
+type PartDone = (
+    u32,
+    usize,
+    Range<usize>,
+    Result<(Vec<u32>, Vec<f32>), SendFail>,
+);
+
+/// Phase 2 (re-delegation) on one peer; see the module docs. Owns its tasks: dropping it aborts
+/// them.
+struct Repair {
+    round: Arc<Round>,
+    /// Reducers this peer saw fail (input of every repair plan it computes).
+    down: BTreeSet<u32>,
+    /// Members this peer saw fail in any role.
+    failed: HashSet<u32>,
+    /// Parts this peer needs back, by `(failed reducer, part start)`: their reducer, range, and
+    /// why the failed reducer's span is being repaired.
+    needed: HashMap<(u32, usize), (usize, Range<usize>, String)>,
+    /// Queues of the parts this peer reduces, by failed reducer (kept after the part is done,
+    /// so a part is reduced at most once).
+    sessions: HashMap<u32, mpsc::Sender<IncomingSender>>,
+    session_tasks: FuturesUnordered<JoinHandle<(u32, Range<usize>, Reduced)>>,
+    /// Parts sent to other reducers: those this peer needs, and contributions to spans it did
+    /// not lose.
+    part_tasks: FuturesUnordered<JoinHandle<PartDone>>,
+    /// New values of the parts this peer needed, to write into its result.
+    patches: Vec<(Range<usize>, Vec<f32>)>,
+    /// Reports of the parts (or whole spans) this peer needed.
+    reports: Vec<SpanReport>,
+}
+
+impl Drop for Repair {
+    fn drop(&mut self) {
+        for t in self.session_tasks.iter() {
+            t.abort();
+        }
+        for t in self.part_tasks.iter() {
+            t.abort();
+        }
+    }
+}
+
+impl Repair {
+    fn new(round: Arc<Round>, down: BTreeSet<u32>, failed: HashSet<u32>) -> Self {
+        Repair {
+            round,
+            down,
+            failed,
+            needed: HashMap::new(),
+            sessions: HashMap::new(),
+            session_tasks: FuturesUnordered::new(),
+            part_tasks: FuturesUnordered::new(),
+            patches: Vec::new(),
+            reports: Vec::new(),
+        }
+    }
+
+    /// Plans the repair of every span this peer lost (`(reducer, why)`), if the deadline leaves
+    /// time, and starts sending and reducing its parts.
+    fn start(&mut self, lost: Vec<(usize, String)>) {
+        let round = self.round.clone();
+        let cfg = &round.shared.config;
+        let me = round.me as usize;
+        let left = round.deadline.saturating_duration_since(Instant::now());
+        for (j, why) in lost {
+            let range = round.ranges[j].clone();
+            let need = cfg
+                .repair_min_time
+                .saturating_add(transfer_estimate(range.len(), round.shared.bandwidth()));
+            if left < need {
+                let reason = format!(
+                    "{why}; {} ms left before the deadline, too little to re-delegate (needs {} ms)",
+                    left.as_millis(),
+                    need.as_millis()
+                );
+                self.keep(j, range, reason);
+                continue;
+            }
+            let plan = self.plan(j);
+            if plan.is_empty() {
+                self.keep(
+                    j,
+                    range,
+                    format!("{why}; no surviving reducer to re-delegate to"),
+                );
+                continue;
+            }
+            tracing::debug!(failed = j, ?plan, "re-delegating a failed reducer's span");
+            for (k, part) in plan {
+                self.needed
+                    .insert((j as u32, part.start), (k, part.clone(), why.clone()));
+                if k == me {
+                    self.start_session(j as u32, part);
+                } else {
+                    self.send_part(j as u32, k, part);
+                }
+            }
+        }
+    }
+
+    /// Serves repair hellos and collects finished parts. With `linger == None`, returns once
+    /// every part this peer needs is settled; with `Some(until)`, once `until` has passed and
+    /// no part this peer reduces or contributes to is in flight. Never past the deadline: parts
+    /// still missing then keep their local values.
+    async fn drive(&mut self, rx: &mut mpsc::Receiver<IncomingSender>, linger: Option<Instant>) {
+        let deadline = self.round.deadline;
+        loop {
+            let idle = self.session_tasks.is_empty() && self.part_tasks.is_empty();
+            match linger {
+                // (Idle with parts still needed only if a task died: they stay local.)
+                None if self.needed.is_empty() || idle => break,
+                Some(until) if idle && Instant::now() >= until => break,
+                _ => {}
+            }
+            let until = linger.unwrap_or(deadline);
+            tokio::select! {
+                Some(inc) = rx.recv() => self.dispatch(inc),
+                Some(done) = self.session_tasks.next() => match done {
+                    Ok((j, part, reduced)) => self.session_done(j, part, reduced),
+                    Err(e) => tracing::warn!("repair reduce task failed: {e}"),
+                },
+                Some(done) = self.part_tasks.next() => match done {
+                    Ok((j, k, part, r)) => self.part_done(j, k, part, r),
+                    Err(e) => tracing::warn!("repair send task failed: {e}"),
+                },
+                _ = sleep_until(until), if idle && linger.is_some() => {}
+                _ = sleep_until(deadline) => break,
+            }
+        }
+        // Parts that did not come back in time keep their local values.
+        for ((j, _), (k, part, why)) in std::mem::take(&mut self.needed) {
+            let reason = format!(
+                "{why}; the deadline passed before {} returned the re-delegated part",
+                self.round.peers[k]
+            );
+            self.keep(j as usize, part, reason);
+        }
+    }
+
+    /// This peer's repair plan for failed reducer `j`'s span.
+    fn plan(&self, j: usize) -> Vec<(usize, Range<usize>)> {
+        let r = &self.round;
+        repair_plan(
+            &r.shared.config,
+            &r.ranges,
+            &r.bandwidths,
+            &r.modes,
+            j,
+            &self.down,
+        )
+    }
+
+    fn keep(&mut self, j: usize, range: Range<usize>, reason: String) {
+        self.reports.push(SpanReport {
+            reducer: self.round.peers[j],
+            range,
+            outcome: kept(reason),
+        });
+    }
+
+    /// Sends this peer's original values of `part` of failed reducer `j`'s span to member `k`.
+    fn send_part(&mut self, j: u32, k: usize, part: Range<usize>) {
+        let round = self.round.clone();
+        self.part_tasks.push(tokio::spawn(async move {
+            let r = send_span(&round, k, part.clone(), SendKind::Repair { failed: j }).await;
+            (j, k, part, r)
+        }));
+    }
+
+    /// Starts reducing this peer's part of failed reducer `j`'s span.
+    fn start_session(&mut self, j: u32, part: Range<usize>) {
+        let round = self.round.clone();
+        let n = round.peers.len();
+        let (tx, rx) = mpsc::channel(n + 4);
+        self.sessions.insert(j, tx);
+        let allowed = senders_except(&round, &[round.me, j]);
+        let expected = allowed
+            .iter()
+            .copied()
+            .filter(|i| !self.failed.contains(i) && !self.down.contains(i))
+            .collect();
+        let job = ReduceJob {
+            range: part.clone(),
+            allowed,
+            expected,
+            repair: Some(j),
+        };
+        self.session_tasks.push(tokio::spawn(async move {
+            let reduced = reduce_span(round, job, rx).await;
+            (j, part, reduced)
+        }));
+    }
+
+    /// Routes a repair hello to the part it names. A part this peer did not plan for (it did not
+    /// lose that span) starts if its own plan gives it exactly that part; this peer then also
+    /// contributes its original values to the plan's other parts, so the peers repairing the
+    /// span average with it too and need not wait for it. Anything else is refused.
+    fn dispatch(&mut self, inc: IncomingSender) {
+        let round = self.round.clone();
+        let ReduceMsg::RepairHello {
+            failed, start, len, ..
+        } = inc.hello
+        else {
+            return;
+        };
+        let refuse = |mut inc: IncomingSender, why: &str| {
+            let t = round.shared.config.request_timeout;
+            let msg = ReduceMsg::Excluded(why.to_string());
+            tokio::spawn(async move {
+                let _ = timeout(t, write_control(&mut inc.stream, &msg)).await;
+            });
+        };
+        if !self.sessions.contains_key(&failed) {
+            let me = round.me as usize;
+            let plan = if (failed as usize) < round.peers.len() && failed as usize != me {
+                self.plan(failed as usize)
+            } else {
+                vec![]
+            };
+            let mine = plan.iter().any(|(k, part)| {
+                *k == me && part.start as u64 == start && part.len() as u64 == len
+            });
+            if !mine {
+                refuse(inc, "that part is not this peer's under its repair plan");
+                return;
+            }
+            tracing::debug!(failed, start, len, "serving a re-delegated part");
+            for (k, part) in plan {
+                if k == me {
+                    self.start_session(failed, part);
+                } else if round.modes[me] != AveragingMode::Aux {
+                    self.send_part(failed, k, part);
+                }
+            }
+        }
+        let Some(tx) = self.sessions.get(&failed) else {
+            return;
+        };
+        if let Err(e) = tx.try_send(inc) {
+            let inc = match e {
+                mpsc::error::TrySendError::Full(i) | mpsc::error::TrySendError::Closed(i) => i,
+            };
+            refuse(inc, "that part is already reduced");
+        }
+    }
+
+    fn session_done(&mut self, j: u32, part: Range<usize>, reduced: Reduced) {
+        let round = self.round.clone();
+        self.failed.extend(&reduced.failed);
+        if self.needed.remove(&(j, part.start)).is_none() {
+            return; // served for others; this peer keeps the failed reducer's own result
+        }
+        let outcome = match reduced.mean {
+            Some(mean) => {
+                self.patches.push((part.clone(), mean));
+                SpanOutcome::Redelegated {
+                    to: round.peers[round.me as usize],
+                    contributors: reduced
+                        .contributors
+                        .iter()
+                        .map(|c| round.peers[*c as usize])
+                        .collect(),
+                }
+            }
+            None => kept("re-delegated part: no contributions arrived"),
+        };
+        self.reports.push(SpanReport {
+            reducer: round.peers[j as usize],
+            range: part,
+            outcome,
+        });
+    }
+
+    fn part_done(
+        &mut self,
+        j: u32,
+        k: usize,
+        part: Range<usize>,
+        r: Result<(Vec<u32>, Vec<f32>), SendFail>,
+    ) {
+        let round = self.round.clone();
+        if let Err(fail) = &r {
+            if fail.reducer_failed {
+                self.failed.insert(k as u32);
+            }
+        }
+        let Some((_, _, why)) = self.needed.remove(&(j, part.start)) else {
+            return; // a contribution to a span this peer did not lose
+        };
+        let outcome = match r {
+            Ok((contributors, values)) => {
+                self.patches.push((part.clone(), values));
+                SpanOutcome::Redelegated {
+                    to: round.peers[k],
+                    contributors: contributors
+                        .iter()
+                        .map(|c| round.peers[*c as usize])
+                        .collect(),
+                }
+            }
+            Err(fail) => kept(format!(
+                "{why}; re-delegating to {} failed: {}",
+                round.peers[k], fail.reason
+            )),
+        };
+        self.reports.push(SpanReport {
+            reducer: round.peers[j as usize],
+            range: part,
+            outcome,
+        });
+    }
+}
+
+/// Time to move `len` f32 values out and back at `bandwidth` bytes per second.
+fn transfer_estimate(len: usize, bandwidth: f64) -> Duration {
+    Duration::try_from_secs_f64(2.0 * 4.0 * len as f64 / bandwidth).unwrap_or(Duration::MAX)
+}
+
+/// What a sender streams: its part of a reducer's span (phase 1), or its part of a failed
+/// reducer's span to a surviving reducer (phase 2).
+#[derive(Clone, Copy)]
+enum SendKind {
+    Span,
+    Repair { failed: u32 },
+}
+
+/// Why a sender got no result back.
+struct SendFail {
+    reason: String,
+    /// The reducer failed (gone, stalled, broke the protocol, not in the round), as opposed to
+    /// refusing us, or our own failure or deadline.
+    reducer_failed: bool,
+}
+
+impl SendFail {
+    fn reducer(reason: impl Into<String>) -> Self {
+        SendFail {
+            reason: reason.into(),
+            reducer_failed: true,
+        }
+    }
+
+    fn other(reason: impl Into<String>) -> Self {
+        SendFail {
+            reason: reason.into(),
+            reducer_failed: false,
+        }
+    }
+
+    /// `Excluded(why)` from the reducer: a failure only if it does not know the round.
+    fn excluded(why: String) -> Self {
+        SendFail {
+            reducer_failed: why == UNKNOWN_ROUND,
+            reason: format!("excluded by reducer: {why}"),
+        }
+    }
+}
+
+/// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
+/// surviving reducer `j`), reads back the averaged delta, and returns the contributors and the
+/// new values of the range.
 async fn send_span(
     round: &Round,
     j: usize,
     range: Range<usize>,
-) -> Result<(Vec<u32>, Vec<f32>), String> {
+    kind: SendKind,
+) -> Result<(Vec<u32>, Vec<f32>), SendFail> {
     let cfg = &round.shared.config;
+    let phase1 = matches!(kind, SendKind::Span);
+    // A surviving reducer may still be finishing phase 1 when our repair hello arrives, and it
+    // waits for no-shows before averaging a part: allow for both.
+    let (ack_wait, result_wait) = match kind {
+        SendKind::Span => (cfg.request_timeout * 2, cfg.reducer_timeout),
+        SendKind::Repair { .. } => (
+            cfg.request_timeout * 2 + cfg.reducer_timeout,
+            cfg.reducer_timeout + cfg.request_timeout + cfg.sender_timeout,
+        ),
+    };
     let work = async {
         let t0 = Instant::now();
-        let hello = ReduceMsg::Hello {
-            round_id: round.round_id,
-            sender: round.me,
-            weight: round.weight,
-            start: range.start as u64,
-            len: range.len() as u64,
+        let hello = match kind {
+            SendKind::Span => ReduceMsg::Hello {
+                round_id: round.round_id,
+                sender: round.me,
+                weight: round.weight,
+                start: range.start as u64,
+                len: range.len() as u64,
+            },
+            SendKind::Repair { failed } => ReduceMsg::RepairHello {
+                round_id: round.round_id,
+                sender: round.me,
+                weight: round.weight,
+                failed,
+                start: range.start as u64,
+                len: range.len() as u64,
+            },
         };
-        let (mut stream, mut sent) = open_with_hello(round, j, &hello).await?;
+        let (mut stream, mut sent) = open_with_hello(round, j, &hello, ack_wait).await?;
         let opts = EncodeOptions::default();
         let part = &round.flat[range.clone()];
-        let chunks =
-            split_chunks(cfg.codec, part, cfg.chunk_bytes, &opts).map_err(|e| e.to_string())?;
+        let chunks = split_chunks(cfg.codec, part, cfg.chunk_bytes, &opts)
+            .map_err(|e| SendFail::other(e.to_string()))?;
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
         let mut as_sent = (cfg.codec != Codec::None).then(|| vec![0.0f32; part.len()]);
         for (index, chunk) in chunks.enumerate() {
-            if cfg.fault == Some(Fault::AfterSentChunks(index)) {
+            if phase1 && cfg.fault == Some(Fault::AfterSentChunks(index)) {
                 round.shared.node.shutdown().await;
-                return Err("fault injected: crashed while sending".into());
+                return Err(SendFail::other("fault injected: crashed while sending"));
             }
-            let chunk = chunk.map_err(|e| e.to_string())?;
+            let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
             if let Some(buf) = as_sent.as_mut() {
-                let header = ChunkHeader::parse(&chunk).map_err(|e| e.to_string())?;
+                let header =
+                    ChunkHeader::parse(&chunk).map_err(|e| SendFail::other(e.to_string()))?;
                 let at = header.offset as usize;
-                decode_into(&chunk, &mut buf[at..at + header.count]).map_err(|e| e.to_string())?;
+                decode_into(&chunk, &mut buf[at..at + header.count])
+                    .map_err(|e| SendFail::other(e.to_string()))?;
             }
             sent += timeout(cfg.reducer_timeout, write_data(&mut stream, &chunk))
                 .await
-                .map_err(|_| "reducer stopped reading".to_string())?
-                .map_err(|e| e.to_string())?;
+                .map_err(|_| SendFail::reducer("reducer stopped reading"))?
+                .map_err(|e| SendFail::reducer(e.to_string()))?;
         }
         sent += write_control(&mut stream, &ReduceMsg::SendDone)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| SendFail::reducer(e.to_string()))?;
         futures::AsyncWriteExt::flush(&mut stream)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| SendFail::reducer(e.to_string()))?;
         round
             .counters
             .sent
             .fetch_add(sent as u64, Ordering::Relaxed);
         let t_sent = t0.elapsed();
-        if sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
+        // Only phase 1's concurrent streams measure this peer's upload rate.
+        if phase1 && sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
             if let Ok(mut r) = round.counters.rate_sum.lock() {
                 *r += sent as f64 / t_sent.as_secs_f64();
             }
         }
 
-        let reply: ReduceMsg = timeout(
-            cfg.reducer_timeout,
-            read_control(&mut stream, cfg.max_frame_bytes),
-        )
-        .await
-        .map_err(|_| "reducer did not answer in time".to_string())?
-        .map_err(|e| e.to_string())?;
+        let reply: ReduceMsg = timeout(result_wait, read_control(&mut stream, cfg.max_frame_bytes))
+            .await
+            .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
+            .map_err(|e| SendFail::reducer(e.to_string()))?;
         let contributors = match reply {
             ReduceMsg::Result { contributors } => contributors,
-            ReduceMsg::Excluded(why) => return Err(format!("excluded by reducer: {why}")),
-            other => return Err(format!("unexpected message {other:?}")),
+            ReduceMsg::Excluded(why) => return Err(SendFail::excluded(why)),
+            other => return Err(SendFail::reducer(format!("unexpected message {other:?}"))),
+        };
+        let failed = match kind {
+            SendKind::Span => None,
+            SendKind::Repair { failed } => Some(failed),
         };
         if !contributors.contains(&round.me)
             || contributors
                 .iter()
-                .any(|c| *c as usize >= round.peers.len())
+                .any(|c| *c as usize >= round.peers.len() || Some(*c) == failed)
         {
-            return Err("reducer's contributor list is malformed".into());
+            return Err(SendFail::reducer("reducer's contributor list is malformed"));
         }
         let delta = receive_chunks(
             round,
@@ -340,7 +877,8 @@ async fn send_span(
             cfg.reducer_timeout,
             Phase::Result,
         )
-        .await?;
+        .await
+        .map_err(SendFail::reducer)?;
         let _ = futures::AsyncWriteExt::close(&mut stream).await;
         let mut result = delta;
         tracing::debug!(reducer = j, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
@@ -353,23 +891,25 @@ async fn send_span(
     };
     timeout_at(round.deadline, work)
         .await
-        .unwrap_or_else(|_| Err("deadline passed".into()))
+        .unwrap_or_else(|_| Err(SendFail::other("deadline passed")))
 }
 
 /// How long a sender keeps retrying to get a stream past libp2p-stream's accept queue.
 const HELLO_RETRY_PAUSE: Duration = Duration::from_millis(25);
 
-/// Opens a reduce stream to member `j` and waits for its `Ready`, retrying streams that were
-/// dropped before the reducer saw them (libp2p-stream drops inbound streams that arrive while its
-/// accept queue is busy). Retrying is safe: a reducer counts each sender at most once.
+/// Opens a reduce stream to member `j` and waits (at most `wait`) for its `Ready`, retrying
+/// streams that were dropped before the reducer saw them (libp2p-stream drops inbound streams
+/// that arrive while its accept queue is busy). Retrying is safe: a reducer counts each sender
+/// at most once.
 async fn open_with_hello(
     round: &Round,
     j: usize,
     hello: &ReduceMsg,
-) -> Result<(Stream, usize), String> {
+    wait: Duration,
+) -> Result<(Stream, usize), SendFail> {
     let cfg = &round.shared.config;
     // The reducer may still be starting its round: allow for that, then give up.
-    let give_up = Instant::now() + cfg.request_timeout * 2;
+    let give_up = Instant::now() + wait;
     let mut last = String::from("no attempt");
     let mut attempt = 0u32;
     while Instant::now() < give_up {
@@ -402,23 +942,40 @@ async fn open_with_hello(
         .await
         {
             Ok(Ok(ReduceMsg::Ready)) => return Ok((stream, sent)),
-            Ok(Ok(ReduceMsg::Excluded(why))) => return Err(format!("excluded by reducer: {why}")),
-            Ok(Ok(other)) => return Err(format!("unexpected message {other:?}")),
+            Ok(Ok(ReduceMsg::Excluded(why))) => return Err(SendFail::excluded(why)),
+            Ok(Ok(other)) => {
+                return Err(SendFail::reducer(format!("unexpected message {other:?}")))
+            }
             Ok(Err(e)) => {
                 tracing::debug!(reducer = j, attempt, "hello stream dropped, retrying: {e}");
                 last = e.to_string();
             }
-            Err(_) => return Err("reducer did not acknowledge in time".into()),
+            Err(_) => return Err(SendFail::reducer("reducer did not acknowledge in time")),
         }
     }
-    Err(format!("could not reach the reducer: {last}"))
+    Err(SendFail::reducer(format!(
+        "could not reach the reducer: {last}"
+    )))
 }
 
 fn decode_options(len: usize) -> DecodeOptions {
     DecodeOptions::default().with_max_elements(len.max(1))
 }
 
-/// The result of reducing our own span.
+/// What a reducer reduces: its own span (phase 1) or its part of a failed reducer's span.
+struct ReduceJob {
+    range: Range<usize>,
+    /// Senders it accepts, each at most once.
+    allowed: HashSet<u32>,
+    /// Senders it waits for (until the no-show time); a subset of `allowed`.
+    expected: HashSet<u32>,
+    /// `Some(failed reducer)` for a re-delegated part: senders must send a matching
+    /// `RepairHello`, and members that do not come are not counted as failed (they may have
+    /// received the failed reducer's result).
+    repair: Option<u32>,
+}
+
+/// The result of reducing a span or part.
 struct Reduced {
     /// The weighted mean, if anyone contributed.
     mean: Option<Vec<f32>>,
@@ -428,17 +985,22 @@ struct Reduced {
 
 type Received = (u32, Stream, Result<(f64, Vec<f32>), String>);
 
-/// Receives every sender's part of our span, averages, and sends deltas back.
+/// Receives every sender's part of the job's range, averages, and sends deltas back.
 async fn reduce_span(
     round: Arc<Round>,
-    range: Range<usize>,
+    job: ReduceJob,
     mut rx: mpsc::Receiver<IncomingSender>,
 ) -> Reduced {
     let cfg = &round.shared.config;
     let me = round.me;
-    let mut expected: HashSet<u32> = (0..round.peers.len() as u32)
-        .filter(|&i| i != me && round.modes[i as usize] != AveragingMode::Aux)
-        .collect();
+    let ReduceJob {
+        range,
+        mut allowed,
+        mut expected,
+        repair,
+    } = job;
+    // No-shows count as failed only in phase 1, where every sender owes us its part.
+    let phase1 = repair.is_none();
     let mut contributions: Vec<(u32, f64, Vec<f32>)> = Vec::new();
     let mut streams: HashMap<u32, Stream> = HashMap::new();
     let mut failed: Vec<u32> = Vec::new();
@@ -450,10 +1012,16 @@ async fn reduce_span(
         tokio::select! {
             Some(inc) = rx.recv() => {
                 let IncomingSender { peer, hello, mut stream } = inc;
-                let ReduceMsg::Hello { sender, weight, start, len, .. } = hello else { continue };
+                let (sender, weight, start, len) = match (hello, repair) {
+                    (ReduceMsg::Hello { sender, weight, start, len, .. }, None) => (sender, weight, start, len),
+                    (ReduceMsg::RepairHello { sender, weight, failed, start, len, .. }, Some(f)) if failed == f => {
+                        (sender, weight, start, len)
+                    }
+                    _ => continue,
+                };
                 let valid = (sender as usize) < round.peers.len()
                     && round.peers[sender as usize] == peer
-                    && expected.contains(&sender)
+                    && allowed.contains(&sender)
                     && start == range.start as u64
                     && len == range.len() as u64
                     && weight.is_finite()
@@ -466,6 +1034,7 @@ async fn reduce_span(
                 if !matches!(timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Ready)).await, Ok(Ok(_))) {
                     continue; // the sender retries on a new stream
                 }
+                allowed.remove(&sender);
                 expected.remove(&sender);
                 let round = round.clone();
                 let len = range.len();
@@ -492,10 +1061,16 @@ async fn reduce_span(
                 }
             }
             _ = sleep_until(no_show), if !expected.is_empty() => {
-                failed.extend(expected.drain());
+                let gone = expected.drain();
+                if phase1 {
+                    failed.extend(gone);
+                }
             }
             _ = sleep_until(round.deadline) => {
-                failed.extend(expected.drain());
+                let gone = expected.drain();
+                if phase1 {
+                    failed.extend(gone);
+                }
                 break;
             }
         }
@@ -505,7 +1080,7 @@ async fn reduce_span(
         p.abort();
     }
 
-    if cfg.fault == Some(Fault::WhileReducing) {
+    if phase1 && cfg.fault == Some(Fault::WhileReducing) {
         round.shared.node.shutdown().await;
     }
     let mine = &round.flat[range.clone()];
@@ -543,6 +1118,25 @@ async fn reduce_span(
     // Send each contributor its delta, in parallel.
     let mean = Arc::new(mean);
     let mut replies = Vec::new();
+    if let (true, Some(Fault::WhileReturning(served))) = (phase1, cfg.fault) {
+        // Serve the first `served` senders (in member order), one after the other, then crash.
+        contributions.sort_by_key(|(s, _, _)| *s);
+        for (sender, _, data) in contributions.drain(..served.min(contributions.len())) {
+            if let Some(mut stream) = streams.remove(&sender) {
+                let delta: Vec<f32> = mean.iter().zip(&data).map(|(m, x)| m - x).collect();
+                let contributors = contributors.clone();
+                let _ = timeout_at(
+                    round.deadline,
+                    send_result(&round, &mut stream, contributors, &delta),
+                )
+                .await;
+            }
+        }
+        // Let the served results leave before the connections drop.
+        tokio::time::sleep(FAULT_FLUSH_GRACE).await;
+        round.shared.node.shutdown().await;
+        contributions.clear();
+    }
     for (sender, _, data) in contributions {
         let Some(mut stream) = streams.remove(&sender) else {
             continue;
@@ -557,13 +1151,19 @@ async fn reduce_span(
                 send_result(&round, &mut stream, contributors, &delta),
             )
             .await;
-            if !matches!(r, Ok(Ok(()))) {
+            if matches!(r, Ok(Ok(()))) {
+                None
+            } else {
                 tracing::debug!(sender, "could not return the result");
+                Some(sender)
             }
         }));
     }
     for r in replies {
-        let _ = r.await;
+        // A sender that could not take its result back has failed (its data still counted).
+        if let Ok(Some(sender)) = r.await {
+            failed.push(sender);
+        }
     }
     Reduced {
         mean: Some(Arc::try_unwrap(mean).unwrap_or_else(|m| m.as_ref().clone())),
@@ -642,4 +1242,47 @@ async fn send_result(
         .sent
         .fetch_add(sent as u64, Ordering::Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::AveragingMode::{Client, Node};
+
+    #[test]
+    fn repair_plan_splits_the_failed_span_over_survivors_only() {
+        let cfg = AveragerConfig::new("plan");
+        let ranges = vec![0..25, 25..50, 50..50, 50..100];
+        let bw = [1e8; 4];
+        let modes = [Node, Node, Client, Node];
+        let none = BTreeSet::new();
+        // Member 3 failed: its span goes to the two other reducers (not the client), in halves.
+        let plan = repair_plan(&cfg, &ranges, &bw, &modes, 3, &none);
+        assert_eq!(plan, vec![(0, 50..75), (1, 75..100)]);
+        assert_eq!(plan, repair_plan(&cfg, &ranges, &bw, &modes, 3, &none));
+        // A reducer seen failing too gets nothing.
+        let down = BTreeSet::from([3, 1]);
+        assert_eq!(
+            repair_plan(&cfg, &ranges, &bw, &modes, 3, &down),
+            vec![(0, 50..100)]
+        );
+        // Nobody left, an empty span, or an index out of range: no plan.
+        let all = BTreeSet::from([0, 1]);
+        assert!(repair_plan(&cfg, &ranges, &bw, &modes, 3, &all).is_empty());
+        assert!(repair_plan(&cfg, &ranges, &bw, &modes, 2, &none).is_empty());
+        assert!(repair_plan(&cfg, &ranges, &bw, &modes, 9, &none).is_empty());
+        // Parts follow bandwidth like the round's spans.
+        let bw = [3e8, 1e8, 1e8, 1e8];
+        let plan = repair_plan(&cfg, &ranges, &bw, &modes, 3, &none);
+        assert_eq!(plan.first().map(|p| p.1.start), Some(50));
+        assert_eq!(plan.last().map(|p| p.1.end), Some(100));
+        assert!(plan[0].1.len() > plan[1].1.len(), "{plan:?}");
+    }
+
+    #[test]
+    fn transfer_estimate_never_panics() {
+        assert_eq!(transfer_estimate(1000, 8000.0), Duration::from_secs(1));
+        assert_eq!(transfer_estimate(1000, 0.0), Duration::MAX);
+        assert_eq!(transfer_estimate(1000, f64::NAN), Duration::MAX);
+    }
 }

@@ -11,11 +11,11 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
-use crate::allreduce::{run_allreduce, IncomingSender};
+use crate::allreduce::{run_allreduce, IncomingSender, RoundRoute};
 use crate::matchmaking::{find_group, IncomingJoin};
 use crate::wire::{
     read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
-    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL,
+    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
 
@@ -32,10 +32,12 @@ pub(crate) struct Shared {
     pub node: Node,
     pub config: AveragerConfig,
     pub join_routes: Mutex<HashMap<String, mpsc::Sender<IncomingJoin>>>,
-    pub round_routes: Mutex<HashMap<u64, mpsc::Sender<IncomingSender>>>,
+    pub round_routes: Mutex<HashMap<u64, RoundRoute>>,
     /// Measured upload rate (bytes/s); `None` until the first measurement.
     bandwidth: Mutex<Option<f64>>,
     grid_index: Mutex<u32>,
+    /// The last round's background repair server (see `allreduce`): at most one at a time.
+    repair_server: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Shared {
@@ -64,6 +66,25 @@ impl Shared {
                 "cannot open a stream to {peer}: {e}"
             ))),
             Err(_) => Err(AveragerError::Deadline("opening a stream")),
+        }
+    }
+
+    /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
+    /// previous one: one lingering round at a time bounds the memory and tasks it holds.
+    pub fn set_repair_server(&self, server: JoinHandle<()>) {
+        if let Ok(mut s) = self.repair_server.lock() {
+            if let Some(old) = s.replace(server) {
+                old.abort();
+            }
+        }
+    }
+
+    /// Ends the background repair server, if any.
+    fn stop_repair_server(&self) {
+        if let Ok(mut s) = self.repair_server.lock() {
+            if let Some(old) = s.take() {
+                old.abort();
+            }
         }
     }
 
@@ -148,6 +169,7 @@ impl Averager {
             join_routes: Mutex::new(HashMap::new()),
             round_routes: Mutex::new(HashMap::new()),
             grid_index: Mutex::new(grid),
+            repair_server: Mutex::new(None),
         });
         let tasks = vec![
             tokio::spawn(serve_inbound(shared.clone(), joins, on_join)),
@@ -277,6 +299,7 @@ impl Averager {
 
     /// Stops the accept loops. Rounds in flight on other peers see this peer as failed.
     pub async fn shutdown(mut self) {
+        self.shared.stop_repair_server();
         for t in self.tasks.drain(..) {
             t.abort();
             let _ = t.await;
@@ -286,6 +309,7 @@ impl Averager {
 
 impl Drop for Averager {
     fn drop(&mut self) {
+        self.shared.stop_repair_server();
         for t in &self.tasks {
             t.abort();
         }
@@ -383,20 +407,25 @@ async fn on_join(shared: Arc<Shared>, peer: PeerId, msg: MatchMsg, mut stream: S
     .await;
 }
 
-/// Routes a sender's stream to the round its hello names, waiting a little for a round that
-/// this peer has not started yet.
+/// Routes a sender's stream to the round its hello names (a re-delegation hello to the round's
+/// repair queue), waiting a little for a round that this peer has not started yet.
 async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Stream) {
-    let ReduceMsg::Hello { round_id, .. } = hello else {
-        return;
+    let (round_id, repair) = match hello {
+        ReduceMsg::Hello { round_id, .. } => (round_id, false),
+        ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
+        _ => return,
     };
     let give_up = Instant::now() + shared.config.request_timeout;
     let route = loop {
-        if let Some(tx) = shared
-            .round_routes
-            .lock()
-            .ok()
-            .and_then(|r| r.get(&round_id).cloned())
-        {
+        if let Some(tx) = shared.round_routes.lock().ok().and_then(|r| {
+            r.get(&round_id).map(|route| {
+                if repair {
+                    route.repairs.clone()
+                } else {
+                    route.senders.clone()
+                }
+            })
+        }) {
             break Some(tx);
         }
         if Instant::now() >= give_up {
@@ -404,25 +433,25 @@ async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stre
         }
         tokio::time::sleep(ROUND_ROUTE_WAIT).await;
     };
-    match route {
-        Some(tx) => {
-            let _ = tx
-                .send(IncomingSender {
-                    peer,
-                    hello,
-                    stream,
-                })
-                .await;
-        }
-        None => {
-            let reply = ReduceMsg::Excluded("unknown round".into());
-            let _ = timeout(
-                shared.config.request_timeout,
-                write_control(&mut stream, &reply),
-            )
-            .await;
+    if let Some(tx) = route {
+        let incoming = IncomingSender {
+            peer,
+            hello,
+            stream,
+        };
+        match tx.send(incoming).await {
+            Ok(()) => return,
+            // The round's reduction is over (the round lingers only to serve repairs): to this
+            // sender, as good as a reducer that is gone.
+            Err(mpsc::error::SendError(incoming)) => stream = incoming.stream,
         }
     }
+    let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
+    let _ = timeout(
+        shared.config.request_timeout,
+        write_control(&mut stream, &reply),
+    )
+    .await;
 }
 
 #[cfg(test)]

@@ -43,6 +43,11 @@ pub struct AveragerConfig {
     /// A sender waits at most this long for a reducer's result before keeping its local values
     /// for that span.
     pub reducer_timeout: Duration,
+    /// A failed reducer's span is re-delegated to the surviving reducers, within the same round,
+    /// only if at least this much time is left before the caller's deadline, on top of the
+    /// span's estimated transfer time there and back at this peer's bandwidth; otherwise its
+    /// values stay local. `Duration::MAX` turns re-delegation off.
+    pub repair_min_time: Duration,
     /// Codec for the tensors on the wire (see `starling_compression::Codec`).
     pub codec: Codec,
     /// Largest chunk on the wire, in bytes.
@@ -77,6 +82,9 @@ pub enum Fault {
     AfterSentChunks(usize),
     /// After receiving every part of its own span, before returning results.
     WhileReducing,
+    /// After returning its span's result to this many senders (in member order), before the
+    /// others: the reducer dies having served only some of them.
+    WhileReturning(usize),
     /// As leader, after accepting this many followers and before the round begins.
     LeaderAfterFollowers(usize),
 }
@@ -93,6 +101,7 @@ impl AveragerConfig {
             request_timeout: Duration::from_secs(5),
             sender_timeout: Duration::from_secs(5),
             reducer_timeout: Duration::from_secs(10),
+            repair_min_time: Duration::from_secs(1),
             codec: Codec::None,
             chunk_bytes: 1 << 20,
             bandwidth: None,

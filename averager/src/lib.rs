@@ -11,8 +11,9 @@
 //!   it declared (measured from real transfers), so weak and client peers reduce little or nothing.
 //! - The all-reduce (`allreduce.rs`): spans stream in chunks through `starling_compression`;
 //!   reducers return averaged deltas; stalled senders are excluded from the spans they did not
-//!   deliver; a failed reducer's span keeps its local values, and the report says exactly which
-//!   spans were averaged with whom.
+//!   deliver; a failed reducer's span is re-delegated to the surviving reducers in the same round
+//!   when the deadline allows (otherwise it keeps its local values), and the report says exactly
+//!   which spans (and parts) were averaged with whom.
 //! - [`wire`]: every message and the framing (bounded frames).
 //!
 //! Departures from hivemind: the span split minimises the slowest peer's time under a
@@ -20,8 +21,7 @@
 //! averaged values; a sender only counts in a span once its whole part has arrived, so a partial
 //! sender can never skew a mean.
 //!
-//! Not yet: re-delegating a failed reducer's span within the same round, gossip averaging, and
-//! local (intra-node) collectives.
+//! Not yet: gossip averaging, and local (intra-node) collectives.
 
 mod allreduce;
 mod averager;

@@ -12,6 +12,15 @@ pub enum SpanOutcome {
         /// Peers whose data was averaged into this span.
         contributors: Vec<PeerId>,
     },
+    /// The span's reducer failed (see [`SpanReport::reducer`]) and this part of its span was
+    /// averaged again, in the same round, by a surviving member; the values are the weighted mean
+    /// of these contributors' original values.
+    Redelegated {
+        /// The surviving member that reduced this part instead.
+        to: PeerId,
+        /// Peers whose data was averaged into this part (this peer's always among them).
+        contributors: Vec<PeerId>,
+    },
     /// Not averaged: the local values were kept.
     KeptLocal {
         /// Why.
@@ -19,10 +28,30 @@ pub enum SpanOutcome {
     },
 }
 
-/// One span of the flattened vector and its fate.
+impl SpanOutcome {
+    /// The peers whose data is in this span's values, or `None` if the local values were kept.
+    ///
+    /// ```
+    /// use starling_averager::SpanOutcome;
+    /// let kept = SpanOutcome::KeptLocal { reason: "reducer failed".into() };
+    /// assert!(kept.contributors().is_none());
+    /// ```
+    pub fn contributors(&self) -> Option<&[PeerId]> {
+        match self {
+            SpanOutcome::Averaged { contributors }
+            | SpanOutcome::Redelegated { contributors, .. } => Some(contributors),
+            SpanOutcome::KeptLocal { .. } => None,
+        }
+    }
+}
+
+/// One span of the flattened vector and its fate. A span whose reducer failed and was
+/// re-delegated is reported as several parts (one per surviving reducer), each with the failed
+/// reducer in `reducer` and its own range and outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpanReport {
-    /// The peer that reduced the span.
+    /// The peer the span was assigned to (for a re-delegated part: the reducer that failed; the
+    /// one that reduced it instead is in [`SpanOutcome::Redelegated`]).
     pub reducer: PeerId,
     /// Element range in the flattened vector.
     pub range: Range<usize>,
@@ -39,7 +68,8 @@ pub struct RoundReport {
     pub group: Vec<PeerId>,
     /// This peer's index in `group`.
     pub my_index: usize,
-    /// One entry per non-empty span.
+    /// One entry per non-empty span, or per part of a re-delegated span, in range order; together
+    /// they cover the whole flattened vector.
     pub spans: Vec<SpanReport>,
     /// Peers that failed during the round (stalled, disconnected, or broke the protocol).
     pub failed_peers: Vec<PeerId>,
@@ -63,7 +93,7 @@ impl RoundReport {
         let done: usize = self
             .spans
             .iter()
-            .filter(|s| matches!(&s.outcome, SpanOutcome::Averaged { contributors } if contributors.len() > 1))
+            .filter(|s| s.outcome.contributors().is_some_and(|c| c.len() > 1))
             .map(|s| s.range.len())
             .sum();
         done as f64 / total as f64

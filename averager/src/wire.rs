@@ -15,7 +15,8 @@ use crate::AveragerError;
 /// Matchmaking: join requests, then the leader's begin or disband.
 pub const MATCHMAKING_PROTOCOL: StreamProtocol =
     StreamProtocol::new("/starling/averager/matchmaking/1");
-/// All-reduce: a sender's span to a reducer, and the reducer's averaged delta back.
+/// All-reduce: a sender's span to a reducer, and the reducer's averaged delta back (also a
+/// re-delegated part of a failed reducer's span to a surviving reducer).
 pub const REDUCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/averager/reduce/1");
 
 /// Tag of a frame holding a postcard control message.
@@ -123,7 +124,29 @@ pub enum ReduceMsg {
     ResultDone,
     /// Reducer to sender: the span could not be averaged with you (reason).
     Excluded(String),
+    /// Sender to a surviving reducer, first frame of a re-delegation: reducer `failed` did not
+    /// return its span, and by the sender's repair plan this reducer takes the part
+    /// `start..start + len` of it. Then as after [`ReduceMsg::Hello`]: `Ready`, the sender's
+    /// original values of the part, `SendDone`, and the `Result` with its deltas.
+    RepairHello {
+        /// The round.
+        round_id: u64,
+        /// The sender's index in the member list.
+        sender: u32,
+        /// The sender's averaging weight (finite, >= 0).
+        weight: f64,
+        /// Index of the reducer whose span is repaired.
+        failed: u32,
+        /// First element of the part (in the flattened vector).
+        start: u64,
+        /// Elements in the part.
+        len: u64,
+    },
 }
+
+/// The reason in [`ReduceMsg::Excluded`] when the addressed peer is not (or no longer) running
+/// the round: for the sender, that reducer has failed.
+pub const UNKNOWN_ROUND: &str = "unknown round";
 
 /// A frame read off a stream.
 pub enum Frame<M> {

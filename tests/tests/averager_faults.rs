@@ -42,12 +42,25 @@ async fn run(
     faults: &[Option<Fault>],
     sizes: &[usize],
 ) -> (Run, LocalCluster) {
+    run_with(prefix, n, group, faults, sizes, |_| {}).await
+}
+
+/// [`run`] with every peer's configuration adjusted by `configure`.
+async fn run_with(
+    prefix: &str,
+    n: usize,
+    group: usize,
+    faults: &[Option<Fault>],
+    sizes: &[usize],
+    configure: impl Fn(&mut AveragerConfig),
+) -> (Run, LocalCluster) {
     let cluster = LocalCluster::start(n, node_cfg()).await.unwrap();
     let ids: Vec<PeerId> = cluster.nodes.iter().map(Node::peer_id).collect();
     let mut averagers = Vec::new();
     for (i, node) in cluster.nodes.iter().enumerate() {
         let mut c = avg_cfg(prefix, group);
         c.fault = faults.get(i).copied().flatten();
+        configure(&mut c);
         averagers.push(Averager::new(node.clone(), c).await.unwrap());
     }
     let originals: Vec<Vec<f32>> = (0..n)
@@ -94,7 +107,8 @@ impl Run {
                 let r = span.range.clone();
                 let got = &self.results[p][r.clone()];
                 match &span.outcome {
-                    SpanOutcome::Averaged { contributors } => {
+                    SpanOutcome::Averaged { contributors }
+                    | SpanOutcome::Redelegated { contributors, .. } => {
                         let w: f64 = contributors
                             .iter()
                             .map(|c| f64::from(self.weights[index[c]]))
@@ -189,21 +203,35 @@ async fn peers_with_different_schemas_never_group() {
 /// Runs 4 peers where peer `victim` crashes at `fault`; the survivors must finish before the
 /// deadline with exact means over the contributors their reports name.
 async fn survivors_finish(prefix: &str, fault: Fault) -> Run {
+    survivors_finish_with(prefix, fault, |_| {}).await
+}
+
+/// [`survivors_finish`] with every peer's configuration adjusted by `configure`.
+async fn survivors_finish_with(
+    prefix: &str,
+    fault: Fault,
+    configure: impl Fn(&mut AveragerConfig),
+) -> Run {
     let victim = 2;
     let mut faults = vec![None; 4];
     faults[victim] = Some(fault);
-    let (run, cluster) = run(prefix, 4, 4, &faults, &[LEN]).await;
+    let (run, cluster) = run_with(prefix, 4, 4, &faults, &[LEN], configure).await;
     let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
     run.check_spans(&survivors);
     let victim_id = run.ids[victim];
     for &s in &survivors {
         let r = run.reports[s].as_ref().unwrap();
+        // A survivor that got every span back from the victim may never notice the crash.
+        let noticed = r
+            .spans
+            .iter()
+            .any(|sp| !matches!(sp.outcome, SpanOutcome::Averaged { .. }));
         assert!(
-            r.failed_peers.contains(&victim_id),
+            !noticed || r.failed_peers.contains(&victim_id),
             "peer {s} reports the crashed peer: {r:?}"
         );
         for span in &r.spans {
-            if let SpanOutcome::Averaged { contributors } = &span.outcome {
+            if let Some(contributors) = span.outcome.contributors() {
                 // Under heavy load a slow survivor may legitimately be excluded too; what must
                 // hold is that this peer's own data is in every span it reports as averaged.
                 assert!(contributors.contains(&run.ids[s]), "{r:#?}");
@@ -222,7 +250,7 @@ async fn peer_killed_before_sending() {
         // Nobody received anything from the victim: no span lists it.
         for s in [0, 1, 3] {
             for span in &run.reports[s].as_ref().unwrap().spans {
-                if let SpanOutcome::Averaged { contributors } = &span.outcome {
+                if let Some(contributors) = span.outcome.contributors() {
                     assert!(!contributors.contains(&run.ids[2]));
                 }
             }
@@ -240,24 +268,118 @@ async fn peer_killed_half_way_through_sending() {
     .await;
 }
 
+/// The parts of the victim's span in survivor `s`'s report, checked to cover one contiguous
+/// range.
+fn victim_parts(run: &Run, s: usize, victim: usize) -> Vec<starling_averager::SpanReport> {
+    let r = run.reports[s].as_ref().unwrap();
+    let parts: Vec<_> = r
+        .spans
+        .iter()
+        .filter(|sp| sp.reducer == run.ids[victim])
+        .cloned()
+        .collect();
+    assert!(!parts.is_empty(), "peer {s}: victim reduced a span: {r:#?}");
+    for w in parts.windows(2) {
+        assert_eq!(w[0].range.end, w[1].range.start, "peer {s}: {parts:#?}");
+    }
+    parts
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn peer_killed_while_reducing() {
+async fn peer_killed_while_reducing_has_its_span_redelegated() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         let run = survivors_finish("kill-reducing", Fault::WhileReducing).await;
-        // The victim's span could not come back: the survivors kept their values there and say so.
-        for s in [0, 1, 3] {
-            let r = run.reports[s].as_ref().unwrap();
-            let lost = r
-                .spans
-                .iter()
-                .find(|sp| sp.reducer == run.ids[2])
-                .expect("victim reduced a span");
-            assert!(
-                matches!(lost.outcome, SpanOutcome::KeptLocal { .. }),
-                "{lost:?}"
+        // The victim's span never came back: the survivors split it among themselves in the
+        // same round and now hold the exact weighted mean of the three survivors there too
+        // (`check_spans` checked the values against the contributors listed here).
+        let survivors = [0, 1, 3];
+        let mut ids: Vec<PeerId> = survivors.iter().map(|&s| run.ids[s]).collect();
+        ids.sort();
+        let mut covered = None;
+        for s in survivors {
+            let parts = victim_parts(&run, s, 2);
+            let range = parts[0].range.start..parts[parts.len() - 1].range.end;
+            assert_eq!(
+                *covered.get_or_insert(range.clone()),
+                range,
+                "same span everywhere"
             );
+            for part in &parts {
+                let SpanOutcome::Redelegated { to, contributors } = &part.outcome else {
+                    panic!("peer {s}: part not re-delegated: {part:?}");
+                };
+                assert!(ids.contains(to), "re-delegated to a survivor: {part:?}");
+                let mut c = contributors.clone();
+                c.sort();
+                assert_eq!(c, ids, "peer {s}: every survivor in the repaired part");
+            }
         }
+        let report = run.reports[0].as_ref().unwrap();
+        assert_eq!(report.averaged_fraction(), 1.0, "{report:#?}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_while_reducing_without_time_to_redelegate_keeps_local() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        // Re-delegation needs more time than the 40 s deadline leaves: the survivors keep their
+        // values on the victim's span, as before re-delegation existed, and say why.
+        let run = survivors_finish_with("kill-reducing-late", Fault::WhileReducing, |c| {
+            c.repair_min_time = Duration::from_secs(3600);
+        })
+        .await;
+        for s in [0, 1, 3] {
+            let parts = victim_parts(&run, s, 2);
+            assert_eq!(parts.len(), 1, "peer {s}: the span stays whole: {parts:#?}");
+            match &parts[0].outcome {
+                SpanOutcome::KeptLocal { reason } => {
+                    assert!(reason.contains("too little to re-delegate"), "{reason}")
+                }
+                other => panic!("peer {s}: expected KeptLocal, got {other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reducer_killed_after_serving_one_sender() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        // The victim returns its result to one survivor, then dies. That survivor keeps the
+        // victim's result (averaged over everyone, the victim included) but still serves and
+        // contributes to the repair; the two others re-delegate the span and hold the three
+        // survivors' exact mean there. Each report names exactly whose values it holds.
+        let run = survivors_finish("kill-returning", Fault::WhileReturning(1)).await;
+        let victim = run.ids[2];
+        let mut survivors: Vec<PeerId> = [0, 1, 3].iter().map(|&s| run.ids[s]).collect();
+        survivors.sort();
+        let mut served = 0;
+        for s in [0, 1, 3] {
+            let parts = victim_parts(&run, s, 2);
+            if let SpanOutcome::Averaged { contributors } = &parts[0].outcome {
+                assert_eq!(parts.len(), 1);
+                assert!(contributors.contains(&victim), "{parts:#?}");
+                served += 1;
+                continue;
+            }
+            for part in &parts {
+                let SpanOutcome::Redelegated { contributors, .. } = &part.outcome else {
+                    panic!("peer {s}: part not re-delegated: {part:?}");
+                };
+                let mut c = contributors.clone();
+                c.sort();
+                assert_eq!(c, survivors, "peer {s}: every survivor in the part");
+            }
+        }
+        assert_eq!(
+            served, 1,
+            "one survivor got the victim's result: {:#?}",
+            run.reports
+        );
     })
     .await;
 }
