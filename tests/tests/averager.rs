@@ -188,3 +188,96 @@ async fn client_mode_peer_averages_without_listening() {
     })
     .await;
 }
+
+/// Moshpit-style grid: 8 peers, groups of 4, one grid bit, so the peers search under two group
+/// keys and re-key by their index in the last group. In every round each span holds the exact
+/// weighted mean of the current values of the contributors its report names; within a few rounds
+/// every peer's values carry information from all 8 peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grid_rounds_mix_information_across_groups() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        const N: usize = 8;
+        const LEN: usize = 2000;
+        let cluster = LocalCluster::start(N, node_cfg()).await.unwrap();
+        let ids: Vec<_> = cluster.nodes.iter().map(Node::peer_id).collect();
+        let mut averagers = Vec::new();
+        for n in &cluster.nodes {
+            let mut c = avg_cfg("grid", "none", 4);
+            c.group_bits = 1;
+            c.matchmaking_time = Duration::from_secs(5);
+            averagers.push(Averager::new(n.clone(), c).await.unwrap());
+        }
+        let weights: Vec<f32> = (0..N).map(|p| 1.0 + p as f32 * 0.25).collect();
+        let mut values: Vec<Vec<f32>> = (0..N).map(|p| normal_vec(LEN, 500 + p as u64)).collect();
+        let mut origins: Vec<std::collections::HashSet<usize>> =
+            (0..N).map(|p| [p].into_iter().collect()).collect();
+        let mut rounds = 0;
+        while origins.iter().any(|o| o.len() < N) && rounds < 6 {
+            rounds += 1;
+            let before = values.clone();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let steps =
+                averagers.iter().zip(values.iter_mut()).zip(&weights).map(
+                    |((a, v), w)| async move { a.step(&mut [&mut v[..]], *w, deadline).await },
+                );
+            let reports = futures::future::join_all(steps).await;
+            let mut next = origins.clone();
+            for (p, report) in reports.iter().enumerate() {
+                // A peer left without a group (its key had no partner) keeps its values.
+                let Ok(report) = report else {
+                    assert_eq!(
+                        values[p], before[p],
+                        "a failed step must not touch the tensors"
+                    );
+                    continue;
+                };
+                for span in &report.spans {
+                    let r = span.range.clone();
+                    let Some(contributors) = span.outcome.contributors() else {
+                        assert_eq!(
+                            values[p][r.clone()],
+                            before[p][r],
+                            "kept-local span changed"
+                        );
+                        continue;
+                    };
+                    let members: Vec<usize> = contributors
+                        .iter()
+                        .map(|c| ids.iter().position(|i| i == c).unwrap())
+                        .collect();
+                    let total: f64 = members.iter().map(|&m| f64::from(weights[m])).sum();
+                    let expected: Vec<f32> = r
+                        .clone()
+                        .map(|k| {
+                            (members
+                                .iter()
+                                .map(|&m| f64::from(weights[m]) * f64::from(before[m][k]))
+                                .sum::<f64>()
+                                / total) as f32
+                        })
+                        .collect();
+                    let err = rel_error(&values[p][r.clone()], &expected);
+                    assert!(
+                        err < 1e-6,
+                        "round {rounds}, peer {p}, span {r:?}: rel. error {err}"
+                    );
+                    for m in members {
+                        let o = origins[m].clone();
+                        next[p].extend(o);
+                    }
+                }
+            }
+            origins = next;
+        }
+        assert!(
+            origins.iter().all(|o| o.len() == N),
+            "after {rounds} rounds some peer has not heard from everyone: {origins:?}"
+        );
+        for a in averagers {
+            a.shutdown().await;
+        }
+        cluster.shutdown().await;
+    })
+    .await;
+}
