@@ -2,12 +2,17 @@
 //!
 //! The flattened vector is cut into one contiguous span per member, sized by
 //! [`crate::partition::solve_fractions`] (clients and weak peers get none). Each sender streams
-//! its part of span `j` to reducer `j` in chunks of `chunk_bytes` (compressed by the configured
-//! codec); each reducer stages every sender's part, and once all senders have delivered (or been
-//! excluded for stalling past `sender_timeout`) it computes the weighted mean and streams back to
-//! each contributor its *delta* `mean - received`, so quantization error does not compound.
-//! Senders apply deltas to their exact local values. A sender's contribution counts only when
-//! complete, so a span's result is always the exact weighted mean of the senders it lists.
+//! its part of span `j` to reducer `j` in order, in chunks of `chunk_bytes` (compressed by the
+//! configured codec). The reducer works **part by part** (a part is one chunk's worth of
+//! elements): as soon as every present sender has delivered a part, and every expected sender
+//! has shown up (or the no-show time passed), it computes that part's weighted mean and streams
+//! back to each contributor its *delta* `mean - received`, so quantization error does not
+//! compound, while the following parts are still arriving: the return traffic overlaps the send
+//! traffic on the same full-duplex stream. Senders apply deltas to their exact local values.
+//! A sender that stalls past `sender_timeout` or breaks the protocol is left out of the parts
+//! not finished yet; every part's result is the exact weighted mean of the contributors its
+//! `Result` message lists, and reports give one entry per run of parts with the same
+//! contributors. A sender keeps its results only if every part of the span came back.
 //!
 //! # Re-delegation (phase 2)
 //!
@@ -42,7 +47,7 @@
 //!   bounded by the caller's deadline; a part not back by then, refused, or whose reducer
 //!   fails too keeps its local values (there is no second repair), and the report says why.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,7 +56,7 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use starling_compression::{
-    decode_into, split_chunks, ChunkAssembler, ChunkHeader, Codec, DecodeOptions, EncodeOptions,
+    decode_into, split_chunks, ChunkHeader, Codec, DecodeOptions, EncodeOptions,
 };
 use starling_node::{PeerId, Stream};
 use tokio::sync::mpsc;
@@ -223,6 +228,7 @@ pub(crate) async fn run_allreduce(
     weight: f64,
     deadline: Instant,
 ) -> Outcome {
+    let t_start = Instant::now();
     let n = group.members.len();
     let peers: Vec<PeerId> = group
         .members
@@ -306,6 +312,7 @@ pub(crate) async fn run_allreduce(
         };
         Some(reduce_span(round.clone(), job, rx).await)
     };
+    tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
 
     let mut result: Vec<f32> = round.flat.as_ref().clone();
     let mut reports = Vec::new();
@@ -315,29 +322,24 @@ pub(crate) async fn run_allreduce(
     let mut lost: Vec<(usize, String)> = Vec::new();
     if let Some(r) = reduced {
         failed.extend(&r.failed);
-        let outcome = match r.mean {
-            Some(mean) => {
-                result[my_range.clone()].copy_from_slice(&mean);
-                SpanOutcome::Averaged {
-                    contributors: r.contributors.iter().map(|c| peers[*c as usize]).collect(),
-                }
-            }
-            None => kept("no contributions arrived"),
-        };
-        reports.push(SpanReport {
-            reducer: peers[me],
-            range: my_range,
-            outcome,
+        let reports_of = segment_reports(&peers, peers[me], &my_range, &r.segments, |c| {
+            SpanOutcome::Averaged { contributors: c }
         });
+        for (seg, _) in &r.segments {
+            result[seg.clone()]
+                .copy_from_slice(&r.values[seg.start - my_range.start..seg.end - my_range.start]);
+        }
+        reports.extend(reports_of);
     }
     for (j, handle) in sends {
         let range = ranges[j].clone();
         let outcome = match handle.await {
-            Ok(Ok((contributors, values))) => {
+            Ok(Ok((segments, values))) => {
                 result[range.clone()].copy_from_slice(&values);
-                SpanOutcome::Averaged {
-                    contributors: contributors.iter().map(|c| peers[*c as usize]).collect(),
-                }
+                reports.extend(segment_reports(&peers, peers[j], &range, &segments, |c| {
+                    SpanOutcome::Averaged { contributors: c }
+                }));
+                continue;
             }
             Ok(Err(fail)) => {
                 failed.insert(j as u32);
@@ -356,7 +358,7 @@ pub(crate) async fn run_allreduce(
             outcome,
         });
     }
-
+    tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
     // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
     // lost a span this peer received (in the background: the caller does not wait for it).
     let mut repair = Repair::new(round.clone(), down, failed);
@@ -382,6 +384,7 @@ pub(crate) async fn run_allreduce(
     }
 
     reports.sort_by_key(|r| r.range.start);
+    tracing::debug!(elapsed = ?t_start.elapsed(), "round assembled");
     let mut failed: Vec<PeerId> = failed.into_iter().map(|f| peers[f as usize]).collect();
     failed.sort();
     failed.dedup();
@@ -409,11 +412,51 @@ fn senders_except(round: &Round, except: &[u32]) -> HashSet<u32> {
         .collect()
 }
 
+/// One report per run of `range` with its contributors (`outcome` builds the averaged
+/// outcome from them); whatever the runs leave uncovered was not averaged and kept its values.
+fn segment_reports(
+    peers: &[PeerId],
+    reducer: PeerId,
+    range: &Range<usize>,
+    segments: &[Segment],
+    outcome: impl Fn(Vec<PeerId>) -> SpanOutcome,
+) -> Vec<SpanReport> {
+    let mut reports = Vec::new();
+    let mut at = range.start;
+    for (seg, contributors) in segments {
+        if seg.start > at {
+            reports.push(SpanReport {
+                reducer,
+                range: at..seg.start,
+                outcome: kept("no contributions to this part"),
+            });
+        }
+        reports.push(SpanReport {
+            reducer,
+            range: seg.clone(),
+            outcome: outcome(contributors.iter().map(|c| peers[*c as usize]).collect()),
+        });
+        at = seg.end;
+    }
+    if at < range.end {
+        reports.push(SpanReport {
+            reducer,
+            range: at..range.end,
+            outcome: kept(if at == range.start {
+                "no contributions arrived"
+            } else {
+                "the deadline passed before the rest of the span was averaged"
+            }),
+        });
+    }
+    reports
+}
+
 type PartDone = (
     u32,
     usize,
     Range<usize>,
-    Result<(Vec<u32>, Vec<f32>), SendFail>,
+    Result<(Vec<Segment>, Vec<f32>), SendFail>,
 );
 
 /// Phase 2 (re-delegation) on one peer; see the module docs. Owns its tasks: dropping it aborts
@@ -661,25 +704,20 @@ impl Repair {
         if self.needed.remove(&(j, part.start)).is_none() {
             return; // served for others; this peer keeps the failed reducer's own result
         }
-        let outcome = match reduced.mean {
-            Some(mean) => {
-                self.patches.push((part.clone(), mean));
-                SpanOutcome::Redelegated {
-                    to: round.peers[round.me as usize],
-                    contributors: reduced
-                        .contributors
-                        .iter()
-                        .map(|c| round.peers[*c as usize])
-                        .collect(),
-                }
-            }
-            None => kept("re-delegated part: no contributions arrived"),
-        };
-        self.reports.push(SpanReport {
-            reducer: round.peers[j as usize],
-            range: part,
-            outcome,
-        });
+        let to = round.peers[round.me as usize];
+        for (seg, _) in &reduced.segments {
+            self.patches.push((
+                seg.clone(),
+                reduced.values[seg.start - part.start..seg.end - part.start].to_vec(),
+            ));
+        }
+        self.reports.extend(segment_reports(
+            &round.peers,
+            round.peers[j as usize],
+            &part,
+            &reduced.segments,
+            |contributors| SpanOutcome::Redelegated { to, contributors },
+        ));
     }
 
     fn part_done(
@@ -687,7 +725,7 @@ impl Repair {
         j: u32,
         k: usize,
         part: Range<usize>,
-        r: Result<(Vec<u32>, Vec<f32>), SendFail>,
+        r: Result<(Vec<Segment>, Vec<f32>), SendFail>,
     ) {
         let round = self.round.clone();
         if let Err(fail) = &r {
@@ -698,27 +736,27 @@ impl Repair {
         let Some((_, _, why)) = self.needed.remove(&(j, part.start)) else {
             return; // a contribution to a span this peer did not lose
         };
-        let outcome = match r {
-            Ok((contributors, values)) => {
+        match r {
+            Ok((segments, values)) => {
                 self.patches.push((part.clone(), values));
-                SpanOutcome::Redelegated {
-                    to: round.peers[k],
-                    contributors: contributors
-                        .iter()
-                        .map(|c| round.peers[*c as usize])
-                        .collect(),
-                }
+                let to = round.peers[k];
+                self.reports.extend(segment_reports(
+                    &round.peers,
+                    round.peers[j as usize],
+                    &part,
+                    &segments,
+                    |contributors| SpanOutcome::Redelegated { to, contributors },
+                ));
             }
-            Err(fail) => kept(format!(
-                "{why}; re-delegating to {} failed: {}",
-                round.peers[k], fail.reason
-            )),
-        };
-        self.reports.push(SpanReport {
-            reducer: round.peers[j as usize],
-            range: part,
-            outcome,
-        });
+            Err(fail) => self.reports.push(SpanReport {
+                reducer: round.peers[j as usize],
+                range: part,
+                outcome: kept(format!(
+                    "{why}; re-delegating to {} failed: {}",
+                    round.peers[k], fail.reason
+                )),
+            }),
+        }
     }
 }
 
@@ -767,25 +805,33 @@ impl SendFail {
     }
 }
 
+/// Contributors of a contiguous run of a span: `(absolute range, member indices)`.
+pub(crate) type Segment = (Range<usize>, Vec<u32>);
+
 /// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
-/// surviving reducer `j`), reads back the averaged delta, and returns the contributors and the
-/// new values of the range.
+/// surviving reducer `j`) and, at the same time, reads back the averaged deltas part by part as
+/// the reducer finishes them. Returns the contributors of each run of the range and the new
+/// values of the whole range, or a failure if any part did not come back (partial results are
+/// discarded: the range is then repaired or kept whole).
 async fn send_span(
     round: &Round,
     j: usize,
     range: Range<usize>,
     kind: SendKind,
-) -> Result<(Vec<u32>, Vec<f32>), SendFail> {
+) -> Result<(Vec<Segment>, Vec<f32>), SendFail> {
     let cfg = &round.shared.config;
     let phase1 = matches!(kind, SendKind::Span);
-    // A surviving reducer may still be finishing phase 1 when our repair hello arrives, and it
-    // waits for no-shows before averaging a part: allow for both.
-    let (ack_wait, result_wait) = match kind {
-        SendKind::Span => (cfg.request_timeout * 2, cfg.reducer_timeout),
-        SendKind::Repair { .. } => (
-            cfg.request_timeout * 2 + cfg.reducer_timeout,
-            cfg.reducer_timeout + cfg.request_timeout + cfg.sender_timeout,
-        ),
+    // A surviving reducer may still be finishing phase 1 when our repair hello arrives. A part
+    // comes back only once every sender delivered it (or the reducer gave up waiting for
+    // no-shows), so allow for a no-show between result frames.
+    let ack_wait = match kind {
+        SendKind::Span => cfg.request_timeout * 2,
+        SendKind::Repair { .. } => cfg.request_timeout * 2 + cfg.reducer_timeout,
+    };
+    let result_gap = cfg.reducer_timeout + cfg.request_timeout + cfg.sender_timeout;
+    let failed_reducer = match kind {
+        SendKind::Span => None,
+        SendKind::Repair { failed } => Some(failed),
     };
     let work = async {
         let t0 = Instant::now();
@@ -806,92 +852,163 @@ async fn send_span(
                 len: range.len() as u64,
             },
         };
-        let (mut stream, mut sent) = open_with_hello(round, j, &hello, ack_wait).await?;
-        let opts = EncodeOptions::default();
+        let (stream, hello_bytes) = open_with_hello(round, j, &hello, ack_wait).await?;
+        let (mut rd, mut wr) = futures::AsyncReadExt::split(stream);
         let part = &round.flat[range.clone()];
-        let chunks = split_chunks(cfg.codec, part, cfg.chunk_bytes, &opts)
-            .map_err(|e| SendFail::other(e.to_string()))?;
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
         let mut as_sent = (cfg.codec != Codec::None).then(|| vec![0.0f32; part.len()]);
-        for (index, chunk) in chunks.enumerate() {
-            if phase1 && cfg.fault == Some(Fault::AfterSentChunks(index)) {
-                round.shared.node.shutdown().await;
-                return Err(SendFail::other("fault injected: crashed while sending"));
+        let write = async {
+            let mut sent = hello_bytes;
+            let opts = EncodeOptions::default();
+            let chunks = split_chunks(cfg.codec, part, cfg.chunk_bytes, &opts)
+                .map_err(|e| SendFail::other(e.to_string()))?;
+            for (index, chunk) in chunks.enumerate() {
+                if phase1 && cfg.fault == Some(Fault::AfterSentChunks(index)) {
+                    round.shared.node.shutdown().await;
+                    return Err(SendFail::other("fault injected: crashed while sending"));
+                }
+                let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
+                if let Some(buf) = as_sent.as_mut() {
+                    let header =
+                        ChunkHeader::parse(&chunk).map_err(|e| SendFail::other(e.to_string()))?;
+                    let at = header.offset as usize;
+                    decode_into(&chunk, &mut buf[at..at + header.count])
+                        .map_err(|e| SendFail::other(e.to_string()))?;
+                }
+                sent += timeout(cfg.reducer_timeout, write_data(&mut wr, &chunk))
+                    .await
+                    .map_err(|_| SendFail::reducer("reducer stopped reading"))?
+                    .map_err(|e| SendFail::reducer(e.to_string()))?;
             }
-            let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
-            if let Some(buf) = as_sent.as_mut() {
-                let header =
-                    ChunkHeader::parse(&chunk).map_err(|e| SendFail::other(e.to_string()))?;
-                let at = header.offset as usize;
-                decode_into(&chunk, &mut buf[at..at + header.count])
-                    .map_err(|e| SendFail::other(e.to_string()))?;
-            }
-            sent += timeout(cfg.reducer_timeout, write_data(&mut stream, &chunk))
+            sent += write_control(&mut wr, &ReduceMsg::SendDone)
                 .await
-                .map_err(|_| SendFail::reducer("reducer stopped reading"))?
                 .map_err(|e| SendFail::reducer(e.to_string()))?;
-        }
-        sent += write_control(&mut stream, &ReduceMsg::SendDone)
-            .await
-            .map_err(|e| SendFail::reducer(e.to_string()))?;
-        futures::AsyncWriteExt::flush(&mut stream)
-            .await
-            .map_err(|e| SendFail::reducer(e.to_string()))?;
+            futures::AsyncWriteExt::flush(&mut wr)
+                .await
+                .map_err(|e| SendFail::reducer(e.to_string()))?;
+            Ok::<_, SendFail>((sent, t0.elapsed()))
+        };
+        let read = receive_results(round, &mut rd, range.len(), result_gap, failed_reducer);
+        // Whichever side fails first ends the exchange (a refusal arrives on the read side while
+        // the write side may still be pushing data nobody reads).
+        let ((sent, t_sent), (segments, delta)) = futures::future::try_join(write, read).await?;
         round
             .counters
             .sent
             .fetch_add(sent as u64, Ordering::Relaxed);
-        let t_sent = t0.elapsed();
         // Only phase 1's concurrent streams measure this peer's upload rate.
         if phase1 && sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
             if let Ok(mut r) = round.counters.rate_sum.lock() {
                 *r += sent as f64 / t_sent.as_secs_f64();
             }
         }
-
-        let reply: ReduceMsg = timeout(result_wait, read_control(&mut stream, cfg.max_frame_bytes))
-            .await
-            .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
-            .map_err(|e| SendFail::reducer(e.to_string()))?;
-        let contributors = match reply {
-            ReduceMsg::Result { contributors } => contributors,
-            ReduceMsg::Excluded(why) => return Err(SendFail::excluded(why)),
-            other => return Err(SendFail::reducer(format!("unexpected message {other:?}"))),
-        };
-        let failed = match kind {
-            SendKind::Span => None,
-            SendKind::Repair { failed } => Some(failed),
-        };
-        if !contributors.contains(&round.me)
-            || contributors
-                .iter()
-                .any(|c| *c as usize >= round.peers.len() || Some(*c) == failed)
-        {
-            return Err(SendFail::reducer("reducer's contributor list is malformed"));
+        if let Ok(mut stream) = rd.reunite(wr) {
+            let _ = futures::AsyncWriteExt::close(&mut stream).await;
         }
-        let delta = receive_chunks(
-            round,
-            &mut stream,
-            range.len(),
-            cfg.reducer_timeout,
-            Phase::Result,
-        )
-        .await
-        .map_err(SendFail::reducer)?;
-        let _ = futures::AsyncWriteExt::close(&mut stream).await;
-        let mut result = delta;
         tracing::debug!(reducer = j, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // Turn the delta into the new values: (what the reducer saw of us) + delta.
+        let mut result = delta;
         match as_sent {
             Some(base) => result.iter_mut().zip(&base).for_each(|(d, b)| *d += b),
             None => result.iter_mut().zip(part).for_each(|(d, b)| *d += b),
         }
-        Ok((contributors, result))
+        let segments = segments
+            .into_iter()
+            .map(|(r, c)| (range.start + r.start..range.start + r.end, c))
+            .collect();
+        Ok((segments, result))
     };
     timeout_at(round.deadline, work)
         .await
         .unwrap_or_else(|_| Err(SendFail::other("deadline passed")))
+}
+
+/// Reads a reducer's answers to a span of `len` elements: for each part, `Result` (its range and
+/// contributors) and its delta chunks, until `ResultDone`; at most `gap` between frames. Returns
+/// the runs of the span (offsets within it) with their contributors, and the whole delta.
+async fn receive_results<R: futures::AsyncRead + Unpin>(
+    round: &Round,
+    rd: &mut R,
+    len: usize,
+    gap: Duration,
+    failed_reducer: Option<u32>,
+) -> Result<(Vec<Segment>, Vec<f32>), SendFail> {
+    let cfg = &round.shared.config;
+    let mut delta = vec![0.0f32; len];
+    let mut segments: Vec<Segment> = Vec::new();
+    // The part being received: its range and how many of its elements arrived.
+    let mut current: Option<(Range<usize>, usize)> = None;
+    let mut decoder = starling_compression::Decoder::new(decode_options(len));
+    loop {
+        let (frame, n) = timeout(gap, read_frame::<_, ReduceMsg>(rd, cfg.max_frame_bytes))
+            .await
+            .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
+            .map_err(|e| SendFail::reducer(e.to_string()))?;
+        round
+            .counters
+            .received
+            .fetch_add(n as u64, Ordering::Relaxed);
+        let covered = segments.last().map_or(0, |s| s.0.end);
+        match frame {
+            Frame::Data(chunk) => {
+                let Some((part, got)) = current.as_mut() else {
+                    return Err(SendFail::reducer("delta chunk outside a part"));
+                };
+                let h = ChunkHeader::parse(&chunk).map_err(|e| SendFail::reducer(e.to_string()))?;
+                let (at, count) = (h.offset as usize, h.count);
+                if h.total != part.len() as u64 || at != *got || at + count > part.len() {
+                    return Err(SendFail::reducer("delta chunk out of place"));
+                }
+                let dst = part.start + at;
+                decoder
+                    .decode_into(&chunk, &mut delta[dst..dst + count])
+                    .map_err(|e| SendFail::reducer(e.to_string()))?;
+                *got += count;
+            }
+            Frame::Control(ReduceMsg::Result {
+                start,
+                len: part_len,
+                contributors,
+            }) => {
+                if let Some((part, got)) = &current {
+                    if *got != part.len() {
+                        return Err(SendFail::reducer("a part's delta is incomplete"));
+                    }
+                }
+                let (start, part_len) = (start as usize, part_len as usize);
+                if start != covered
+                    || part_len == 0
+                    || start + part_len > len
+                    || !contributors.contains(&round.me)
+                    || contributors
+                        .iter()
+                        .any(|c| *c as usize >= round.peers.len() || Some(*c) == failed_reducer)
+                {
+                    return Err(SendFail::reducer(
+                        "reducer's part or contributor list is malformed",
+                    ));
+                }
+                let part = start..start + part_len;
+                match segments.last_mut() {
+                    Some(last) if last.1 == contributors => last.0.end = part.end,
+                    _ => segments.push((part.clone(), contributors)),
+                }
+                current = Some((part, 0));
+            }
+            Frame::Control(ReduceMsg::ResultDone) => {
+                let complete = current.as_ref().is_none_or(|(p, got)| *got == p.len());
+                if !complete || covered != len {
+                    return Err(SendFail::reducer("reducer's result is incomplete"));
+                }
+                return Ok((segments, delta));
+            }
+            Frame::Control(ReduceMsg::Excluded(why)) => return Err(SendFail::excluded(why)),
+            Frame::Control(other) => {
+                return Err(SendFail::reducer(format!("unexpected message {other:?}")))
+            }
+        }
+    }
 }
 
 /// How long a sender keeps retrying to get a stream past libp2p-stream's accept queue.
@@ -977,15 +1094,55 @@ struct ReduceJob {
 
 /// The result of reducing a span or part.
 struct Reduced {
-    /// The weighted mean, if anyone contributed.
-    mean: Option<Vec<f32>>,
-    contributors: Vec<u32>,
+    /// The weighted means of the finished parts (offsets within the job's range); elements of
+    /// unfinished parts are unspecified.
+    values: Vec<f32>,
+    /// The finished runs (absolute ranges) with their contributors, in order from the range's
+    /// start. Parts nobody contributed to, or not finished by the deadline, are not listed.
+    segments: Vec<Segment>,
     failed: Vec<u32>,
 }
 
-type Received = (u32, Stream, Result<(f64, Vec<f32>), String>);
+/// News from a sender's receive task.
+enum Inbound {
+    /// The sender's data now covers `0..prefix` of the range.
+    Progress { sender: u32, prefix: usize },
+    /// The sender stalled, broke the protocol or went away before delivering everything.
+    Failed { sender: u32, why: String },
+}
 
-/// Receives every sender's part of the job's range, averages, and sends deltas back.
+/// What a sender's writer task sends back.
+enum Outbound {
+    /// A finished part: its offset in the range, contributors and this sender's delta.
+    Part {
+        start: usize,
+        contributors: Arc<Vec<u32>>,
+        delta: Vec<f32>,
+    },
+    /// The sender is out of the remaining parts.
+    Excluded(String),
+}
+
+/// A sender taking part in a reduction.
+struct Present {
+    weight: f64,
+    /// Its values of the range, filled in order as chunks arrive.
+    staging: Arc<std::sync::Mutex<Vec<f32>>>,
+    /// How much of the range has arrived (chunks come in order).
+    prefix: usize,
+    out: mpsc::Sender<Outbound>,
+}
+
+fn lock(m: &std::sync::Mutex<Vec<f32>>) -> std::sync::MutexGuard<'_, Vec<f32>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Receives every sender's values of the job's range and averages them **part by part**: as
+/// soon as every present sender has delivered a part (of `chunk_bytes` on the wire), its mean is
+/// computed and each sender gets its delta back while the next parts are still arriving, so the
+/// return traffic overlaps the send traffic. Parts wait until every expected sender has shown up
+/// (or the no-show time passed). A sender that fails is left out of the parts not finished yet;
+/// each part's contributors are exactly the senders (and this peer) whose data is in its mean.
 async fn reduce_span(
     round: Arc<Round>,
     job: ReduceJob,
@@ -1001,18 +1158,133 @@ async fn reduce_span(
     } = job;
     // No-shows count as failed only in phase 1, where every sender owes us its part.
     let phase1 = repair.is_none();
-    let mut contributions: Vec<(u32, f64, Vec<f32>)> = Vec::new();
-    let mut streams: HashMap<u32, Stream> = HashMap::new();
+    let len = range.len();
+    let part_len = starling_compression::elements_per_chunk(cfg.codec, cfg.chunk_bytes)
+        .unwrap_or(1 << 16)
+        .max(1);
+    let parts: Vec<Range<usize>> = (0..len)
+        .step_by(part_len)
+        .map(|s| s..(s + part_len).min(len))
+        .collect();
+    let i_contribute = round.modes[me as usize] != AveragingMode::Aux;
+    let mut senders: BTreeMap<u32, Present> = BTreeMap::new();
+    let mut receivers: Vec<JoinHandle<()>> = Vec::new();
+    let mut writers: Vec<(u32, JoinHandle<bool>)> = Vec::new();
+    let (ev_tx, mut ev_rx) = mpsc::channel::<Inbound>(4 * round.peers.len() + 16);
+    let mut values = vec![0.0f32; len];
+    let mut segments: Vec<Segment> = Vec::new();
     let mut failed: Vec<u32> = Vec::new();
-    let mut pending: FuturesUnordered<tokio::task::JoinHandle<Received>> = FuturesUnordered::new();
+    let mut next = 0usize;
     // A sender must open its stream within the time to set one up plus `sender_timeout`.
     let no_show = (Instant::now() + cfg.request_timeout + cfg.sender_timeout).min(round.deadline);
+    // Fault::WhileReturning: only these senders get results, then this peer crashes.
+    let mut serve_only: Option<HashSet<u32>> = None;
 
-    while !expected.is_empty() || !pending.is_empty() {
+    'round: loop {
+        // Finish every part that every present sender has delivered.
+        while next < parts.len()
+            && expected.is_empty()
+            && senders.values().all(|s| s.prefix >= parts[next].end)
+        {
+            if next == 0 && phase1 {
+                match cfg.fault {
+                    Some(Fault::WhileReducing) => {
+                        round.shared.node.shutdown().await;
+                        break 'round;
+                    }
+                    Some(Fault::WhileReturning(n)) => {
+                        serve_only = Some(senders.keys().take(n).copied().collect());
+                    }
+                    _ => {}
+                }
+            }
+            // Late senders can no longer join: they would miss the finished parts.
+            allowed.clear();
+            let part = parts[next].clone();
+            next += 1;
+            let mut contributors: Vec<u32> = senders.keys().copied().collect();
+            if i_contribute {
+                contributors.push(me);
+            }
+            if contributors.is_empty() {
+                continue; // nobody's data: the part stays local
+            }
+            contributors.sort_unstable();
+            let mut total_weight: f64 = senders.values().map(|s| s.weight).sum();
+            if i_contribute {
+                total_weight += round.weight;
+            }
+            let scale = |w: f64| {
+                if total_weight > 0.0 {
+                    (w / total_weight) as f32
+                } else {
+                    1.0 / contributors.len() as f32
+                }
+            };
+            let mean = &mut values[part.clone()];
+            mean.fill(0.0);
+            if i_contribute {
+                let k = scale(round.weight);
+                let mine = &round.flat[range.start + part.start..range.start + part.end];
+                mean.iter_mut().zip(mine).for_each(|(m, x)| *m += k * x);
+            }
+            for s in senders.values() {
+                let k = scale(s.weight);
+                let st = lock(&s.staging);
+                mean.iter_mut()
+                    .zip(&st[part.clone()])
+                    .for_each(|(m, x)| *m += k * x);
+            }
+            let abs = range.start + part.start..range.start + part.end;
+            match segments.last_mut() {
+                Some(last) if last.1 == contributors && last.0.end == abs.start => {
+                    last.0.end = abs.end
+                }
+                _ => segments.push((abs, contributors.clone())),
+            }
+            let contributors = Arc::new(contributors);
+            let mut gone = Vec::new();
+            for (&sender, s) in &senders {
+                if serve_only
+                    .as_ref()
+                    .is_some_and(|only| !only.contains(&sender))
+                {
+                    continue;
+                }
+                let delta: Vec<f32> = {
+                    let st = lock(&s.staging);
+                    mean.iter()
+                        .zip(&st[part.clone()])
+                        .map(|(m, x)| m - x)
+                        .collect()
+                };
+                let msg = Outbound::Part {
+                    start: part.start,
+                    contributors: contributors.clone(),
+                    delta,
+                };
+                if !matches!(
+                    timeout(cfg.sender_timeout, s.out.send(msg)).await,
+                    Ok(Ok(()))
+                ) {
+                    gone.push(sender);
+                }
+            }
+            // A sender that cannot take its results back has failed (its data still counts in
+            // the parts finished so far, as their contributor lists say).
+            for sender in gone {
+                tracing::debug!(sender, "a sender stopped taking results");
+                senders.remove(&sender);
+                failed.push(sender);
+            }
+        }
+        if next == parts.len() {
+            break;
+        }
         tokio::select! {
             Some(inc) = rx.recv() => {
                 let IncomingSender { peer, hello, mut stream } = inc;
-                let (sender, weight, start, len) = match (hello, repair) {
+                let (sender, weight, start, hlen) = match (hello, repair) {
                     (ReduceMsg::Hello { sender, weight, start, len, .. }, None) => (sender, weight, start, len),
                     (ReduceMsg::RepairHello { sender, weight, failed, start, len, .. }, Some(f)) if failed == f => {
                         (sender, weight, start, len)
@@ -1023,12 +1295,12 @@ async fn reduce_span(
                     && round.peers[sender as usize] == peer
                     && allowed.contains(&sender)
                     && start == range.start as u64
-                    && len == range.len() as u64
+                    && hlen == len as u64
                     && weight.is_finite()
                     && weight >= 0.0;
                 if !valid {
-                    tracing::debug!(%peer, "refused a sender with a bad hello");
-                    let _ = timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Excluded("bad hello".into()))).await;
+                    tracing::debug!(%peer, "refused a sender with a bad or late hello");
+                    let _ = timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Excluded("bad or late hello".into()))).await;
                     continue;
                 }
                 if !matches!(timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Ready)).await, Ok(Ok(_))) {
@@ -1036,30 +1308,27 @@ async fn reduce_span(
                 }
                 allowed.remove(&sender);
                 expected.remove(&sender);
-                let round = round.clone();
-                let len = range.len();
-                pending.push(tokio::spawn(async move {
-                    let gap = round.shared.config.sender_timeout;
-                    let r = receive_chunks(&round, &mut stream, len, gap, Phase::Part)
-                        .await
-                        .map(|data| (weight, data));
-                    (sender, stream, r)
-                }));
+                let (rd, wr) = futures::AsyncReadExt::split(stream);
+                let staging = Arc::new(std::sync::Mutex::new(vec![0.0f32; len]));
+                let (out_tx, out_rx) = mpsc::channel(4);
+                receivers.push(tokio::spawn(receive_part(round.clone(), rd, sender, len, staging.clone(), ev_tx.clone())));
+                writers.push((sender, tokio::spawn(write_results(round.clone(), wr, out_rx))));
+                senders.insert(sender, Present { weight, staging, prefix: 0, out: out_tx });
             }
-            Some(done) = pending.next() => {
-                match done {
-                    Ok((sender, stream, Ok((weight, data)))) => {
-                        contributions.push((sender, weight, data));
-                        streams.insert(sender, stream);
+            Some(ev) = ev_rx.recv() => match ev {
+                Inbound::Progress { sender, prefix } => {
+                    if let Some(s) = senders.get_mut(&sender) {
+                        s.prefix = prefix;
                     }
-                    Ok((sender, mut stream, Err(why))) => {
+                }
+                Inbound::Failed { sender, why } => {
+                    if let Some(s) = senders.remove(&sender) {
                         tracing::debug!(sender, "excluded a sender: {why}");
                         failed.push(sender);
-                        let _ = timeout(cfg.request_timeout, write_control(&mut stream, &ReduceMsg::Excluded(why))).await;
+                        let _ = s.out.try_send(Outbound::Excluded(why));
                     }
-                    Err(e) => tracing::warn!("receive task failed: {e}"),
                 }
-            }
+            },
             _ = sleep_until(no_show), if !expected.is_empty() => {
                 let gone = expected.drain();
                 if phase1 {
@@ -1075,173 +1344,145 @@ async fn reduce_span(
             }
         }
     }
-    // Tasks still running at the deadline are abandoned (their streams drop).
-    for p in pending.iter() {
-        p.abort();
-    }
-
-    if phase1 && cfg.fault == Some(Fault::WhileReducing) {
-        round.shared.node.shutdown().await;
-    }
-    let mine = &round.flat[range.clone()];
-    let i_contribute = round.modes[me as usize] != AveragingMode::Aux;
-    let mut all: Vec<(u32, f64, &[f32])> = contributions
-        .iter()
-        .map(|(s, w, d)| (*s, *w, &d[..]))
-        .collect();
-    if i_contribute {
-        all.push((me, round.weight, mine));
-    }
-    if all.is_empty() {
-        return Reduced {
-            mean: None,
-            contributors: vec![],
-            failed,
-        };
-    }
-    let total_weight: f64 = all.iter().map(|(_, w, _)| w).sum();
-    let equal = total_weight <= 0.0;
-    let mut mean = vec![0.0f32; range.len()];
-    for (_, w, data) in &all {
-        let scale = if equal {
-            1.0 / all.len() as f64
-        } else {
-            w / total_weight
-        } as f32;
-        for (m, x) in mean.iter_mut().zip(data.iter()) {
-            *m += scale * x;
-        }
-    }
-    let mut contributors: Vec<u32> = all.iter().map(|(s, _, _)| *s).collect();
-    contributors.sort_unstable();
-
-    // Send each contributor its delta, in parallel.
-    let mean = Arc::new(mean);
-    let mut replies = Vec::new();
-    if let (true, Some(Fault::WhileReturning(served))) = (phase1, cfg.fault) {
-        // Serve the first `served` senders (in member order), one after the other, then crash.
-        contributions.sort_by_key(|(s, _, _)| *s);
-        for (sender, _, data) in contributions.drain(..served.min(contributions.len())) {
-            if let Some(mut stream) = streams.remove(&sender) {
-                let delta: Vec<f32> = mean.iter().zip(&data).map(|(m, x)| m - x).collect();
-                let contributors = contributors.clone();
-                let _ = timeout_at(
-                    round.deadline,
-                    send_result(&round, &mut stream, contributors, &delta),
-                )
-                .await;
-            }
-        }
-        // Let the served results leave before the connections drop.
-        tokio::time::sleep(FAULT_FLUSH_GRACE).await;
-        round.shared.node.shutdown().await;
-        contributions.clear();
-    }
-    for (sender, _, data) in contributions {
-        let Some(mut stream) = streams.remove(&sender) else {
-            continue;
-        };
-        let round = round.clone();
-        let mean = mean.clone();
-        let contributors = contributors.clone();
-        replies.push(tokio::spawn(async move {
-            let delta: Vec<f32> = mean.iter().zip(&data).map(|(m, x)| m - x).collect();
-            let r = timeout_at(
-                round.deadline,
-                send_result(&round, &mut stream, contributors, &delta),
-            )
-            .await;
-            if matches!(r, Ok(Ok(()))) {
-                None
-            } else {
-                tracing::debug!(sender, "could not return the result");
-                Some(sender)
-            }
-        }));
-    }
-    for r in replies {
-        // A sender that could not take its result back has failed (its data still counted).
-        if let Ok(Some(sender)) = r.await {
+    // Close every result stream (writers finish with `ResultDone`) and wait for them.
+    let present: HashSet<u32> = senders.keys().copied().collect();
+    drop(senders);
+    for (sender, w) in writers {
+        let served = serve_only
+            .as_ref()
+            .is_none_or(|only| only.contains(&sender));
+        let ok = matches!(timeout_at(round.deadline, w).await, Ok(Ok(true)));
+        if !ok && served && present.contains(&sender) {
+            tracing::debug!(sender, "could not return the result");
             failed.push(sender);
         }
     }
+    for r in receivers {
+        r.abort();
+    }
+    if serve_only.is_some() {
+        // Let the served results leave before the connections drop.
+        tokio::time::sleep(FAULT_FLUSH_GRACE).await;
+        round.shared.node.shutdown().await;
+    }
+    failed.sort_unstable();
+    failed.dedup();
     Reduced {
-        mean: Some(Arc::try_unwrap(mean).unwrap_or_else(|m| m.as_ref().clone())),
-        contributors,
+        values,
+        segments,
         failed,
     }
 }
 
-/// Which stream phase [`receive_chunks`] reads.
-#[derive(Clone, Copy)]
-enum Phase {
-    /// A sender's part, ended by `SendDone`.
-    Part,
-    /// A reducer's delta, ended by `ResultDone`.
-    Result,
-}
-
-/// Reads data chunks of a span of `len` elements until the phase's end marker, allowing at most
-/// `gap` between frames, and returns the span once every element has arrived.
-async fn receive_chunks(
-    round: &Round,
-    stream: &mut Stream,
+/// Reads one sender's chunks (in order) into its staging buffer, reporting progress, until its
+/// `SendDone`; at most `sender_timeout` between frames.
+async fn receive_part<R: futures::AsyncRead + Unpin>(
+    round: Arc<Round>,
+    mut rd: R,
+    sender: u32,
     len: usize,
-    gap: Duration,
-    phase: Phase,
-) -> Result<Vec<f32>, String> {
+    staging: Arc<std::sync::Mutex<Vec<f32>>>,
+    events: mpsc::Sender<Inbound>,
+) {
     let cfg = &round.shared.config;
-    let mut assembler =
-        ChunkAssembler::with_options(len, decode_options(len)).map_err(|e| e.to_string())?;
-    loop {
-        let (frame, n) = timeout(gap, read_frame::<_, ReduceMsg>(stream, cfg.max_frame_bytes))
-            .await
-            .map_err(|_| match phase {
-                Phase::Part => "sender stalled".to_string(),
-                Phase::Result => "reducer stalled while returning the result".to_string(),
-            })?
-            .map_err(|e| e.to_string())?;
+    let mut prefix = 0usize;
+    let mut decoder = starling_compression::Decoder::new(decode_options(len));
+    let why = loop {
+        let read = timeout(
+            cfg.sender_timeout,
+            read_frame::<_, ReduceMsg>(&mut rd, cfg.max_frame_bytes),
+        )
+        .await;
+        let (frame, n) = match read {
+            Err(_) => break "sender stalled".to_string(),
+            Ok(Err(e)) => break e.to_string(),
+            Ok(Ok(f)) => f,
+        };
         round
             .counters
             .received
             .fetch_add(n as u64, Ordering::Relaxed);
-        match (frame, phase) {
-            (Frame::Data(chunk), _) => {
-                assembler.accept(&chunk).map_err(|e| e.to_string())?;
+        match frame {
+            Frame::Data(chunk) => {
+                let header = match ChunkHeader::parse(&chunk) {
+                    Ok(h) => h,
+                    Err(e) => break e.to_string(),
+                };
+                let (at, count) = (header.offset as usize, header.count);
+                if header.total != len as u64 || at != prefix || count == 0 || at + count > len {
+                    break "chunk out of order or out of range".to_string();
+                }
+                let decoded = decoder.decode_into(&chunk, &mut lock(&staging)[at..at + count]);
+                if let Err(e) = decoded {
+                    break e.to_string();
+                }
+                prefix += count;
+                if events
+                    .send(Inbound::Progress { sender, prefix })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
             }
-            (Frame::Control(ReduceMsg::SendDone), Phase::Part)
-            | (Frame::Control(ReduceMsg::ResultDone), Phase::Result) => break,
-            (Frame::Control(other), _) => return Err(format!("unexpected message {other:?}")),
+            Frame::Control(ReduceMsg::SendDone) if prefix == len => return,
+            Frame::Control(ReduceMsg::SendDone) => break "sender's part is incomplete".to_string(),
+            Frame::Control(other) => break format!("unexpected message {other:?}"),
         }
-    }
-    if !assembler.is_complete() {
-        return Err(match phase {
-            Phase::Part => "sender's part is incomplete".into(),
-            Phase::Result => "reducer's result is incomplete".into(),
-        });
-    }
-    assembler.finish().map_err(|e| e.to_string())
+    };
+    let _ = events.send(Inbound::Failed { sender, why }).await;
 }
 
-async fn send_result(
-    round: &Round,
-    stream: &mut Stream,
-    contributors: Vec<u32>,
-    delta: &[f32],
-) -> Result<(), AveragerError> {
+/// Writes a sender's results as the reducer finishes parts: `Result` and the delta chunks of
+/// each part, then `ResultDone` and a clean close. Returns whether everything went out.
+async fn write_results<W: futures::AsyncWrite + Unpin>(
+    round: Arc<Round>,
+    mut wr: W,
+    mut parts: mpsc::Receiver<Outbound>,
+) -> bool {
     let cfg = &round.shared.config;
-    let mut sent = write_control(stream, &ReduceMsg::Result { contributors }).await?;
-    for chunk in split_chunks(cfg.codec, delta, cfg.chunk_bytes, &EncodeOptions::default())? {
-        sent += write_data(stream, &chunk?).await?;
+    let mut sent = 0usize;
+    let result = async {
+        while let Some(out) = parts.recv().await {
+            match out {
+                Outbound::Part {
+                    start,
+                    contributors,
+                    delta,
+                } => {
+                    let head = ReduceMsg::Result {
+                        start: start as u64,
+                        len: delta.len() as u64,
+                        contributors: contributors.to_vec(),
+                    };
+                    sent += write_control(&mut wr, &head).await?;
+                    for chunk in split_chunks(
+                        cfg.codec,
+                        &delta,
+                        cfg.chunk_bytes,
+                        &EncodeOptions::default(),
+                    )? {
+                        sent += write_data(&mut wr, &chunk?).await?;
+                    }
+                }
+                Outbound::Excluded(why) => {
+                    sent += write_control(&mut wr, &ReduceMsg::Excluded(why)).await?;
+                    futures::AsyncWriteExt::close(&mut wr).await?;
+                    return Ok(false);
+                }
+            }
+        }
+        sent += write_control(&mut wr, &ReduceMsg::ResultDone).await?;
+        // Close (FIN) rather than drop (RST), so the last frames are never discarded in flight.
+        futures::AsyncWriteExt::close(&mut wr).await?;
+        Ok::<_, AveragerError>(true)
     }
-    sent += write_control(stream, &ReduceMsg::ResultDone).await?;
-    // Close (FIN) rather than drop (RST), so the last frames are never discarded in flight.
-    futures::AsyncWriteExt::close(stream).await?;
+    .await;
     round
         .counters
         .sent
         .fetch_add(sent as u64, Ordering::Relaxed);
-    Ok(())
+    matches!(result, Ok(true))
 }
 
 #[cfg(test)]

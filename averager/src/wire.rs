@@ -115,9 +115,15 @@ pub enum ReduceMsg {
     Ready,
     /// Sender to reducer: every chunk of the span has been sent.
     SendDone,
-    /// Reducer to sender: the span was averaged over these members; deltas follow.
+    /// Reducer to sender: the part `start..start + len` of the span (offsets within the span)
+    /// was averaged over these members; the sender's delta chunks for it follow (offsets within
+    /// the part). Parts come in order and cover the span before `ResultDone`.
     Result {
-        /// Indices of the members whose data is in the average.
+        /// First element of the part, counted from the start of the span.
+        start: u64,
+        /// Elements in the part.
+        len: u64,
+        /// Indices of the members whose data is in the part's average.
         contributors: Vec<u32>,
     },
     /// Reducer to sender: every delta chunk has been sent.
