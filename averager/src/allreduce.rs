@@ -92,7 +92,8 @@ const REPAIR_QUEUE_PER_MEMBER: usize = 4;
 
 /// What a round produced for the local peer.
 pub(crate) struct Outcome {
-    pub result: Vec<f32>,
+    /// New values of the averaged ranges of the flattened vector; the rest keeps its values.
+    pub patches: Vec<(Range<usize>, Vec<f32>)>,
     pub group: Vec<PeerId>,
     pub spans: Vec<SpanReport>,
     pub failed_peers: Vec<PeerId>,
@@ -240,7 +241,7 @@ pub(crate) async fn run_allreduce(
     let total = flat.len();
     let Some(fractions) = fractions(&shared.config, &bandwidths, &modes) else {
         return Outcome {
-            result: flat,
+            patches: vec![],
             group: peers,
             spans: vec![],
             failed_peers: vec![],
@@ -314,7 +315,7 @@ pub(crate) async fn run_allreduce(
     };
     tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
 
-    let mut result: Vec<f32> = round.flat.as_ref().clone();
+    let mut patches: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
     let mut reports = Vec::new();
     // Members seen failing in any role, and reducers seen failing (the repair plan's input).
     let mut failed: HashSet<u32> = HashSet::new();
@@ -325,9 +326,13 @@ pub(crate) async fn run_allreduce(
         let reports_of = segment_reports(&peers, peers[me], &my_range, &r.segments, |c| {
             SpanOutcome::Averaged { contributors: c }
         });
-        for (seg, _) in &r.segments {
-            result[seg.clone()]
-                .copy_from_slice(&r.values[seg.start - my_range.start..seg.end - my_range.start]);
+        if r.segments.len() == 1 && r.segments[0].0 == my_range {
+            patches.push((my_range.clone(), r.values));
+        } else {
+            for (seg, _) in &r.segments {
+                let local = seg.start - my_range.start..seg.end - my_range.start;
+                patches.push((seg.clone(), r.values[local].to_vec()));
+            }
         }
         reports.extend(reports_of);
     }
@@ -335,7 +340,7 @@ pub(crate) async fn run_allreduce(
         let range = ranges[j].clone();
         let outcome = match handle.await {
             Ok(Ok((segments, values))) => {
-                result[range.clone()].copy_from_slice(&values);
+                patches.push((range.clone(), values));
                 reports.extend(segment_reports(&peers, peers[j], &range, &segments, |c| {
                     SpanOutcome::Averaged { contributors: c }
                 }));
@@ -367,9 +372,7 @@ pub(crate) async fn run_allreduce(
         repair.start(lost);
         repair.drive(&mut repair_rx, None).await;
     }
-    for (range, values) in repair.patches.drain(..) {
-        result[range].copy_from_slice(&values);
-    }
+    patches.append(&mut repair.patches);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
     let left = deadline.saturating_duration_since(Instant::now());
@@ -389,7 +392,7 @@ pub(crate) async fn run_allreduce(
     failed.sort();
     failed.dedup();
     Outcome {
-        result,
+        patches,
         group: peers,
         spans: reports,
         failed_peers: failed,

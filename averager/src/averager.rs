@@ -277,11 +277,8 @@ impl Averager {
             }
         }
         if cfg.mode != AveragingMode::Aux {
-            let mut offset = 0;
-            for t in tensors.iter_mut() {
-                let n = t.len();
-                t.copy_from_slice(&outcome.result[offset..offset + n]);
-                offset += n;
+            for (range, values) in &outcome.patches {
+                write_flat(tensors, range.start, values);
             }
         }
         Ok(RoundReport {
@@ -336,6 +333,24 @@ pub(crate) fn schema_hash(sizes: &[usize], codec: &str) -> u64 {
 /// Serves one inbound protocol: reads each stream's first control message (bounded in time and
 /// size, at most `MAX_INBOUND_HANDSHAKES` at once; extra streams are dropped, which refuses them)
 /// and hands it to `handle` on its own task.
+/// Writes `values` at flat offset `start` of the concatenation of `tensors`.
+fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
+    let end = start + values.len();
+    let mut offset = 0;
+    for t in tensors.iter_mut() {
+        let (lo, hi) = (offset, offset + t.len());
+        offset = hi;
+        if hi <= start {
+            continue;
+        }
+        if lo >= end {
+            break;
+        }
+        let (a, b) = (start.max(lo), end.min(hi));
+        t[a - lo..b - lo].copy_from_slice(&values[a - start..b - start]);
+    }
+}
+
 async fn serve_inbound<M, F, Fut>(
     shared: Arc<Shared>,
     mut incoming: starling_node::IncomingStreams,
@@ -456,7 +471,22 @@ async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stre
 
 #[cfg(test)]
 mod tests {
-    use super::schema_hash;
+    use super::{schema_hash, write_flat};
+
+    #[test]
+    fn flat_writes_land_across_tensor_boundaries() {
+        let mut a = vec![0.0f32; 3];
+        let mut b = vec![0.0f32; 0];
+        let mut c = vec![0.0f32; 4];
+        {
+            let mut ts: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
+            write_flat(&mut ts, 2, &[1.0, 2.0, 3.0]);
+            write_flat(&mut ts, 6, &[9.0]);
+            write_flat(&mut ts, 0, &[]);
+        }
+        assert_eq!(a, vec![0.0, 0.0, 1.0]);
+        assert_eq!(c, vec![2.0, 3.0, 0.0, 9.0]);
+    }
 
     #[test]
     fn schema_hash_separates_sizes_order_and_codec() {
