@@ -68,7 +68,7 @@ use crate::config::{AveragerConfig, Fault};
 use crate::matchmaking::Group;
 use crate::partition::{solve_fractions, spans};
 use crate::wire::{
-    read_control, read_frame, write_control, write_data, Frame, ReduceMsg, REDUCE_PROTOCOL,
+    read_control, read_frame_into, write_control, write_data, Frame, ReduceMsg, REDUCE_PROTOCOL,
     UNKNOWN_ROUND,
 };
 use crate::{AveragerError, AveragingMode, SpanOutcome, SpanReport};
@@ -943,18 +943,22 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
     // The part being received: its range and how many of its elements arrived.
     let mut current: Option<(Range<usize>, usize)> = None;
     let mut decoder = starling_compression::Decoder::new(decode_options(len));
+    let mut chunk = Vec::new();
     loop {
-        let (frame, n) = timeout(gap, read_frame::<_, ReduceMsg>(rd, cfg.max_frame_bytes))
-            .await
-            .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
-            .map_err(|e| SendFail::reducer(e.to_string()))?;
+        let (frame, n) = timeout(
+            gap,
+            read_frame_into::<_, ReduceMsg>(rd, cfg.max_frame_bytes, &mut chunk),
+        )
+        .await
+        .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
+        .map_err(|e| SendFail::reducer(e.to_string()))?;
         round
             .counters
             .received
             .fetch_add(n as u64, Ordering::Relaxed);
         let covered = segments.last().map_or(0, |s| s.0.end);
         match frame {
-            Frame::Data(chunk) => {
+            Frame::Data(()) => {
                 let Some((part, got)) = current.as_mut() else {
                     return Err(SendFail::reducer("delta chunk outside a part"));
                 };
@@ -1390,10 +1394,11 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
     let cfg = &round.shared.config;
     let mut prefix = 0usize;
     let mut decoder = starling_compression::Decoder::new(decode_options(len));
+    let mut chunk = Vec::new();
     let why = loop {
         let read = timeout(
             cfg.sender_timeout,
-            read_frame::<_, ReduceMsg>(&mut rd, cfg.max_frame_bytes),
+            read_frame_into::<_, ReduceMsg>(&mut rd, cfg.max_frame_bytes, &mut chunk),
         )
         .await;
         let (frame, n) = match read {
@@ -1406,7 +1411,7 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
             .received
             .fetch_add(n as u64, Ordering::Relaxed);
         match frame {
-            Frame::Data(chunk) => {
+            Frame::Data(()) => {
                 let header = match ChunkHeader::parse(&chunk) {
                     Ok(h) => h,
                     Err(e) => break e.to_string(),

@@ -155,11 +155,11 @@ pub enum ReduceMsg {
 pub const UNKNOWN_ROUND: &str = "unknown round";
 
 /// A frame read off a stream.
-pub enum Frame<M> {
+pub enum Frame<M, D = Vec<u8>> {
     /// A control message.
     Control(M),
-    /// A data chunk (compression wire format).
-    Data(Vec<u8>),
+    /// A data chunk (compression wire format); `()` when it was read into a caller's buffer.
+    Data(D),
 }
 
 /// Writes a control message.
@@ -199,6 +199,24 @@ pub async fn read_frame<S: AsyncRead + Unpin, M: DeserializeOwned>(
     s: &mut S,
     max_frame_bytes: usize,
 ) -> Result<(Frame<M>, usize), AveragerError> {
+    let mut body = Vec::new();
+    let (frame, n) = read_frame_into(s, max_frame_bytes, &mut body).await?;
+    Ok((
+        match frame {
+            Frame::Control(m) => Frame::Control(m),
+            Frame::Data(()) => Frame::Data(body),
+        },
+        n,
+    ))
+}
+
+/// [`read_frame`] into a reusable buffer: a data frame's bytes are left in `buf` (which only
+/// grows), so a stream of chunks allocates and zeroes its buffer once.
+pub async fn read_frame_into<S: AsyncRead + Unpin, M: DeserializeOwned>(
+    s: &mut S,
+    max_frame_bytes: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(Frame<M, ()>, usize), AveragerError> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len).await?;
     let len = u32::from_le_bytes(len) as usize;
@@ -209,18 +227,21 @@ pub async fn read_frame<S: AsyncRead + Unpin, M: DeserializeOwned>(
     }
     let mut tag = [0u8; 1];
     s.read_exact(&mut tag).await?;
-    let mut body = vec![0u8; len - 1];
-    s.read_exact(&mut body).await?;
+    if buf.len() < len - 1 {
+        buf.resize(len - 1, 0);
+    }
+    buf.truncate(len - 1);
+    s.read_exact(buf).await?;
     let frame = match tag[0] {
         TAG_CONTROL => {
-            if body.len() > MAX_CONTROL_BYTES {
+            if buf.len() > MAX_CONTROL_BYTES {
                 return Err(AveragerError::Protocol("control message too large".into()));
             }
             Frame::Control(
-                postcard::from_bytes(&body).map_err(|e| AveragerError::Protocol(e.to_string()))?,
+                postcard::from_bytes(buf).map_err(|e| AveragerError::Protocol(e.to_string()))?,
             )
         }
-        TAG_DATA => Frame::Data(body),
+        TAG_DATA => Frame::Data(()),
         t => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
     };
     Ok((frame, len + 4))
