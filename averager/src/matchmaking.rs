@@ -131,12 +131,29 @@ pub(crate) async fn find_group(
         {
             tracing::debug!("declaring under {group_key}: {e}");
         }
-        if let Some(group) =
-            run_window(shared, group_key, &me, window_end, window_end_ms, &mut rx).await?
-        {
-            return Ok(group);
+        match run_window(shared, group_key, &me, window_end, window_end_ms, &mut rx).await? {
+            Window::Group(group) => return Ok(group),
+            Window::Again => {}
+            // Nobody else searched under this key for a whole window: searching on until the
+            // deadline would only hold the caller up (e.g. the odd peer out of a full grid key).
+            Window::Alone => {
+                return Err(AveragerError::NoGroup {
+                    min: cfg.min_group_size,
+                    searched_ms: started.elapsed().as_millis() as u64,
+                })
+            }
         }
     }
+}
+
+/// How a search window ended.
+enum Window {
+    /// In a group.
+    Group(Group),
+    /// Others searched too but no group formed: search again.
+    Again,
+    /// No other peer searched under the key during the whole window.
+    Alone,
 }
 
 /// A short printable form of a peer id, for logs.
@@ -161,9 +178,11 @@ async fn run_window(
     window_end: Instant,
     window_end_ms: u64,
     rx: &mut mpsc::Receiver<IncomingJoin>,
-) -> Result<Option<Group>, AveragerError> {
+) -> Result<Window, AveragerError> {
     let cfg = &shared.config;
     let my_rank = rank(window_end_ms, &me.peer_id);
+    // Whether any other peer searched under the key during this window.
+    let mut saw_others = false;
     let mut followers: Vec<IncomingJoin> = Vec::new();
     let mut refused: HashSet<Vec<u8>> = HashSet::new();
     let mut busy: HashMap<Vec<u8>, Instant> = HashMap::new();
@@ -177,15 +196,16 @@ async fn run_window(
             _ = sleep_until(window_end), if attempt.is_none() => {
                 tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
                 if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
-                    return Ok(Some(begin(shared, me, followers).await));
+                    return Ok(Window::Group(begin(shared, me, followers).await));
                 }
                 disband(&mut followers, cfg.request_timeout).await;
                 if cfg.min_group_size <= 1 {
-                    return Ok(Some(begin(shared, me, Vec::new()).await));
+                    return Ok(Window::Group(begin(shared, me, Vec::new()).await));
                 }
-                return Ok(None);
+                return Ok(if saw_others { Window::Again } else { Window::Alone });
             }
             Some(mut join) = rx.recv() => {
+                saw_others = true;
                 let reply = if me.mode == AveragingMode::Client {
                     Some(RejectReason::NotLeading)
                 } else if rank(join.window_end, &join.info.peer_id) <= my_rank {
@@ -214,14 +234,14 @@ async fn run_window(
                         return Err(AveragerError::Closed);
                     }
                     if followers.len() + 1 >= cfg.target_group_size {
-                        return Ok(Some(begin(shared, me, followers).await));
+                        return Ok(Window::Group(begin(shared, me, followers).await));
                     }
                 }
             }
             (leader, result) = async { attempt.as_mut().expect("guarded").await }, if attempt.is_some() => {
                 attempt = None;
                 match result {
-                    Ok(Some(group)) => return Ok(Some(group)),
+                    Ok(Some(group)) => return Ok(Window::Group(group)),
                     Ok(None) => {
                         refused.insert(leader);
                     }
@@ -240,6 +260,7 @@ async fn run_window(
             _ = refresh.tick(), if attempt.is_none() && followers.len() + 1 < cfg.target_group_size => {
                 let found = timeout(cfg.request_timeout, shared.node.get::<Declaration>(group_key)).await;
                 let Ok(Ok(entries)) = found else { continue };
+                saw_others |= entries.iter().any(|(_, d, _)| d.info.peer_id != me.peer_id);
                 let now = Instant::now();
                 let best = entries
                     .into_iter()

@@ -221,7 +221,13 @@ async fn grid_rounds_mix_information_across_groups() {
                 averagers.iter().zip(values.iter_mut()).zip(&weights).map(
                     |((a, v), w)| async move { a.step(&mut [&mut v[..]], *w, deadline).await },
                 );
+            let started = Instant::now();
             let reports = futures::future::join_all(steps).await;
+            eprintln!(
+                "grid round {rounds}: {:.2} s, {} of {N} peers found a group",
+                started.elapsed().as_secs_f64(),
+                reports.iter().filter(|r| r.is_ok()).count()
+            );
             let mut next = origins.clone();
             for (p, report) in reports.iter().enumerate() {
                 // A peer left without a group (its key had no partner) keeps its values.
@@ -277,6 +283,38 @@ async fn grid_rounds_mix_information_across_groups() {
         for a in averagers {
             a.shutdown().await;
         }
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// A peer alone under its group key gives up after one search window with a clear error, instead
+/// of searching until its (much later) deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_peer_gives_up_after_one_window() {
+    init_tracing();
+    // The deadline is 120 s away; the test's bound (20 s) holds only if the search stops after
+    // its 2 s window.
+    bounded(Duration::from_secs(20), async {
+        let cluster = LocalCluster::start(2, node_cfg()).await.unwrap();
+        let mut c = avg_cfg("lonely", "none", 4);
+        c.matchmaking_time = Duration::from_secs(2);
+        let averager = Averager::new(cluster.nodes[0].clone(), c).await.unwrap();
+        let mut t = normal_vec(100, 1);
+        let before = t.clone();
+        let r = averager
+            .step(
+                &mut [&mut t[..]],
+                1.0,
+                Instant::now() + Duration::from_secs(120),
+            )
+            .await;
+        match r {
+            Err(starling_averager::AveragerError::NoGroup { .. }) => {}
+            other => panic!("expected NoGroup, got {other:?}"),
+        }
+        assert_eq!(t, before, "a failed step leaves the tensors alone");
+        averager.shutdown().await;
         cluster.shutdown().await;
     })
     .await;
