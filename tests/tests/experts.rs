@@ -369,36 +369,12 @@ async fn moe_layer_matches_a_local_reference() {
             let local: Vec<Expert> = (0..4)
                 .map(|i| Expert::new(&spec, 1 + i as u64).unwrap())
                 .collect();
-            let w = vars.data().lock().unwrap()["moe.gate0.weight"]
-                .as_tensor()
-                .clone();
-            let b = vars.data().lock().unwrap()["moe.gate0.bias"]
-                .as_tensor()
-                .clone();
-            let logits = x
-                .matmul(&w.t().unwrap())
-                .unwrap()
-                .broadcast_add(&b)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
-            let xs = x.to_vec2::<f32>().unwrap();
-            let mut expected = Vec::new();
-            for (row, l) in logits.iter().enumerate() {
+            let expected = local_mixture(&vars, &x, &local, |l| {
                 let mut order: Vec<usize> = (0..4).collect();
                 order.sort_by(|a, b| l[*b].total_cmp(&l[*a]));
-                let (a, c) = (order[0], order[1]);
-                let m = l[a].max(l[c]);
-                let (ea, ec) = ((l[a] - m).exp(), (l[c] - m).exp());
-                let xr = Tensor::from_vec(xs[row].clone(), (1, 8), &Device::Cpu).unwrap();
-                let ya = values(&local[a].forward(&xr).unwrap());
-                let yc = values(&local[c].forward(&xr).unwrap());
-                expected.extend(
-                    ya.iter()
-                        .zip(&yc)
-                        .map(|(p, q)| (p * ea + q * ec) / (ea + ec)),
-                );
-            }
+                order[..2].to_vec()
+            });
+            let w = gate_var(&vars, "weight").as_tensor().clone();
             let e = rel_error(&values(&y), &expected);
             assert!(e < 1e-5, "MoE output vs local reference: rel. error {e}");
             // Gradients against central finite differences of L = sum(y * r).
@@ -435,7 +411,7 @@ async fn moe_layer_matches_a_local_reference() {
                 );
             }
             let w0 = w.copy().unwrap(); // a deep copy: `clone` would share the storage `set` writes
-            let var_w = vars.data().lock().unwrap()["moe.gate0.weight"].clone();
+            let var_w = gate_var(&vars, "weight");
             for i in [0usize, 9, 30] {
                 let mut p = values(&w0);
                 p[i] += h;
@@ -464,6 +440,48 @@ async fn moe_layer_matches_a_local_reference() {
         cluster.shutdown().await;
     })
     .await;
+}
+
+/// The first gate's parameter `name` (`weight` or `bias`) of a layer built under `moe`.
+fn gate_var(vars: &VarMap, name: &str) -> candle_core::Var {
+    vars.data().lock().unwrap()[&format!("moe.gate0.{name}")].clone()
+}
+
+/// A plain local computation of a one-dimensional MoE layer: per sample, the gate's logits, the
+/// experts `chosen` from them, a softmax over the chosen logits, and the weighted sum of the
+/// local experts' outputs.
+fn local_mixture(
+    vars: &VarMap,
+    x: &Tensor,
+    local: &[Expert],
+    chosen: impl Fn(&[f32]) -> Vec<usize>,
+) -> Vec<f32> {
+    let w = gate_var(vars, "weight").as_tensor().clone();
+    let b = gate_var(vars, "bias").as_tensor().clone();
+    let logits = x
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let xs = x.to_vec2::<f32>().unwrap();
+    let mut out = Vec::new();
+    for (row, l) in logits.iter().enumerate() {
+        let picks = chosen(l);
+        let m = picks.iter().map(|&j| l[j]).fold(f32::MIN, f32::max);
+        let e: Vec<f32> = picks.iter().map(|&j| (l[j] - m).exp()).collect();
+        let z: f32 = e.iter().sum();
+        let xr = Tensor::from_vec(xs[row].clone(), (1, xs[row].len()), &Device::Cpu).unwrap();
+        let mut acc = vec![0f32; xs[row].len()];
+        for (&j, ej) in picks.iter().zip(&e) {
+            for (a, v) in acc.iter_mut().zip(values(&local[j].forward(&xr).unwrap())) {
+                *a += v * ej / z;
+            }
+        }
+        out.extend(acc);
+    }
+    out
 }
 
 /// The scikit-learn digits: 1797 8x8 images, features scaled to [0, 1]; a fixed 80/20 split.
@@ -805,34 +823,7 @@ async fn stalled_experts_are_masked_and_k_min_is_enforced() {
             let local: Vec<Expert> = (0..4)
                 .map(|i| Expert::new(&spec, 1 + i as u64).unwrap())
                 .collect();
-            let w = vars.data().lock().unwrap()["moe.gate0.weight"]
-                .as_tensor()
-                .clone();
-            let b = vars.data().lock().unwrap()["moe.gate0.bias"]
-                .as_tensor()
-                .clone();
-            let logits = x
-                .matmul(&w.t().unwrap())
-                .unwrap()
-                .broadcast_add(&b)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
-            let xs = x.to_vec2::<f32>().unwrap();
-            let mut expected = Vec::new();
-            for (row, l) in logits.iter().enumerate() {
-                let m = l[..4].iter().cloned().fold(f32::MIN, f32::max);
-                let e: Vec<f32> = l[..4].iter().map(|v| (v - m).exp()).collect();
-                let z: f32 = e.iter().sum();
-                let xr = Tensor::from_vec(xs[row].clone(), (1, 8), &Device::Cpu).unwrap();
-                let mut acc = vec![0f32; 8];
-                for (j, expert) in local.iter().enumerate() {
-                    for (a, v) in acc.iter_mut().zip(values(&expert.forward(&xr).unwrap())) {
-                        *a += v * e[j] / z;
-                    }
-                }
-                expected.extend(acc);
-            }
+            let expected = local_mixture(&vars, &x, &local, |_| (0..4).collect());
             let err = rel_error(&values(&y), &expected);
             assert!(
                 err < 1e-5,
