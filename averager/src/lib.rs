@@ -10,16 +10,17 @@
 //! - [`partition`]: the load-balancing solve that sizes each member's span from the bandwidths
 //!   it declared (measured from real transfers), so weak and client peers reduce little or nothing.
 //! - The all-reduce (`allreduce.rs`): spans stream in chunks through `starling_compression`;
-//!   reducers return averaged deltas; stalled senders are excluded from the spans they did not
-//!   deliver; a failed reducer's span is re-delegated to the surviving reducers in the same round
+//!   reducers average part by part and return each part's deltas while later parts still
+//!   arrive (send and return overlap); a stalled sender is left out of the parts not finished
+//!   yet; a failed reducer's span is re-delegated to the surviving reducers in the same round
 //!   when the deadline allows (otherwise it keeps its local values), and the report says exactly
 //!   which spans (and parts) were averaged with whom.
 //! - [`wire`]: every message and the framing (bounded frames).
 //!
 //! Departures from hivemind: the span split minimises the slowest peer's time under a
 //! full-duplex cost model (bisection instead of an LP solver); reducers send deltas rather than
-//! averaged values; a sender only counts in a span once its whole part has arrived, so a partial
-//! sender can never skew a mean.
+//! averaged values; a sender counts in a part only once it delivered all of that part, and every
+//! part's result names exactly whose data it holds, so a partial sender can never skew a mean.
 //!
 //! Not yet: gossip averaging, and local (intra-node) collectives.
 
