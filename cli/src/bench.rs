@@ -54,17 +54,20 @@ struct LatencyStats {
     p99_ms: f64,
 }
 
+/// The `p` quantile (0..=1, nearest rank) of `sorted` values; 0 when there are none.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        0.0
+    } else {
+        sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+    }
+}
+
 impl LatencyStats {
     fn from(results: &[(bool, Duration)]) -> Self {
         let mut ms: Vec<f64> = results.iter().map(|(_, d)| d.as_secs_f64() * 1e3).collect();
         ms.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            if ms.is_empty() {
-                0.0
-            } else {
-                ms[((ms.len() - 1) as f64 * p).round() as usize]
-            }
-        };
+        let pct = |p| percentile(&ms, p);
         LatencyStats {
             ops: results.len(),
             success_rate: if results.is_empty() {

@@ -96,13 +96,7 @@ async fn phase(
         .collect();
     let failed = results.iter().map(|(_, f)| f).sum();
     lat.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        if lat.is_empty() {
-            0.0
-        } else {
-            lat[((lat.len() - 1) as f64 * p).round() as usize]
-        }
-    };
+    let pct = |p| crate::bench::percentile(&lat, p);
     Phase {
         requests: lat.len(),
         failed,
