@@ -58,7 +58,9 @@ use futures::StreamExt;
 use starling_compression::{
     decode_into, split_chunks, ChunkHeader, Codec, DecodeOptions, EncodeOptions,
 };
-use starling_node::{PeerId, Stream};
+use starling_node::PeerId;
+
+use crate::lane::Lane;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
@@ -77,7 +79,7 @@ use crate::{AveragerError, AveragingMode, SpanOutcome, SpanReport};
 pub(crate) struct IncomingSender {
     pub peer: PeerId,
     pub hello: ReduceMsg,
-    pub stream: Stream,
+    pub stream: Lane,
 }
 
 /// The queues of a running round: plain hellos go to the reduction of this peer's own span,
@@ -99,6 +101,8 @@ pub(crate) struct Outcome {
     pub failed_peers: Vec<PeerId>,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Span transfers sent over a fast lane.
+    pub fast_lanes: usize,
     /// This peer's upload rate (bytes/s) as seen on this round's streams, if enough was sent.
     pub measured_bandwidth: Option<f64>,
 }
@@ -113,6 +117,7 @@ const MIN_MEASURED_BYTES: usize = 256 * 1024;
 struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
+    fast: AtomicU64,
     /// Sum over concurrent sender streams of bytes / seconds (bits of f64).
     rate_sum: std::sync::Mutex<f64>,
 }
@@ -247,6 +252,7 @@ pub(crate) async fn run_allreduce(
             failed_peers: vec![],
             bytes_sent: 0,
             bytes_received: 0,
+            fast_lanes: 0,
             measured_bandwidth: None,
         };
     };
@@ -398,6 +404,7 @@ pub(crate) async fn run_allreduce(
         failed_peers: failed,
         bytes_sent: round.counters.sent.load(Ordering::Relaxed),
         bytes_received: round.counters.received.load(Ordering::Relaxed),
+        fast_lanes: round.counters.fast.load(Ordering::Relaxed) as usize,
         measured_bandwidth: round
             .counters
             .rate_sum
@@ -856,7 +863,10 @@ async fn send_span(
             },
         };
         let (stream, hello_bytes) = open_with_hello(round, j, &hello, ack_wait).await?;
-        let (mut rd, mut wr) = futures::AsyncReadExt::split(stream);
+        if stream.is_fast() {
+            round.counters.fast.fetch_add(1, Ordering::Relaxed);
+        }
+        let (mut rd, mut wr) = stream.split();
         let part = &round.flat[range.clone()];
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
@@ -906,9 +916,8 @@ async fn send_span(
                 *r += sent as f64 / t_sent.as_secs_f64();
             }
         }
-        if let Ok(mut stream) = rd.reunite(wr) {
-            let _ = futures::AsyncWriteExt::close(&mut stream).await;
-        }
+        let _ = futures::AsyncWriteExt::close(&mut wr).await;
+        drop(rd);
         tracing::debug!(reducer = j, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // Turn the delta into the new values: (what the reducer saw of us) + delta.
         let mut result = delta;
@@ -1030,7 +1039,7 @@ async fn open_with_hello(
     j: usize,
     hello: &ReduceMsg,
     wait: Duration,
-) -> Result<(Stream, usize), SendFail> {
+) -> Result<(Lane, usize), SendFail> {
     let cfg = &round.shared.config;
     // The reducer may still be starting its round: allow for that, then give up.
     let give_up = Instant::now() + wait;
@@ -1043,7 +1052,7 @@ async fn open_with_hello(
         attempt += 1;
         let mut stream = match round
             .shared
-            .open_stream(round.peers[j], &round.addrs[j], REDUCE_PROTOCOL)
+            .open_lane(round.peers[j], &round.addrs[j], REDUCE_PROTOCOL)
             .await
         {
             Ok(s) => s,
@@ -1315,7 +1324,7 @@ async fn reduce_span(
                 }
                 allowed.remove(&sender);
                 expected.remove(&sender);
-                let (rd, wr) = futures::AsyncReadExt::split(stream);
+                let (rd, wr) = stream.split();
                 let staging = Arc::new(std::sync::Mutex::new(vec![0.0f32; len]));
                 let (out_tx, out_rx) = mpsc::channel(4);
                 receivers.push(tokio::spawn(receive_part(round.clone(), rd, sender, len, staging.clone(), ev_tx.clone())));
@@ -1472,6 +1481,8 @@ async fn write_results<W: futures::AsyncWrite + Unpin>(
                     )? {
                         sent += write_data(&mut wr, &chunk?).await?;
                     }
+                    // The sender may be waiting for exactly this part.
+                    futures::AsyncWriteExt::flush(&mut wr).await?;
                 }
                 Outbound::Excluded(why) => {
                     sent += write_control(&mut wr, &ReduceMsg::Excluded(why)).await?;

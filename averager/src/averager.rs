@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
 use crate::allreduce::{run_allreduce, IncomingSender, RoundRoute};
+use crate::lane::Lane;
 use crate::matchmaking::{find_group, IncomingJoin};
 use crate::wire::{
     read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
@@ -24,6 +25,10 @@ const MAX_INBOUND_HANDSHAKES: usize = 256;
 /// How long an inbound reduce stream waits for its round to be registered locally (the reducer
 /// may learn of the round a little after the sender).
 const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
+/// How long a peer whose fast lane failed is reached over libp2p streams only.
+const LANE_RETRY_AFTER: Duration = Duration::from_secs(300);
+/// Peers remembered as having no usable fast lane, at most.
+const MAX_LANE_FAILURES: usize = 4096;
 /// Weight of a new bandwidth measurement in the running average.
 const BANDWIDTH_EMA: f64 = 0.5;
 
@@ -38,6 +43,8 @@ pub(crate) struct Shared {
     grid_index: Mutex<u32>,
     /// The last round's background repair server (see `allreduce`): at most one at a time.
     repair_server: Mutex<Option<JoinHandle<()>>>,
+    /// Peers whose fast lane failed recently, and when.
+    lane_failures: Mutex<HashMap<PeerId, Instant>>,
 }
 
 impl Shared {
@@ -67,6 +74,43 @@ impl Shared {
             ))),
             Err(_) => Err(AveragerError::Deadline("opening a stream")),
         }
+    }
+
+    /// Opens a reduce exchange's stream to `peer`: a fast lane if the configuration allows one
+    /// and the peer's lane has not failed recently, else a libp2p stream.
+    pub async fn open_lane(
+        &self,
+        peer: PeerId,
+        addrs: &[String],
+        protocol: StreamProtocol,
+    ) -> Result<Lane, AveragerError> {
+        let recently_failed = self
+            .lane_failures
+            .lock()
+            .ok()
+            .and_then(|f| f.get(&peer).copied())
+            .is_some_and(|at| at.elapsed() < LANE_RETRY_AFTER);
+        if self.config.fast_lane && !recently_failed {
+            let mut lane = self.node.open_fast(peer, protocol.clone()).await;
+            if lane.is_err() {
+                // Not connected yet: connect the slow way, then ask again.
+                self.open_stream(peer, addrs, protocol.clone()).await?;
+                lane = self.node.open_fast(peer, protocol.clone()).await;
+            }
+            match lane {
+                Ok(s) => return Ok(Lane::Fast(Box::new(s))),
+                Err(e) => {
+                    tracing::debug!(%peer, "no fast lane, using libp2p streams: {e}");
+                    if let Ok(mut f) = self.lane_failures.lock() {
+                        f.retain(|_, at| at.elapsed() < LANE_RETRY_AFTER);
+                        if f.len() < MAX_LANE_FAILURES {
+                            f.insert(peer, Instant::now());
+                        }
+                    }
+                }
+            }
+        }
+        self.open_stream(peer, addrs, protocol).await.map(Lane::P2p)
     }
 
     /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
@@ -170,11 +214,27 @@ impl Averager {
             round_routes: Mutex::new(HashMap::new()),
             grid_index: Mutex::new(grid),
             repair_server: Mutex::new(None),
+            lane_failures: Mutex::new(HashMap::new()),
         });
-        let tasks = vec![
+        let reduces = reduces.map(|(peer, s)| (peer, Lane::P2p(s)));
+        let mut tasks = vec![
             tokio::spawn(serve_inbound(shared.clone(), joins, on_join)),
             tokio::spawn(serve_inbound(shared.clone(), reduces, on_reduce)),
         ];
+        // Senders reach a reducer over its fast lane when it has one (never in client mode).
+        if shared.config.fast_lane && shared.node.fast_lane_port().is_some() {
+            let mut lanes = shared
+                .node
+                .accept_fast(REDUCE_PROTOCOL)
+                .map_err(|_| AveragerError::AlreadyRunning)?;
+            let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx))
+                .map(|(peer, s)| (peer, Lane::Fast(Box::new(s))));
+            tasks.push(tokio::spawn(serve_inbound(
+                shared.clone(),
+                lanes,
+                on_reduce,
+            )));
+        }
         Ok(Averager {
             shared,
             busy: AtomicBool::new(false),
@@ -289,6 +349,7 @@ impl Averager {
             failed_peers: outcome.failed_peers,
             bytes_sent: outcome.bytes_sent,
             bytes_received: outcome.bytes_received,
+            fast_lane_transfers: outcome.fast_lanes,
             matchmaking_time,
             allreduce_time,
         })
@@ -351,13 +412,14 @@ fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
     }
 }
 
-async fn serve_inbound<M, F, Fut>(
+async fn serve_inbound<S, M, F, Fut>(
     shared: Arc<Shared>,
-    mut incoming: starling_node::IncomingStreams,
+    mut incoming: impl futures::Stream<Item = (PeerId, S)> + Unpin,
     handle: F,
 ) where
+    S: futures::AsyncRead + Unpin + Send + 'static,
     M: DeserializeOwned + Send + 'static,
-    F: Fn(Arc<Shared>, PeerId, M, Stream) -> Fut + Copy + Send + 'static,
+    F: Fn(Arc<Shared>, PeerId, M, S) -> Fut + Copy + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
@@ -424,7 +486,7 @@ async fn on_join(shared: Arc<Shared>, peer: PeerId, msg: MatchMsg, mut stream: S
 
 /// Routes a sender's stream to the round its hello names (a re-delegation hello to the round's
 /// repair queue), waiting a little for a round that this peer has not started yet.
-async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Stream) {
+async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Lane) {
     let (round_id, repair) = match hello {
         ReduceMsg::Hello { round_id, .. } => (round_id, false),
         ReduceMsg::RepairHello { round_id, .. } => (round_id, true),

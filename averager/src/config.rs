@@ -67,6 +67,10 @@ pub struct AveragerConfig {
     /// Size spans by the load-balancing solve (`true`, the default) or split equally among the
     /// members that may reduce (`false`; for comparisons).
     pub load_balance: bool,
+    /// Move span data over the node's fast lane (direct AES-256-GCM TCP connections, see
+    /// `starling_node::fastlane`) where both peers have one; `false` uses libp2p streams only.
+    /// A peer whose lane cannot be reached falls back to libp2p streams by itself.
+    pub fast_lane: bool,
     /// Fault injection for tests: crash this peer at a chosen point of the next rounds.
     #[doc(hidden)]
     pub fault: Option<Fault>,
@@ -110,6 +114,7 @@ impl AveragerConfig {
             group_bits: 0,
             max_frame_bytes: 16 << 20,
             load_balance: true,
+            fast_lane: true,
             fault: None,
         }
     }

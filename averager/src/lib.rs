@@ -28,6 +28,7 @@ mod allreduce;
 mod averager;
 mod config;
 mod error;
+mod lane;
 mod matchmaking;
 pub mod partition;
 mod report;

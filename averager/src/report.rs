@@ -77,6 +77,9 @@ pub struct RoundReport {
     pub bytes_sent: u64,
     /// Bytes read from averaging streams.
     pub bytes_received: u64,
+    /// How many of this peer's span transfers ran over a fast lane (the others used libp2p
+    /// streams; see [`crate::AveragerConfig::fast_lane`]).
+    pub fast_lane_transfers: usize,
     /// Time spent finding the group.
     pub matchmaking_time: Duration,
     /// Time spent in the all-reduce.

@@ -162,13 +162,17 @@ pub enum Frame<M, D = Vec<u8>> {
     Data(D),
 }
 
-/// Writes a control message.
+/// Writes a control message and flushes the stream.
 pub async fn write_control<S: AsyncWrite + Unpin, M: Serialize>(
     s: &mut S,
     msg: &M,
 ) -> Result<usize, AveragerError> {
     let body = postcard::to_stdvec(msg).map_err(|e| AveragerError::Protocol(e.to_string()))?;
-    write_frame(s, TAG_CONTROL, &body).await
+    let n = write_frame(s, TAG_CONTROL, &body).await?;
+    // Buffered streams (the fast lane) hold writes back until flushed: a control message is
+    // always something the peer waits for.
+    s.flush().await?;
+    Ok(n)
 }
 
 /// Writes a data frame holding one encoded chunk.

@@ -35,6 +35,9 @@ pub struct AllreduceArgs {
     /// Split spans equally instead of by measured bandwidth (for comparison).
     #[arg(long)]
     pub equal_spans: bool,
+    /// Move data over libp2p streams only, not the fast lane (for comparison).
+    #[arg(long)]
+    pub no_fast_lane: bool,
 }
 
 /// One worker's view of one round.
@@ -48,6 +51,12 @@ struct RoundSample {
     bytes_sent: u64,
     /// Fraction of the vector this peer reduced.
     span_fraction: f64,
+    /// Span transfers this peer sent over a fast lane.
+    #[serde(default)]
+    fast_lane_transfers: usize,
+    /// Reducers this peer sent a span to.
+    #[serde(default)]
+    transfers: usize,
 }
 
 #[derive(Serialize)]
@@ -59,6 +68,9 @@ struct AllreduceBench {
     procs: bool,
     rounds: usize,
     chunk_bytes: usize,
+    /// Whether the fast lane was allowed, and the share of span transfers that used it.
+    fast_lane: bool,
+    fast_lane_share: f64,
     /// Median over rounds of the slowest peer's time.
     median_round_s: f64,
     median_matchmaking_s: f64,
@@ -97,6 +109,7 @@ fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
     c.reducer_timeout = Duration::from_secs(60);
     c.chunk_bytes = args.chunk_bytes;
     c.load_balance = !args.equal_spans;
+    c.fast_lane = !args.no_fast_lane;
     Ok(c)
 }
 
@@ -129,6 +142,14 @@ async fn worker_rounds(
             rel_error: relative_error(mean, &data),
             group: report.group.len(),
             bytes_sent: report.bytes_sent,
+            fast_lane_transfers: report.fast_lane_transfers,
+            transfers: report
+                .spans
+                .iter()
+                .filter(|s| s.reducer != me)
+                .map(|s| s.reducer)
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
         });
     }
     Ok(samples)
@@ -150,6 +171,7 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
     let mut sent = Vec::new();
     let mut max_err = 0.0f64;
     let mut incomplete = 0;
+    let (mut fast, mut transfers) = (0usize, 0usize);
     for round in 1..=args.rounds {
         let samples: Vec<&RoundSample> = per_peer
             .iter()
@@ -167,6 +189,8 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
                 .fold(0.0, f64::max),
         );
         sent.extend(samples.iter().map(|s| s.bytes_sent as f64));
+        fast += samples.iter().map(|s| s.fast_lane_transfers).sum::<usize>();
+        transfers += samples.iter().map(|s| s.transfers).sum::<usize>();
         max_err = samples.iter().map(|s| s.rel_error).fold(max_err, f64::max);
     }
     let ar = median(ar_s.clone());
@@ -184,6 +208,8 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         procs: args.procs,
         rounds: args.rounds,
         chunk_bytes: args.chunk_bytes,
+        fast_lane: !args.no_fast_lane,
+        fast_lane_share: fast as f64 / transfers.max(1) as f64,
         median_round_s: median(round_s),
         median_matchmaking_s: median(mm_s),
         median_allreduce_s: ar,
@@ -260,6 +286,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))
+            .args(args.no_fast_lane.then_some("--no-fast-lane"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)

@@ -55,6 +55,12 @@ pub struct NodeConfig {
     pub kad_protocol: String,
     /// Capacity of the command channel between handles and the swarm task.
     pub command_queue: usize,
+    /// Run the fast lane (see [`crate::fastlane`]): a TCP listener for direct encrypted bulk
+    /// connections, and dialing other peers' lanes. Client-mode nodes only dial.
+    pub fast_lane: bool,
+    /// The fast lane's TCP port (0: chosen by the OS). It listens on the IP address of the first
+    /// TCP listen address.
+    pub fast_lane_port: u16,
 }
 
 impl Default for NodeConfig {
@@ -76,6 +82,8 @@ impl Default for NodeConfig {
             idle_connection_timeout: Duration::from_secs(120),
             kad_protocol: DEFAULT_KAD_PROTOCOL.to_string(),
             command_queue: 1024,
+            fast_lane: true,
+            fast_lane_port: 0,
         }
     }
 }

@@ -79,6 +79,9 @@ pub enum NodeError {
     #[error("{0} timed out")]
     Timeout(&'static str),
     /// The node has shut down.
+    #[error("fast lane: {0}")]
+    FastLane(String),
+
     #[error("the node has shut down")]
     Closed,
 }

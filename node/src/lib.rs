@@ -11,7 +11,10 @@
 //! - identify, ping, autonat (reachability), relay client + dcutr (hole punching);
 //! - Kademlia over a [`starling_dht::DhtStore`] with `StoreInserts::FilterBoth`: every inbound PUT
 //!   is validated and merged by our store, never stored blindly;
-//! - `libp2p-stream` for bulk data protocols (averaging, experts): see [`Node::stream_control`].
+//! - `libp2p-stream` for bulk data protocols (averaging, experts): see [`Node::stream_control`];
+//! - the **fast lane** ([`fastlane`]): direct AES-256-GCM TCP connections, requested over an
+//!   authenticated libp2p stream, for transfers that would saturate one libp2p connection
+//!   ([`Node::open_fast`], [`Node::accept_fast`]).
 //!
 //! **Client mode** ([`NodeConfig::client_mode`]) is for peers that cannot or should not accept
 //! inbound connections: they listen on nothing and run Kademlia in client mode, so they never
@@ -32,12 +35,14 @@ mod behaviour;
 pub mod cluster;
 mod config;
 mod error;
+pub mod fastlane;
 mod identity;
 mod node;
 mod swarm_key;
 
 pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;
+pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
 pub use node::{Node, NodeStatus, PutReport, Reachability};
 pub use swarm_key::SwarmKey;

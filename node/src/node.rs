@@ -1,4 +1,6 @@
 use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -10,12 +12,15 @@ use libp2p::swarm::{
     dial_opts::{DialOpts, PeerCondition},
     ConnectionId, SwarmEvent,
 };
-use libp2p::{autonat, identify, noise, tcp, yamux, Multiaddr, PeerId, Swarm, Transport};
+use libp2p::{
+    autonat, identify, noise, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm, Transport,
+};
 use serde::{de::DeserializeOwned, Serialize};
 use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::behaviour::{self, Behaviour, BehaviourEvent};
+use crate::fastlane::{FastLane, FastStream, IncomingFast};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 
 /// How often expired DHT entries are swept from the local store.
@@ -77,6 +82,7 @@ enum Command {
         oneshot::Sender<Result<Option<DictionaryRecord>, NodeError>>,
     ),
     GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
+    PeerIp(PeerId, oneshot::Sender<Option<IpAddr>>),
     Shutdown(oneshot::Sender<()>),
 }
 
@@ -91,6 +97,7 @@ pub struct Node {
     stream: libp2p_stream::Control,
     validator: Validator,
     request_timeout: Duration,
+    fast: Option<Arc<FastLane>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -173,6 +180,32 @@ fn is_quic(addr: &Multiaddr) -> bool {
         .any(|p| matches!(p, Protocol::Udp(_) | Protocol::QuicV1 | Protocol::Quic))
 }
 
+/// The IP of a TCP listen address.
+fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    let mut ip = None;
+    for p in addr.iter() {
+        match p {
+            Protocol::Ip4(a) => ip = Some(IpAddr::V4(a)),
+            Protocol::Ip6(a) => ip = Some(IpAddr::V6(a)),
+            Protocol::Tcp(_) => return ip,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The IP of a direct connection's remote address; `None` for relayed connections.
+fn direct_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    if addr.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
+        return None;
+    }
+    addr.iter().find_map(|p| match p {
+        Protocol::Ip4(a) => Some(IpAddr::V4(a)),
+        Protocol::Ip6(a) => Some(IpAddr::V6(a)),
+        _ => None,
+    })
+}
+
 fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
     addr.iter().find_map(|p| match p {
         Protocol::P2p(id) => Some(id),
@@ -247,8 +280,23 @@ impl Node {
             }
         }
 
+        let fast = if !cfg.fast_lane {
+            None
+        } else if cfg.client_mode {
+            Some(FastLane::dial_only(cfg.request_timeout))
+        } else {
+            let ip = listen_addrs
+                .iter()
+                .find_map(tcp_ip)
+                .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+            Some(
+                FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream.clone())
+                    .await?,
+            )
+        };
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let actor = Actor {
+            peer_ips: HashMap::new(),
             swarm,
             listen_addrs,
             pending_dials: HashMap::new(),
@@ -273,6 +321,7 @@ impl Node {
             stream,
             validator,
             request_timeout: cfg.request_timeout,
+            fast,
         };
         if !cfg.bootstrap.is_empty() {
             node.join(&cfg).await?;
@@ -494,7 +543,59 @@ impl Node {
     /// Stops the swarm task and closes all connections. Other clones of this handle get
     /// [`NodeError::Closed`] afterwards.
     pub async fn shutdown(&self) {
+        if let Some(f) = &self.fast {
+            f.stop();
+        }
         let _ = self.call(Command::Shutdown).await;
+    }
+
+    /// The fast lane's TCP port, if this node listens for lanes.
+    pub fn fast_lane_port(&self) -> Option<u16> {
+        self.fast.as_ref().and_then(|f| f.port())
+    }
+
+    /// Takes inbound fast lanes for `protocol`: each item is an authenticated peer and its
+    /// [`FastStream`]. Fails in client mode, with the fast lane disabled, or when `protocol`
+    /// already has a handler.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) -> Result<(), starling_node::NodeError> {
+    /// use futures::{AsyncReadExt, AsyncWriteExt};
+    /// use starling_node::StreamProtocol;
+    /// const ECHO: StreamProtocol = StreamProtocol::new("/example/echo/1");
+    /// let mut incoming = node.accept_fast(ECHO)?;
+    /// while let Some((peer, mut lane)) = incoming.recv().await {
+    ///     let mut buf = vec![0u8; 1024];
+    ///     let n = lane.read(&mut buf).await?;
+    ///     lane.write_all(&buf[..n]).await?;
+    ///     lane.close().await?; // a dropped lane reads as truncated on the other side
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn accept_fast(&self, protocol: StreamProtocol) -> Result<IncomingFast, NodeError> {
+        match &self.fast {
+            Some(f) => f.accept(&protocol),
+            None => Err(NodeError::FastLane("the fast lane is disabled".into())),
+        }
+    }
+
+    /// Opens a fast lane to `peer` for `protocol` (see [`crate::fastlane`]). `peer` must be
+    /// connected directly (not through a relay) and accept lanes for `protocol`; otherwise
+    /// this fails within the request timeout, and callers should fall back to
+    /// [`Self::stream_control`].
+    pub async fn open_fast(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<FastStream, NodeError> {
+        let Some(fast) = &self.fast else {
+            return Err(NodeError::FastLane("the fast lane is disabled".into()));
+        };
+        let ip = self
+            .call(|tx| Command::PeerIp(peer, tx))
+            .await?
+            .ok_or_else(|| NodeError::FastLane(format!("no direct connection to {peer}")))?;
+        fast.open(self.stream.clone(), peer, ip, &protocol).await
     }
 }
 
@@ -504,6 +605,8 @@ struct PendingGet {
 }
 
 struct Actor {
+    /// The remote IP of each peer with a direct connection (for fast lanes).
+    peer_ips: HashMap<PeerId, IpAddr>,
     swarm: Swarm<Behaviour>,
     listen_addrs: Vec<Multiaddr>,
     pending_dials: HashMap<ConnectionId, (Multiaddr, oneshot::Sender<Result<PeerId, NodeError>>)>,
@@ -639,6 +742,14 @@ impl Actor {
                 let store = self.swarm.behaviour_mut().kad.store_mut();
                 let _ = reply.send(store.get_live(key.as_ref(), now_ms()));
             }
+            Command::PeerIp(peer, reply) => {
+                let ip = self
+                    .swarm
+                    .is_connected(&peer)
+                    .then(|| self.peer_ips.get(&peer).copied())
+                    .flatten();
+                let _ = reply.send(ip);
+            }
             Command::Shutdown(_) => unreachable!("handled in run"),
         }
     }
@@ -683,6 +794,9 @@ impl Actor {
                 endpoint,
                 ..
             } => {
+                if let Some(ip) = direct_ip(endpoint.get_remote_address()) {
+                    self.peer_ips.insert(peer_id, ip);
+                }
                 if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
                     if endpoint.is_dialer() {
                         self.swarm
@@ -713,6 +827,9 @@ impl Actor {
                 ..
             } => {
                 tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
+                if num_established == 0 {
+                    self.peer_ips.remove(&peer_id);
+                }
             }
             SwarmEvent::IncomingConnectionError {
                 error,

@@ -76,15 +76,15 @@ async fn run_round(
         .collect()
 }
 
-async fn exact_mean_with(codec: &str, bound: f64) {
+/// Four peers average once; peer `no_lane`, if any, refuses fast lanes, so the others reach it
+/// (and it reaches them) over libp2p streams.
+async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
     let cluster = LocalCluster::start(4, node_cfg()).await.unwrap();
     let mut averagers = Vec::new();
-    for n in &cluster.nodes {
-        averagers.push(
-            Averager::new(n.clone(), avg_cfg("exact", codec, 4))
-                .await
-                .unwrap(),
-        );
+    for (i, n) in cluster.nodes.iter().enumerate() {
+        let mut cfg = avg_cfg("exact", codec, 4);
+        cfg.fast_lane = no_lane != Some(i);
+        averagers.push(Averager::new(n.clone(), cfg).await.unwrap());
     }
     let mut tensors: Vec<Vec<Vec<f32>>> = (0..4).map(peer_tensors).collect();
     let weights = [1.0f32, 2.0, 0.5, 3.5];
@@ -95,6 +95,21 @@ async fn exact_mean_with(codec: &str, bound: f64) {
         assert_eq!(report.group.len(), 4, "peer {p} was in a group of 4");
         assert!(report.failed_peers.is_empty());
         assert_eq!(report.averaged_fraction(), 1.0);
+        // Every span sent to a lane-capable reducer went over a fast lane; the rest over libp2p.
+        let me = report.group[report.my_index];
+        let lane_less = no_lane.map(|i| cluster.nodes[i].peer_id());
+        let mut reducers: Vec<_> = report.spans.iter().map(|s| s.reducer).collect();
+        reducers.dedup();
+        let fast_capable = reducers
+            .iter()
+            .filter(|r| **r != me && Some(**r) != lane_less)
+            .count();
+        let expected_fast = if Some(me) == lane_less {
+            0
+        } else {
+            fast_capable
+        };
+        assert_eq!(report.fast_lane_transfers, expected_fast, "peer {p}");
         for s in &report.spans {
             match &s.outcome {
                 SpanOutcome::Averaged { contributors } => assert_eq!(contributors.len(), 4),
@@ -128,16 +143,21 @@ async fn exact_mean_with(codec: &str, bound: f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_peers_hold_the_exact_weighted_mean_uncompressed() {
     init_tracing();
-    bounded(Duration::from_secs(180), exact_mean_with("none", 1e-6)).await;
+    bounded(
+        Duration::from_secs(180),
+        exact_mean_with("none", 1e-6, None),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_peers_average_within_codec_bounds() {
     init_tracing();
     bounded(Duration::from_secs(240), async {
-        exact_mean_with("f16", 1e-3).await;
-        exact_mean_with("u8", 3e-2).await;
-        exact_mean_with("blockwise8", 1.2e-2).await;
+        // One peer without a fast lane: the others fall back to libp2p streams for it.
+        exact_mean_with("f16", 1e-3, Some(3)).await;
+        exact_mean_with("u8", 3e-2, Some(0)).await;
+        exact_mean_with("blockwise8", 1.2e-2, None).await;
     })
     .await;
 }

@@ -1,0 +1,168 @@
+//! The node's fast lane: direct encrypted TCP connections, requested over libp2p.
+
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use starling_node::{Node, NodeConfig, NodeError, StreamProtocol};
+use starling_tests::{bounded, init_tracing};
+use tokio::io::AsyncWriteExt as _;
+
+const ECHO: StreamProtocol = StreamProtocol::new("/test/echo/1");
+const OTHER: StreamProtocol = StreamProtocol::new("/test/other/1");
+
+fn cfg() -> NodeConfig {
+    NodeConfig::default()
+        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .with_request_timeout(Duration::from_secs(3))
+}
+
+async fn pair(dialer: NodeConfig) -> (Node, Node) {
+    let server = Node::start(cfg()).await.unwrap();
+    let addr = server.listen_addrs().await.unwrap()[0].clone();
+    let client = Node::start(dialer).await.unwrap();
+    client.dial(addr).await.unwrap();
+    (server, client)
+}
+
+/// Echoes every lane on `ECHO` back to its sender, then closes it.
+fn echo_server(node: &Node) -> tokio::task::JoinHandle<Vec<starling_node::PeerId>> {
+    let mut incoming = node.accept_fast(ECHO).unwrap();
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while let Some((peer, lane)) = incoming.recv().await {
+            seen.push(peer);
+            let (mut rd, mut wr) = lane.into_split();
+            let mut buf = vec![0u8; 100_000];
+            loop {
+                let n = rd.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                wr.write_all(&buf[..n]).await.unwrap();
+            }
+            wr.close().await.unwrap();
+        }
+        seen
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_carry_data_both_ways_between_authenticated_peers() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let (server, client) = pair(cfg()).await;
+        let echo = echo_server(&server);
+        // 5 MB of varied bytes, written in odd sizes while the echo comes back.
+        let data: Vec<u8> = (0..5_000_003u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        for _ in 0..2 {
+            let lane = client.open_fast(server.peer_id(), ECHO).await.unwrap();
+            let (mut rd, mut wr) = lane.into_split();
+            let d = data.clone();
+            let writer = tokio::spawn(async move {
+                for c in d.chunks(77_777) {
+                    wr.write_all(c).await.unwrap();
+                }
+                wr.close().await.unwrap();
+            });
+            let mut back = Vec::new();
+            rd.read_to_end(&mut back).await.unwrap();
+            writer.await.unwrap();
+            assert!(back == data, "echo differs");
+        }
+        // Nothing is routed for a protocol without a handler: a clear refusal.
+        match client.open_fast(server.peer_id(), OTHER).await {
+            Err(NodeError::FastLane(why)) => assert!(why.contains("refused"), "{why}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // A second handler for one protocol is refused.
+        assert!(server.accept_fast(ECHO).is_err());
+        server.shutdown().await;
+        // The handler's queue ends with the node; it saw exactly the client, twice.
+        let seen = echo.await.unwrap();
+        assert_eq!(seen, vec![client.peer_id(); 2]);
+        client.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_on_the_lane_port_get_nothing_and_client_mode_only_dials() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let (server, client) = pair(NodeConfig::default().client(true)).await;
+        let mut incoming = server.accept_fast(ECHO).unwrap();
+        let port = server
+            .fast_lane_port()
+            .expect("a listening node has a lane port");
+        // Client mode listens for nothing.
+        assert_eq!(client.fast_lane_port(), None);
+        assert!(client.accept_fast(ECHO).is_err());
+
+        // Strangers who never asked over libp2p: random tokens, garbage, an early hang-up.
+        for junk in [
+            vec![0u8; 16],
+            vec![7u8; 100_000],
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            vec![],
+        ] {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let _ = s.write_all(&junk).await;
+            let _ = s.shutdown().await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            incoming.try_recv().is_err(),
+            "no stranger's connection was routed"
+        );
+
+        // A client-mode node dials lanes out; the server sees who it is.
+        let mut lane = client.open_fast(server.peer_id(), ECHO).await.unwrap();
+        let (peer, mut inbound) = incoming.recv().await.unwrap();
+        assert_eq!(peer, client.peer_id());
+        lane.write_all(b"ping").await.unwrap();
+        lane.flush().await.unwrap();
+        let mut got = [0u8; 4];
+        inbound.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+
+        // Stopping a node cuts its open lanes: the other side reads a truncated stream.
+        server.shutdown().await;
+        let mut rest = Vec::new();
+        let e = bounded(Duration::from_secs(10), lane.read_to_end(&mut rest))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        client.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_fast_lane_neither_listens_nor_dials() {
+    init_tracing();
+    bounded(Duration::from_secs(30), async {
+        let mut off = cfg();
+        off.fast_lane = false;
+        let (server, client) = pair(off).await;
+        let _incoming = server.accept_fast(ECHO).unwrap();
+        assert_eq!(client.fast_lane_port(), None);
+        assert!(matches!(
+            client.open_fast(server.peer_id(), ECHO).await,
+            Err(NodeError::FastLane(_))
+        ));
+        // A peer we are not connected to: no lane, and no hang.
+        let stranger = Node::start(cfg()).await.unwrap();
+        assert!(matches!(
+            stranger.open_fast(client.peer_id(), ECHO).await,
+            Err(NodeError::FastLane(_))
+        ));
+        for n in [server, client, stranger] {
+            n.shutdown().await;
+        }
+    })
+    .await;
+}
