@@ -253,6 +253,9 @@ async fn run_window(
                         refused.insert(leader);
                     }
                 }
+                // Try the next candidate now rather than at the next refresh: a refusal is often
+                // a declaration left over from the previous round by a peer not searching yet.
+                refresh.reset_immediately();
             }
             // Also while leading a group that is not full: if an earlier peer is searching, this
             // group disbands and everyone joins that peer, so groups grow instead of splitting

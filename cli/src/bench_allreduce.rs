@@ -57,6 +57,16 @@ struct RoundSample {
     /// Reducers this peer sent a span to.
     #[serde(default)]
     transfers: usize,
+    /// When `step` was called and when it returned (seconds since the Unix epoch; the peers
+    /// share one machine, so one clock).
+    started_at: f64,
+    finished_at: f64,
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[derive(Serialize)]
@@ -71,9 +81,11 @@ struct AllreduceBench {
     /// Whether the fast lane was allowed, and the share of span transfers that used it.
     fast_lane: bool,
     fast_lane_share: f64,
-    /// Median over rounds of the slowest peer's time.
+    /// Median over rounds of the time from the last peer's call to `step` to the last return.
     median_round_s: f64,
+    /// Median over rounds of the last-arriving peer's matchmaking time.
     median_matchmaking_s: f64,
+    /// Median over rounds of the slowest peer's all-reduce time.
     median_allreduce_s: f64,
     /// size * 4 bytes / median all-reduce time.
     algbw_gb_s: f64,
@@ -126,7 +138,9 @@ async fn worker_rounds(
     for round in 0..=args.rounds {
         let mut data = original.clone();
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let started_at = unix_now();
         let report = averager.step(&mut [&mut data[..]], 1.0, deadline).await?;
+        let finished_at = unix_now();
         let me = report.group[report.my_index];
         let reduced: usize = report
             .spans
@@ -142,6 +156,8 @@ async fn worker_rounds(
             rel_error: relative_error(mean, &data),
             group: report.group.len(),
             bytes_sent: report.bytes_sent,
+            started_at,
+            finished_at,
             fast_lane_transfers: report.fast_lane_transfers,
             transfers: report
                 .spans
@@ -180,14 +196,20 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         if samples.len() < args.peers || samples.iter().any(|s| s.group < args.peers) {
             incomplete += 1;
         }
-        mm_s.push(samples.iter().map(|s| s.matchmaking_s).fold(0.0, f64::max));
-        ar_s.push(samples.iter().map(|s| s.allreduce_s).fold(0.0, f64::max));
-        round_s.push(
+        // Peers reach `step` at different times (the harness checks each result and copies
+        // fresh data between rounds), and the early ones wait in matchmaking for the last. So a
+        // round is timed from the last peer's arrival to the last peer's return, and its
+        // matchmaking is the last arrival's (the shortest).
+        let last_in = samples.iter().map(|s| s.started_at).fold(0.0, f64::max);
+        let last_out = samples.iter().map(|s| s.finished_at).fold(0.0, f64::max);
+        mm_s.push(
             samples
                 .iter()
-                .map(|s| s.matchmaking_s + s.allreduce_s)
-                .fold(0.0, f64::max),
+                .map(|s| s.matchmaking_s)
+                .fold(f64::INFINITY, f64::min),
         );
+        ar_s.push(samples.iter().map(|s| s.allreduce_s).fold(0.0, f64::max));
+        round_s.push(last_out - last_in);
         sent.extend(samples.iter().map(|s| s.bytes_sent as f64));
         fast += samples.iter().map(|s| s.fast_lane_transfers).sum::<usize>();
         transfers += samples.iter().map(|s| s.transfers).sum::<usize>();
