@@ -55,12 +55,11 @@ use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
-use starling_compression::{
-    decode_into, split_chunks, ChunkHeader, Codec, DecodeOptions, EncodeOptions,
-};
+use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::PeerId;
 
 use crate::lane::Lane;
+use crate::pool::PoolBuf;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
@@ -70,8 +69,8 @@ use crate::config::{AveragerConfig, Fault};
 use crate::matchmaking::Group;
 use crate::partition::{solve_fractions, spans};
 use crate::wire::{
-    read_control, read_frame_into, write_control, write_data, Frame, ReduceMsg, REDUCE_PROTOCOL,
-    UNKNOWN_ROUND,
+    read_control, read_frame_into, write_chunk, write_control, ChunkOut, Frame, ReduceMsg,
+    SpanChunks, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::{AveragerError, AveragingMode, SpanOutcome, SpanReport};
 
@@ -95,7 +94,7 @@ const REPAIR_QUEUE_PER_MEMBER: usize = 4;
 /// What a round produced for the local peer.
 pub(crate) struct Outcome {
     /// New values of the averaged ranges of the flattened vector; the rest keeps its values.
-    pub patches: Vec<(Range<usize>, Vec<f32>)>,
+    pub patches: Vec<(Range<usize>, PoolBuf)>,
     pub group: Vec<PeerId>,
     pub spans: Vec<SpanReport>,
     pub failed_peers: Vec<PeerId>,
@@ -150,7 +149,7 @@ struct Round {
     bandwidths: Vec<f64>,
     /// Each member's span.
     ranges: Vec<Range<usize>>,
-    flat: Arc<Vec<f32>>,
+    flat: Arc<PoolBuf>,
     counters: Counters,
     deadline: Instant,
 }
@@ -230,7 +229,7 @@ fn kept(reason: impl Into<String>) -> SpanOutcome {
 pub(crate) async fn run_allreduce(
     shared: &Arc<Shared>,
     group: &Group,
-    flat: Vec<f32>,
+    flat: PoolBuf,
     weight: f64,
     deadline: Instant,
 ) -> Outcome {
@@ -321,7 +320,7 @@ pub(crate) async fn run_allreduce(
     };
     tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
 
-    let mut patches: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
+    let mut patches: Vec<(Range<usize>, PoolBuf)> = Vec::new();
     let mut reports = Vec::new();
     // Members seen failing in any role, and reducers seen failing (the repair plan's input).
     let mut failed: HashSet<u32> = HashSet::new();
@@ -337,7 +336,7 @@ pub(crate) async fn run_allreduce(
         } else {
             for (seg, _) in &r.segments {
                 let local = seg.start - my_range.start..seg.end - my_range.start;
-                patches.push((seg.clone(), r.values[local].to_vec()));
+                patches.push((seg.clone(), shared.pool.copy_of(&r.values[local])));
             }
         }
         reports.extend(reports_of);
@@ -466,7 +465,7 @@ type PartDone = (
     u32,
     usize,
     Range<usize>,
-    Result<(Vec<Segment>, Vec<f32>), SendFail>,
+    Result<(Vec<Segment>, PoolBuf), SendFail>,
 );
 
 /// Phase 2 (re-delegation) on one peer; see the module docs. Owns its tasks: dropping it aborts
@@ -488,7 +487,7 @@ struct Repair {
     /// not lose.
     part_tasks: FuturesUnordered<JoinHandle<PartDone>>,
     /// New values of the parts this peer needed, to write into its result.
-    patches: Vec<(Range<usize>, Vec<f32>)>,
+    patches: Vec<(Range<usize>, PoolBuf)>,
     /// Reports of the parts (or whole spans) this peer needed.
     reports: Vec<SpanReport>,
 }
@@ -718,7 +717,10 @@ impl Repair {
         for (seg, _) in &reduced.segments {
             self.patches.push((
                 seg.clone(),
-                reduced.values[seg.start - part.start..seg.end - part.start].to_vec(),
+                round
+                    .shared
+                    .pool
+                    .copy_of(&reduced.values[seg.start - part.start..seg.end - part.start]),
             ));
         }
         self.reports.extend(segment_reports(
@@ -735,7 +737,7 @@ impl Repair {
         j: u32,
         k: usize,
         part: Range<usize>,
-        r: Result<(Vec<Segment>, Vec<f32>), SendFail>,
+        r: Result<(Vec<Segment>, PoolBuf), SendFail>,
     ) {
         let round = self.round.clone();
         if let Err(fail) = &r {
@@ -828,7 +830,7 @@ async fn send_span(
     j: usize,
     range: Range<usize>,
     kind: SendKind,
-) -> Result<(Vec<Segment>, Vec<f32>), SendFail> {
+) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
     let cfg = &round.shared.config;
     let phase1 = matches!(kind, SendKind::Span);
     // A surviving reducer may still be finishing phase 1 when our repair hello arrives. A part
@@ -870,26 +872,28 @@ async fn send_span(
         let part = &round.flat[range.clone()];
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
-        let mut as_sent = (cfg.codec != Codec::None).then(|| vec![0.0f32; part.len()]);
+        let mut as_sent =
+            (cfg.codec != Codec::None).then(|| round.shared.pool.take_dirty(part.len()));
         let write = async {
             let mut sent = hello_bytes;
-            let opts = EncodeOptions::default();
-            let chunks = split_chunks(cfg.codec, part, cfg.chunk_bytes, &opts)
+            let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
                 .map_err(|e| SendFail::other(e.to_string()))?;
-            for (index, chunk) in chunks.enumerate() {
+            let mut index = 0;
+            while let Some(chunk) = chunks.next_chunk() {
                 if phase1 && cfg.fault == Some(Fault::AfterSentChunks(index)) {
                     round.shared.node.shutdown().await;
                     return Err(SendFail::other("fault injected: crashed while sending"));
                 }
+                index += 1;
                 let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
-                if let Some(buf) = as_sent.as_mut() {
+                if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_mut(), &chunk) {
                     let header =
-                        ChunkHeader::parse(&chunk).map_err(|e| SendFail::other(e.to_string()))?;
+                        ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
                     let at = header.offset as usize;
-                    decode_into(&chunk, &mut buf[at..at + header.count])
+                    decode_into(bytes, &mut buf[at..at + header.count])
                         .map_err(|e| SendFail::other(e.to_string()))?;
                 }
-                sent += timeout(cfg.reducer_timeout, write_data(&mut wr, &chunk))
+                sent += timeout(cfg.reducer_timeout, write_chunk(&mut wr, &chunk))
                     .await
                     .map_err(|_| SendFail::reducer("reducer stopped reading"))?
                     .map_err(|e| SendFail::reducer(e.to_string()))?;
@@ -922,7 +926,10 @@ async fn send_span(
         // Turn the delta into the new values: (what the reducer saw of us) + delta.
         let mut result = delta;
         match as_sent {
-            Some(base) => result.iter_mut().zip(&base).for_each(|(d, b)| *d += b),
+            Some(base) => result
+                .iter_mut()
+                .zip(base.iter())
+                .for_each(|(d, b)| *d += b),
             None => result.iter_mut().zip(part).for_each(|(d, b)| *d += b),
         }
         let segments = segments
@@ -945,9 +952,10 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
     len: usize,
     gap: Duration,
     failed_reducer: Option<u32>,
-) -> Result<(Vec<Segment>, Vec<f32>), SendFail> {
+) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
     let cfg = &round.shared.config;
-    let mut delta = vec![0.0f32; len];
+    // Every element is decoded into before the delta is used (the span must come back whole).
+    let mut delta = round.shared.pool.take_dirty(len);
     let mut segments: Vec<Segment> = Vec::new();
     // The part being received: its range and how many of its elements arrived.
     let mut current: Option<(Range<usize>, usize)> = None;
@@ -1112,7 +1120,7 @@ struct ReduceJob {
 struct Reduced {
     /// The weighted means of the finished parts (offsets within the job's range); elements of
     /// unfinished parts are unspecified.
-    values: Vec<f32>,
+    values: PoolBuf,
     /// The finished runs (absolute ranges) with their contributors, in order from the range's
     /// start. Parts nobody contributed to, or not finished by the deadline, are not listed.
     segments: Vec<Segment>,
@@ -1133,7 +1141,7 @@ enum Outbound {
     Part {
         start: usize,
         contributors: Arc<Vec<u32>>,
-        delta: Vec<f32>,
+        delta: PoolBuf,
     },
     /// The sender is out of the remaining parts.
     Excluded(String),
@@ -1143,13 +1151,13 @@ enum Outbound {
 struct Present {
     weight: f64,
     /// Its values of the range, filled in order as chunks arrive.
-    staging: Arc<std::sync::Mutex<Vec<f32>>>,
+    staging: Arc<std::sync::Mutex<PoolBuf>>,
     /// How much of the range has arrived (chunks come in order).
     prefix: usize,
     out: mpsc::Sender<Outbound>,
 }
 
-fn lock(m: &std::sync::Mutex<Vec<f32>>) -> std::sync::MutexGuard<'_, Vec<f32>> {
+fn lock(m: &std::sync::Mutex<PoolBuf>) -> std::sync::MutexGuard<'_, PoolBuf> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -1187,7 +1195,8 @@ async fn reduce_span(
     let mut receivers: Vec<JoinHandle<()>> = Vec::new();
     let mut writers: Vec<(u32, JoinHandle<bool>)> = Vec::new();
     let (ev_tx, mut ev_rx) = mpsc::channel::<Inbound>(4 * round.peers.len() + 16);
-    let mut values = vec![0.0f32; len];
+    // Each part is cleared and summed into before it is read.
+    let mut values = round.shared.pool.take_dirty(len);
     let mut segments: Vec<Segment> = Vec::new();
     let mut failed: Vec<u32> = Vec::new();
     let mut next = 0usize;
@@ -1267,13 +1276,14 @@ async fn reduce_span(
                 {
                     continue;
                 }
-                let delta: Vec<f32> = {
+                let mut delta = round.shared.pool.take_dirty(part.len());
+                {
                     let st = lock(&s.staging);
-                    mean.iter()
-                        .zip(&st[part.clone()])
-                        .map(|(m, x)| m - x)
-                        .collect()
-                };
+                    delta
+                        .iter_mut()
+                        .zip(mean.iter().zip(&st[part.clone()]))
+                        .for_each(|(d, (m, x))| *d = m - x);
+                }
                 let msg = Outbound::Part {
                     start: part.start,
                     contributors: contributors.clone(),
@@ -1325,7 +1335,8 @@ async fn reduce_span(
                 allowed.remove(&sender);
                 expected.remove(&sender);
                 let (rd, wr) = stream.split();
-                let staging = Arc::new(std::sync::Mutex::new(vec![0.0f32; len]));
+                // Read only below the sender's delivered prefix.
+                let staging = Arc::new(std::sync::Mutex::new(round.shared.pool.take_dirty(len)));
                 let (out_tx, out_rx) = mpsc::channel(4);
                 receivers.push(tokio::spawn(receive_part(round.clone(), rd, sender, len, staging.clone(), ev_tx.clone())));
                 writers.push((sender, tokio::spawn(write_results(round.clone(), wr, out_rx))));
@@ -1397,7 +1408,7 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
     mut rd: R,
     sender: u32,
     len: usize,
-    staging: Arc<std::sync::Mutex<Vec<f32>>>,
+    staging: Arc<std::sync::Mutex<PoolBuf>>,
     events: mpsc::Sender<Inbound>,
 ) {
     let cfg = &round.shared.config;
@@ -1473,13 +1484,9 @@ async fn write_results<W: futures::AsyncWrite + Unpin>(
                         contributors: contributors.to_vec(),
                     };
                     sent += write_control(&mut wr, &head).await?;
-                    for chunk in split_chunks(
-                        cfg.codec,
-                        &delta,
-                        cfg.chunk_bytes,
-                        &EncodeOptions::default(),
-                    )? {
-                        sent += write_data(&mut wr, &chunk?).await?;
+                    let mut chunks = SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes)?;
+                    while let Some(chunk) = chunks.next_chunk() {
+                        sent += write_chunk(&mut wr, &chunk?).await?;
                     }
                     // The sender may be waiting for exactly this part.
                     futures::AsyncWriteExt::flush(&mut wr).await?;

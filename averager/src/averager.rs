@@ -14,6 +14,7 @@ use tokio::time::{timeout, Instant};
 use crate::allreduce::{run_allreduce, IncomingSender, RoundRoute};
 use crate::lane::Lane;
 use crate::matchmaking::{find_group, IncomingJoin};
+use crate::pool::BufPool;
 use crate::wire::{
     read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
     MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -45,6 +46,8 @@ pub(crate) struct Shared {
     repair_server: Mutex<Option<JoinHandle<()>>>,
     /// Peers whose fast lane failed recently, and when.
     lane_failures: Mutex<HashMap<PeerId, Instant>>,
+    /// Model-sized buffers kept from round to round.
+    pub pool: Arc<BufPool>,
 }
 
 impl Shared {
@@ -215,6 +218,7 @@ impl Averager {
             grid_index: Mutex::new(grid),
             repair_server: Mutex::new(None),
             lane_failures: Mutex::new(HashMap::new()),
+            pool: Arc::new(BufPool::default()),
         });
         let reduces = reduces.map(|(peer, s)| (peer, Lane::P2p(s)));
         let mut tasks = vec![
@@ -323,9 +327,17 @@ impl Averager {
         let group = find_group(&self.shared, &group_key, me, deadline).await?;
         let matchmaking_time = mm_start.elapsed();
 
-        let mut flat = Vec::with_capacity(total);
+        // A round needs about 4 model-sized buffers (the flattened vector, the one the previous
+        // round's repair server still holds, what it receives as a reducer, the deltas it gets
+        // back): keep that much for the next round instead of faulting fresh pages each time.
+        self.shared
+            .pool
+            .set_limit(4 * total * std::mem::size_of::<f32>());
+        let mut flat = self.shared.pool.take_dirty(total);
+        let mut at = 0;
         for t in tensors.iter() {
-            flat.extend_from_slice(t);
+            flat[at..at + t.len()].copy_from_slice(t);
+            at += t.len();
         }
         let ar_start = Instant::now();
         let outcome = run_allreduce(&self.shared, &group, flat, f64::from(weight), deadline).await;

@@ -31,6 +31,7 @@ mod error;
 mod lane;
 mod matchmaking;
 pub mod partition;
+mod pool;
 mod report;
 pub mod wire;
 

@@ -198,6 +198,115 @@ async fn write_frame<S: AsyncWrite + Unpin>(
     Ok(body.len() + 5)
 }
 
+/// The data frames of a span: uncompressed chunks go out straight from the values (header from
+/// [`starling_compression::raw_frame_header`], no encode copy), other codecs through the encoder
+/// into one reused buffer.
+pub(crate) enum SpanChunks<'a> {
+    Raw {
+        data: &'a [f32],
+        per_chunk: usize,
+        next: usize,
+    },
+    Encoded {
+        chunks: starling_compression::SplitChunks<'a>,
+        buf: Vec<u8>,
+    },
+}
+
+/// One data frame of [`SpanChunks`].
+pub(crate) enum ChunkOut<'a> {
+    Raw {
+        values: &'a [f32],
+        offset: usize,
+        total: usize,
+    },
+    Encoded(&'a [u8]),
+}
+
+impl<'a> SpanChunks<'a> {
+    pub fn new(
+        codec: starling_compression::Codec,
+        data: &'a [f32],
+        chunk_bytes: usize,
+    ) -> Result<Self, AveragerError> {
+        let err = |e: starling_compression::Error| AveragerError::Protocol(e.to_string());
+        // The raw path writes f32 in memory order: little-endian hosts only.
+        if codec == starling_compression::Codec::None && cfg!(target_endian = "little") {
+            let per_chunk = starling_compression::elements_per_chunk(codec, chunk_bytes)
+                .map_err(err)?
+                .max(1);
+            return Ok(SpanChunks::Raw {
+                data,
+                per_chunk,
+                next: 0,
+            });
+        }
+        let opts = starling_compression::EncodeOptions::default();
+        Ok(SpanChunks::Encoded {
+            chunks: starling_compression::split_chunks(codec, data, chunk_bytes, &opts)
+                .map_err(err)?,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The next frame; `None` after the last.
+    pub fn next_chunk(&mut self) -> Option<Result<ChunkOut<'_>, AveragerError>> {
+        match self {
+            SpanChunks::Raw {
+                data,
+                per_chunk,
+                next,
+            } => {
+                if *next >= data.len() {
+                    return None;
+                }
+                let offset = *next;
+                let end = (offset + *per_chunk).min(data.len());
+                *next = end;
+                Some(Ok(ChunkOut::Raw {
+                    values: &data[offset..end],
+                    offset,
+                    total: data.len(),
+                }))
+            }
+            SpanChunks::Encoded { chunks, buf } => match chunks.next_into(buf)? {
+                Ok(_) => Some(Ok(ChunkOut::Encoded(buf))),
+                Err(e) => Some(Err(AveragerError::Protocol(e.to_string()))),
+            },
+        }
+    }
+}
+
+/// Writes one data frame of [`SpanChunks`].
+pub(crate) async fn write_chunk<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    chunk: &ChunkOut<'_>,
+) -> Result<usize, AveragerError> {
+    match chunk {
+        ChunkOut::Encoded(bytes) => write_data(s, bytes).await,
+        ChunkOut::Raw {
+            values,
+            offset,
+            total,
+        } => {
+            let header =
+                starling_compression::raw_frame_header(values.len(), *offset as u64, *total as u64)
+                    .map_err(|e| AveragerError::Protocol(e.to_string()))?;
+            let payload: &[u8] = bytemuck::cast_slice(values);
+            let body = header.len() + payload.len();
+            let len = u32::try_from(body + 1)
+                .map_err(|_| AveragerError::Protocol("frame too large".into()))?;
+            let mut head = [0u8; 5];
+            head[..4].copy_from_slice(&len.to_le_bytes());
+            head[4] = TAG_DATA;
+            s.write_all(&head).await?;
+            s.write_all(&header).await?;
+            s.write_all(payload).await?;
+            Ok(body + 5)
+        }
+    }
+}
+
 /// Reads one frame, refusing anything longer than `max_frame_bytes` before allocating.
 pub async fn read_frame<S: AsyncRead + Unpin, M: DeserializeOwned>(
     s: &mut S,

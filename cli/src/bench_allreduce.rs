@@ -135,8 +135,9 @@ async fn worker_rounds(
 ) -> Result<Vec<RoundSample>> {
     let original = peer_data(index, args.size);
     let mut samples = Vec::new();
+    let mut data = original.clone();
     for round in 0..=args.rounds {
-        let mut data = original.clone();
+        data.copy_from_slice(&original);
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         let started_at = unix_now();
         let report = averager.step(&mut [&mut data[..]], 1.0, deadline).await?;

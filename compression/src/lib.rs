@@ -62,7 +62,8 @@ pub use format::{
     ChunkHeader, FORMAT_VERSION, HEADER_LEN, MAGIC, MAX_ELEMENTS, MAX_TOTAL_ELEMENTS,
 };
 pub use frame::{
-    decode, decode_add, decode_into, encode, encode_bf16, encode_f16, encode_into, Decoder,
+    decode, decode_add, decode_into, encode, encode_bf16, encode_f16, encode_into,
+    raw_frame_header, Decoder,
 };
 pub use options::{
     AdaptivePolicy, DecodeOptions, EncodeOptions, NonFinite, ADAPTIVE_THRESHOLD_ELEMENTS,

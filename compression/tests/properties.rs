@@ -2,8 +2,8 @@
 
 use proptest::prelude::*;
 use starling_compression::{
-    decode, encode, split_chunks, ChunkAssembler, ChunkHeader, Codec, DecodeOptions, EncodeOptions,
-    ErrorFeedback, NonFinite, BLOCK_SIZE,
+    decode, encode, raw_frame_header, split_chunks, ChunkAssembler, ChunkHeader, Codec,
+    DecodeOptions, EncodeOptions, ErrorFeedback, NonFinite, BLOCK_SIZE,
 };
 
 fn codec() -> impl Strategy<Value = Codec> {
@@ -233,4 +233,35 @@ fn error_feedback_shrinks_the_average_error() {
         chunked.encode(Codec::None, &x[..10], &EncodeOptions::default()),
         Err(starling_compression::Error::LengthMismatch { .. })
     ));
+}
+
+proptest! {
+    /// A raw header plus the values' bytes is byte for byte the frame `split_chunks` encodes for
+    /// the same chunk with `Codec::None`.
+    #[test]
+    fn raw_frame_header_matches_the_encoder(
+        data in proptest::collection::vec(-1e6f32..1e6, 1..3000),
+        chunk_bytes in 64usize..4096,
+    ) {
+        let opts = EncodeOptions::default();
+        let mut chunks = split_chunks(Codec::None, &data, chunk_bytes, &opts).unwrap();
+        let mut frame = Vec::new();
+        while let Some(h) = chunks.next_into(&mut frame) {
+            let h = h.unwrap();
+            let start = h.offset as usize;
+            let mut raw = raw_frame_header(h.count, h.offset, data.len() as u64).unwrap().to_vec();
+            for v in &data[start..start + h.count] {
+                raw.extend_from_slice(&v.to_le_bytes());
+            }
+            prop_assert_eq!(&raw, &frame);
+        }
+    }
+}
+
+#[test]
+fn raw_frame_header_refuses_out_of_range_chunks() {
+    assert!(raw_frame_header(10, 95, 100).is_err());
+    assert!(raw_frame_header(10, u64::MAX, u64::MAX).is_err());
+    assert!(raw_frame_header(1 << 29, 0, 1 << 30).is_err());
+    assert!(raw_frame_header(10, 90, 100).is_ok());
 }

@@ -64,6 +64,9 @@ const MAX_HANDSHAKES: usize = 64;
 /// Queued inbound lanes per protocol before new ones are refused.
 const ROUTE_QUEUE: usize = 64;
 const MAX_HANDSHAKE_MSG: usize = 1024;
+/// Tries at a lane request whose stream was dropped, and the pause between them (times the try).
+const OFFER_ATTEMPTS: u32 = 4;
+const OFFER_RETRY_PAUSE: Duration = Duration::from_millis(20);
 
 type Token = [u8; 16];
 type Keys = [u8; 64];
@@ -242,29 +245,43 @@ impl FastLane {
         let err = |what: &str, e: &dyn std::fmt::Display| {
             NodeError::FastLane(format!("{what} with {peer}: {e}"))
         };
-        let mut token = [0u8; 16];
-        let mut keys = [0u8; 64];
-        self.rng
-            .fill(&mut token)
-            .and_then(|_| self.rng.fill(&mut keys))
-            .map_err(|_| NodeError::FastLane("no randomness available".into()))?;
-        let mut s = timeout(t, control.open_stream(peer, FASTLANE_PROTOCOL))
+        // libp2p-stream drops inbound streams that arrive while the listener's accept queue is
+        // busy (several peers asking at once): a dropped request is retried with fresh secrets.
+        let mut attempt = 0u32;
+        let (token, keys, reply) = loop {
+            let mut token = [0u8; 16];
+            let mut keys = [0u8; 64];
+            self.rng
+                .fill(&mut token)
+                .and_then(|_| self.rng.fill(&mut keys))
+                .map_err(|_| NodeError::FastLane("no randomness available".into()))?;
+            let offer = Handshake::Offer {
+                protocol: protocol.as_ref().to_string(),
+                token,
+                keys,
+            };
+            let asked = timeout(t, async {
+                let mut s = control
+                    .open_stream(peer, FASTLANE_PROTOCOL)
+                    .await
+                    .map_err(io::Error::other)?;
+                write_msg(&mut s, &offer).await?;
+                let reply = read_msg(&mut s).await?;
+                let _ = s.close().await;
+                Ok::<_, io::Error>(reply)
+            })
             .await
-            .map_err(|_| NodeError::Timeout("requesting a fast lane"))?
-            .map_err(|e| err("requesting a fast lane", &e))?;
-        let offer = Handshake::Offer {
-            protocol: protocol.as_ref().to_string(),
-            token,
-            keys,
+            .map_err(|_| NodeError::Timeout("requesting a fast lane"))?;
+            match asked {
+                Ok(reply) => break (token, keys, reply),
+                Err(e) if attempt + 1 < OFFER_ATTEMPTS => {
+                    tracing::debug!(%peer, attempt, "fast lane request dropped, retrying: {e}");
+                    attempt += 1;
+                    tokio::time::sleep(OFFER_RETRY_PAUSE * attempt).await;
+                }
+                Err(e) => return Err(err("requesting a fast lane", &e)),
+            }
         };
-        let reply = timeout(t, async {
-            write_msg(&mut s, &offer).await?;
-            read_msg(&mut s).await
-        })
-        .await
-        .map_err(|_| NodeError::Timeout("requesting a fast lane"))?
-        .map_err(|e| err("fast lane request", &e))?;
-        let _ = s.close().await;
         let port = match reply {
             Handshake::Accept { port } => port,
             Handshake::Refuse(why) => {
