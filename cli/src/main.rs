@@ -66,6 +66,13 @@ pub struct JoinArgs {
     /// Timeout for each dial and DHT query, in seconds.
     #[arg(long, default_value_t = 10.0)]
     timeout: f64,
+    /// TCP port of the fast lane (direct encrypted connections for bulk averaging data; peers
+    /// that cannot reach it fall back to libp2p streams). 0: chosen by the OS.
+    #[arg(long, value_name = "PORT", default_value_t = 0)]
+    fast_lane_port: u16,
+    /// Run without the fast lane: every transfer uses libp2p streams.
+    #[arg(long)]
+    no_fast_lane: bool,
 }
 
 impl JoinArgs {
@@ -83,6 +90,8 @@ impl JoinArgs {
             "--timeout must be a positive number of seconds"
         );
         cfg.request_timeout = std::time::Duration::from_secs_f64(self.timeout);
+        cfg.fast_lane = !self.no_fast_lane;
+        cfg.fast_lane_port = self.fast_lane_port;
         Ok(cfg)
     }
 }

@@ -43,6 +43,9 @@ pub async fn run(args: NodeArgs) -> Result<()> {
     for a in addrs {
         println!("listening on {a}");
     }
+    if let Some(port) = node.fast_lane_port() {
+        println!("fast lane on TCP port {port} (open it in firewalls for full averaging speed)");
+    }
     let mut tick = tokio::time::interval(Duration::from_secs(args.status_interval.max(1)));
     tick.tick().await;
     loop {

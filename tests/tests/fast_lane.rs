@@ -166,3 +166,38 @@ async fn a_node_without_the_fast_lane_neither_listens_nor_dials() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_swarm_members_get_lanes_and_outsiders_cannot_ask() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let key = starling_node::SwarmKey::generate();
+        let (server, member) = {
+            let server = Node::start(cfg().with_swarm_key(key)).await.unwrap();
+            let addr = server.listen_addrs().await.unwrap()[0].clone();
+            let member = Node::start(cfg().with_swarm_key(key)).await.unwrap();
+            member.dial(addr.clone()).await.unwrap();
+            (server, member)
+        };
+        let echo = echo_server(&server);
+        let mut lane = member.open_fast(server.peer_id(), ECHO).await.unwrap();
+        lane.write_all(b"inside").await.unwrap();
+        lane.close().await.unwrap();
+        let mut back = Vec::new();
+        lane.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"inside");
+        // Without the swarm key there is no libp2p connection, hence no way to ask for a lane.
+        let outsider = Node::start(cfg()).await.unwrap();
+        let addr = server.listen_addrs().await.unwrap()[0].clone();
+        assert!(outsider.dial(addr).await.is_err());
+        assert!(matches!(
+            outsider.open_fast(server.peer_id(), ECHO).await,
+            Err(NodeError::FastLane(_))
+        ));
+        for n in [server, member, outsider] {
+            n.shutdown().await;
+        }
+        assert_eq!(echo.await.unwrap().len(), 1);
+    })
+    .await;
+}
