@@ -67,7 +67,7 @@ use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 use crate::averager::Shared;
 use crate::config::{AveragerConfig, Fault};
 use crate::matchmaking::Group;
-use crate::partition::{solve_fractions, spans};
+use crate::partition::{denoise_bandwidths, solve_fractions, spans};
 use crate::wire::{
     read_control, read_frame_into, write_chunk, write_control, ChunkOut, Frame, ReduceMsg,
     SpanChunks, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -162,7 +162,7 @@ fn fractions(
     modes: &[AveragingMode],
 ) -> Option<Vec<f64>> {
     if cfg.load_balance {
-        return solve_fractions(bandwidths, modes);
+        return solve_fractions(&denoise_bandwidths(bandwidths), modes);
     }
     let reducers = modes
         .iter()

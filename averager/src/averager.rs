@@ -31,7 +31,7 @@ const LANE_RETRY_AFTER: Duration = Duration::from_secs(300);
 /// Peers remembered as having no usable fast lane, at most.
 const MAX_LANE_FAILURES: usize = 4096;
 /// Weight of a new bandwidth measurement in the running average.
-const BANDWIDTH_EMA: f64 = 0.5;
+const BANDWIDTH_EMA: f64 = 0.3;
 
 /// State shared by the averager handle, its accept loops and running rounds.
 pub(crate) struct Shared {

@@ -103,6 +103,51 @@ pub fn solve_fractions(bandwidths: &[f64], modes: &[AveragingMode]) -> Option<Ve
     Some(f.into_iter().map(|x| x / sum).collect())
 }
 
+/// How far (in octaves, log2) a measured rate may stray from the group's median before the
+/// solve acts on it. Rates are measured on live transfers and swing by tens of percent from round
+/// to round (CPU scheduling, other traffic); [`solve_fractions`] is sensitive to small
+/// differences (at 4 peers a 1.5x faster peer gets 3x the span), so acting on noise makes one
+/// peer the round's bottleneck.
+pub const NOISE_OCTAVES: f64 = 0.5;
+
+/// The bandwidths the solve should act on: each rate's ratio to the group's median is shrunk by
+/// [`NOISE_OCTAVES`] on a log scale (a soft threshold), so rates within about ±41% of the median
+/// count as equal while a genuinely slow peer stays slow (10x slower is still ~7x slower).
+/// Continuous in the inputs; non-positive or non-finite rates are left as they are.
+///
+/// ```
+/// use starling_averager::partition::denoise_bandwidths;
+/// let d = denoise_bandwidths(&[1.0e8, 1.3e8, 0.8e8, 1.2e8]);
+/// assert!(d.iter().all(|b| (b / d[0] - 1.0).abs() < 1e-9)); // noise: all equal
+/// let d = denoise_bandwidths(&[1.0e8, 1.0e8, 1.0e8, 1.0e7]);
+/// assert!(d[0] / d[3] > 6.0); // a throttled peer stays far slower
+/// ```
+pub fn denoise_bandwidths(bandwidths: &[f64]) -> Vec<f64> {
+    let mut valid: Vec<f64> = bandwidths
+        .iter()
+        .copied()
+        .filter(|b| b.is_finite() && *b > 0.0)
+        .collect();
+    if valid.is_empty() {
+        return bandwidths.to_vec();
+    }
+    valid.sort_by(f64::total_cmp);
+    let n = valid.len();
+    // For an even count, the geometric mean of the two middle rates.
+    let median = (valid[(n - 1) / 2] * valid[n / 2]).sqrt();
+    bandwidths
+        .iter()
+        .map(|&b| {
+            if !(b.is_finite() && b > 0.0) {
+                return b;
+            }
+            let octaves = (b / median).log2();
+            let shrunk = octaves.signum() * (octaves.abs() - NOISE_OCTAVES).max(0.0);
+            median * shrunk.exp2()
+        })
+        .collect()
+}
+
 /// Contiguous spans of `total` elements, one per member in order, sized by `fractions`
 /// (largest-remainder rounding, so sizes sum exactly to `total`).
 ///
@@ -152,6 +197,30 @@ mod tests {
                 Client => 1.0 / bw[i],
             })
             .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn noisy_equal_peers_share_equally_and_slow_peers_still_get_little() {
+        let modes = [Node, Node, Node, Node];
+        for noisy in [
+            [1.0, 1.3, 0.8, 1.2],
+            [1.4, 1.0, 0.75, 1.0],
+            [1.0, 1.0, 1.0, 1.39],
+        ] {
+            let bw: Vec<f64> = noisy.iter().map(|x| x * 1e8).collect();
+            let f = solve_fractions(&denoise_bandwidths(&bw), &modes).unwrap();
+            assert!(
+                f.iter().all(|x| (x - 0.25).abs() < 1e-6),
+                "{noisy:?} -> {f:?}"
+            );
+        }
+        let f = solve_fractions(&denoise_bandwidths(&[1e8, 1e8, 1e8, 1e7]), &modes).unwrap();
+        assert!(f[3] < 0.05, "{f:?}");
+        // Continuous across the dead band's edge.
+        let at = |r: f64| denoise_bandwidths(&[1.0, 1.0, r])[2];
+        let edge = 2f64.powf(NOISE_OCTAVES);
+        assert!((at(edge * 1.0001) - at(edge * 0.9999)).abs() < 1e-3);
+        assert_eq!(denoise_bandwidths(&[0.0, f64::NAN, 5.0])[2], 5.0);
     }
 
     #[test]
