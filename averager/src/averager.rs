@@ -26,6 +26,8 @@ const MAX_INBOUND_HANDSHAKES: usize = 256;
 /// How long an inbound reduce stream waits for its round to be registered locally (the reducer
 /// may learn of the round a little after the sender).
 const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
+/// Elements flattened and checked at a time (fits in L1/L2).
+const FLATTEN_PIECE: usize = 8192;
 /// How long a peer whose fast lane failed is reached over libp2p streams only.
 const LANE_RETRY_AFTER: Duration = Duration::from_secs(300);
 /// Peers remembered as having no usable fast lane, at most.
@@ -296,14 +298,27 @@ impl Averager {
         if total == 0 {
             return Err(AveragerError::Schema("no elements to average".into()));
         }
-        if let Some((i, _)) = tensors
-            .iter()
-            .enumerate()
-            .find(|(_, t)| t.iter().any(|v| !v.is_finite()))
-        {
-            return Err(AveragerError::NonFinite(format!(
-                "tensor {i} holds NaN or infinity"
-            )));
+        // Flatten (the round's snapshot of the tensors) and check for NaN/Inf in one pass: each
+        // piece is checked right after it is copied, while it is still in cache. A round needs
+        // about 4 model-sized buffers (this one, the one the previous round's repair server
+        // still holds, what it receives as a reducer, the deltas it gets back): the pool keeps
+        // that much for the next round instead of faulting in fresh pages every time.
+        self.shared
+            .pool
+            .set_limit(4 * total * std::mem::size_of::<f32>());
+        let mut flat = self.shared.pool.take_dirty(total);
+        let mut at = 0;
+        for (i, t) in tensors.iter().enumerate() {
+            for piece in t.chunks(FLATTEN_PIECE) {
+                let dst = &mut flat[at..at + piece.len()];
+                dst.copy_from_slice(piece);
+                if !dst.iter().all(|v| v.is_finite()) {
+                    return Err(AveragerError::NonFinite(format!(
+                        "tensor {i} holds NaN or infinity"
+                    )));
+                }
+                at += piece.len();
+            }
         }
         let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
         let schema = schema_hash(&sizes, &cfg.codec.to_string());
@@ -327,18 +342,6 @@ impl Averager {
         let group = find_group(&self.shared, &group_key, me, deadline).await?;
         let matchmaking_time = mm_start.elapsed();
 
-        // A round needs about 4 model-sized buffers (the flattened vector, the one the previous
-        // round's repair server still holds, what it receives as a reducer, the deltas it gets
-        // back): keep that much for the next round instead of faulting fresh pages each time.
-        self.shared
-            .pool
-            .set_limit(4 * total * std::mem::size_of::<f32>());
-        let mut flat = self.shared.pool.take_dirty(total);
-        let mut at = 0;
-        for t in tensors.iter() {
-            flat[at..at + t.len()].copy_from_slice(t);
-            at += t.len();
-        }
         let ar_start = Instant::now();
         let outcome = run_allreduce(&self.shared, &group, flat, f64::from(weight), deadline).await;
         let allreduce_time = ar_start.elapsed();

@@ -339,3 +339,43 @@ async fn a_lone_peer_gives_up_after_one_window() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nan_or_infinite_input_is_refused_before_anything_is_sent() {
+    init_tracing();
+    bounded(Duration::from_secs(30), async {
+        let node = Node::start(node_cfg().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap()))
+            .await
+            .unwrap();
+        let averager = Averager::new(node.clone(), avg_cfg("nan", "none", 2))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut a = normal_vec(10, 1);
+        let mut b = normal_vec(100_000, 2);
+        let before = (a.clone(), b.clone());
+        b[54_321] = f32::NAN;
+        let err = averager
+            .step(&mut [&mut a[..], &mut b[..]], 1.0, deadline)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("tensor 1"), "{err}");
+        b[54_321] = f32::NEG_INFINITY;
+        assert!(averager
+            .step(&mut [&mut a[..], &mut b[..]], 1.0, deadline)
+            .await
+            .is_err());
+        b[54_321] = before.1[54_321];
+        assert!(averager
+            .step(&mut [&mut a[..], &mut b[..]], f32::NAN, deadline)
+            .await
+            .is_err());
+        assert!(
+            a == before.0 && b == before.1,
+            "refused steps change nothing"
+        );
+        averager.shutdown().await;
+        node.shutdown().await;
+    })
+    .await;
+}
