@@ -16,9 +16,15 @@
 //!   when the deadline allows (otherwise it keeps its local values), and the report says exactly
 //!   which spans (and parts) were averaged with whom.
 //! - [`wire`]: every message and the framing (bounded frames).
+//! - Transport: each sender-to-reducer exchange runs on the reducer's **fast lane** (a direct
+//!   AES-256-GCM TCP connection keyed over libp2p, see `starling_node::fastlane`) when it has one,
+//!   else on a libp2p stream; [`RoundReport::fast_lane_transfers`] says which. Uncompressed
+//!   chunks go on the wire straight from the values, and model-sized buffers are reused from
+//!   round to round.
 //!
 //! Departures from hivemind: the span split minimises the slowest peer's time under a
-//! full-duplex cost model (bisection instead of an LP solver); reducers send deltas rather than
+//! full-duplex cost model (bisection instead of an LP solver), acting only on bandwidth
+//! differences larger than measurement noise ([`partition::denoise_bandwidths`]); reducers send deltas rather than
 //! averaged values; a sender counts in a part only once it delivered all of that part, and every
 //! part's result names exactly whose data it holds, so a partial sender can never skew a mean.
 //!

@@ -64,6 +64,8 @@ const MAX_HANDSHAKES: usize = 64;
 /// Queued inbound lanes per protocol before new ones are refused.
 const ROUTE_QUEUE: usize = 64;
 const MAX_HANDSHAKE_MSG: usize = 1024;
+/// Longest wait for a lane's TCP connection and handshake.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Tries at a lane request whose stream was dropped, and the pause between them (times the try).
 const OFFER_ATTEMPTS: u32 = 4;
 const OFFER_RETRY_PAUSE: Duration = Duration::from_millis(20);
@@ -309,7 +311,8 @@ impl FastLane {
             }
             Ok::<_, io::Error>(lane)
         };
-        timeout(t, connect)
+        // A firewalled lane port drops the SYN: give up soon, the caller falls back to libp2p.
+        timeout(t.min(CONNECT_TIMEOUT), connect)
             .await
             .map_err(|_| NodeError::Timeout("connecting a fast lane"))?
             .map_err(|e| err(&format!("fast lane to {addr}"), &e))
