@@ -60,21 +60,8 @@ pub fn encode_into(
     encode_frame(codec, data, 0, data.len() as u64, opts, out)
 }
 
-/// The header of an uncompressed ([`Codec::None`]) frame of `count` elements at `offset` in a
-/// tensor of `total`, for a sender that writes the payload itself (the `count` values as f32
-/// little-endian, right after the header) instead of copying it through [`encode_into`]. Header
-/// plus payload is exactly the frame `encode_into` makes for that chunk without zstd, so one copy
-/// of every element is saved.
-///
-/// ```
-/// use starling_compression::{decode, raw_frame_header, DecodeOptions};
-/// let values = [1.5f32, -2.0, 3.25];
-/// let mut frame = raw_frame_header(3, 0, 3)?.to_vec();
-/// values.iter().for_each(|v| frame.extend_from_slice(&v.to_le_bytes()));
-/// assert_eq!(decode(&frame, &DecodeOptions::default())?, values);
-/// # Ok::<(), starling_compression::Error>(())
-/// ```
-pub fn raw_frame_header(count: usize, offset: u64, total: u64) -> Result<[u8; HEADER_LEN]> {
+/// Whether a chunk of `count` elements at `offset` fits the format's limits and its tensor.
+fn check_chunk_bounds(count: usize, offset: u64, total: u64) -> Result<()> {
     if count > MAX_ELEMENTS {
         return Err(Error::TooManyElements {
             count: count as u64,
@@ -97,6 +84,25 @@ pub fn raw_frame_header(count: usize, offset: u64, total: u64) -> Result<[u8; HE
             total,
         });
     }
+    Ok(())
+}
+
+/// The header of an uncompressed ([`Codec::None`]) frame of `count` elements at `offset` in a
+/// tensor of `total`, for a sender that writes the payload itself (the `count` values as f32
+/// little-endian, right after the header) instead of copying it through [`encode_into`]. Header
+/// plus payload is exactly the frame `encode_into` makes for that chunk without zstd, so one copy
+/// of every element is saved.
+///
+/// ```
+/// use starling_compression::{decode, raw_frame_header, DecodeOptions};
+/// let values = [1.5f32, -2.0, 3.25];
+/// let mut frame = raw_frame_header(3, 0, 3)?.to_vec();
+/// values.iter().for_each(|v| frame.extend_from_slice(&v.to_le_bytes()));
+/// assert_eq!(decode(&frame, &DecodeOptions::default())?, values);
+/// # Ok::<(), starling_compression::Error>(())
+/// ```
+pub fn raw_frame_header(count: usize, offset: u64, total: u64) -> Result<[u8; HEADER_LEN]> {
+    check_chunk_bounds(count, offset, total)?;
     let header = ChunkHeader {
         codec: Codec::None,
         count,
@@ -136,28 +142,7 @@ fn encode_frame_inner(
     out: &mut Vec<u8>,
 ) -> Result<ChunkHeader> {
     let count = data.len();
-    if count > MAX_ELEMENTS {
-        return Err(Error::TooManyElements {
-            count: count as u64,
-            max: MAX_ELEMENTS as u64,
-        });
-    }
-    if total > MAX_TOTAL_ELEMENTS {
-        return Err(Error::TooManyElements {
-            count: total,
-            max: MAX_TOTAL_ELEMENTS,
-        });
-    }
-    match offset.checked_add(count as u64) {
-        Some(end) if end <= total => {}
-        _ => {
-            return Err(Error::ChunkOutOfRange {
-                offset,
-                count: count as u64,
-                total,
-            })
-        }
-    }
+    check_chunk_bounds(count, offset, total)?;
     let (Some(params_len), Some(payload_len)) = (codec.params_len(), codec.payload_len(count))
     else {
         return Err(Error::InvalidParameter("codec has no wire layout"));

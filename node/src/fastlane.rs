@@ -140,11 +140,9 @@ impl FastLane {
         FastStream::new(tcp, keys, dialer, Some(guard))
     }
 
-    /// A lane state that only dials (client mode, or fast lane disabled: `enabled` false
-    /// refuses to dial too).
-    pub(crate) fn dial_only(timeout: Duration) -> Arc<Self> {
+    fn with_port(port: Option<u16>, timeout: Duration) -> Arc<Self> {
         Arc::new(FastLane {
-            port: None,
+            port,
             timeout,
             routes: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
@@ -152,6 +150,11 @@ impl FastLane {
             live: Mutex::new(Vec::new()),
             rng: SystemRandom::new(),
         })
+    }
+
+    /// A lane state that only dials (client mode).
+    pub(crate) fn dial_only(timeout: Duration) -> Arc<Self> {
+        Self::with_port(None, timeout)
     }
 
     /// Binds the listener on `ip:port` and starts its accept loops.
@@ -171,15 +174,7 @@ impl FastLane {
             .local_addr()
             .map_err(|e| NodeError::Transport(e.to_string()))?
             .port();
-        let lane = Arc::new(FastLane {
-            port: Some(port),
-            timeout,
-            routes: Mutex::new(HashMap::new()),
-            pending: Mutex::new(HashMap::new()),
-            tasks: Mutex::new(Vec::new()),
-            live: Mutex::new(Vec::new()),
-            rng: SystemRandom::new(),
-        });
+        let lane = Self::with_port(Some(port), timeout);
         let offers = tokio::spawn(serve_offers(Arc::downgrade(&lane), control));
         let conns = tokio::spawn(serve_connections(Arc::downgrade(&lane), listener));
         if let Ok(mut t) = lane.tasks.lock() {

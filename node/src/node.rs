@@ -559,12 +559,12 @@ impl Node {
     /// already has a handler.
     ///
     /// ```no_run
-    /// # async fn demo(node: starling_node::Node) -> Result<(), starling_node::NodeError> {
+    /// # async fn demo(node: starling_node::Node) -> Result<(), Box<dyn std::error::Error>> {
     /// use futures::{AsyncReadExt, AsyncWriteExt};
     /// use starling_node::StreamProtocol;
     /// const ECHO: StreamProtocol = StreamProtocol::new("/example/echo/1");
     /// let mut incoming = node.accept_fast(ECHO)?;
-    /// while let Some((peer, mut lane)) = incoming.recv().await {
+    /// while let Some((_peer, mut lane)) = incoming.recv().await {
     ///     let mut buf = vec![0u8; 1024];
     ///     let n = lane.read(&mut buf).await?;
     ///     lane.write_all(&buf[..n]).await?;
@@ -583,6 +583,18 @@ impl Node {
     /// connected directly (not through a relay) and accept lanes for `protocol`; otherwise
     /// this fails within the request timeout, and callers should fall back to
     /// [`Self::stream_control`].
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId) -> Result<(), Box<dyn std::error::Error>> {
+    /// use futures::{AsyncReadExt, AsyncWriteExt};
+    /// use starling_node::StreamProtocol;
+    /// let mut lane = node.open_fast(peer, StreamProtocol::new("/example/echo/1")).await?;
+    /// lane.write_all(b"hello").await?;
+    /// lane.close().await?; // flushes, then ends our direction
+    /// let mut echo = Vec::new();
+    /// lane.read_to_end(&mut echo).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn open_fast(
         &self,
         peer: PeerId,
