@@ -123,6 +123,9 @@ struct Sample {
     round: usize,
     allreduce_s: f64,
     span_fraction: f64,
+    /// Reducers this peer sent a span to, and how many of those transfers used the fast lane.
+    transfers: usize,
+    fast_lane_transfers: usize,
 }
 
 fn field(line: &str, name: &str) -> f64 {
@@ -210,6 +213,8 @@ fn session(net: &Net, equal: bool, size: usize, rounds: usize) -> Vec<Vec<Sample
                 round: field(&l, "round") as usize,
                 allreduce_s: field(&l, "allreduce_s"),
                 span_fraction: field(&l, "span_fraction"),
+                transfers: field(&l, "transfers") as usize,
+                fast_lane_transfers: field(&l, "fast_lane_transfers") as usize,
             })
             .collect();
         assert!(w.0.wait().unwrap().success(), "worker {i} failed");
@@ -265,6 +270,14 @@ fn throttled_peer_gets_a_small_span_and_the_round_is_faster() {
         assert!(
             *f < 0.125,
             "the throttled peer reduced {f} of the vector (equal share: 0.25)"
+        );
+    }
+    // Between namespaces (real interfaces, the throttled one included) spans travel on fast lanes.
+    for s in balanced.iter().chain(&equal).flatten() {
+        assert_eq!(
+            s.fast_lane_transfers, s.transfers,
+            "round {}: not every transfer used the fast lane",
+            s.round
         );
     }
     let t_balanced = median(late(&balanced, &|s| s.allreduce_s));
