@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
-use starling_node::{Multiaddr, Node, PeerId, Stream, StreamProtocol};
+use starling_node::{Multiaddr, Node, PeerId, Reachability, Stream, StreamProtocol};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
@@ -279,6 +279,27 @@ impl Averager {
         result
     }
 
+    /// The mode to declare this round: a `Node` peer that cannot accept connections (its node
+    /// runs in client mode, or autonat found it behind a NAT) takes part as a `Client`, so that
+    /// nobody waits on a reducer it cannot reach.
+    async fn effective_mode(&self) -> AveragingMode {
+        let cfg = &self.shared.config;
+        let reachability = self.shared.node.status().await.map(|s| s.reachability);
+        match (cfg.mode, reachability) {
+            (AveragingMode::Node, Ok(Reachability::Client | Reachability::Private)) => {
+                tracing::debug!("this node accepts no inbound connections: averaging as a client");
+                AveragingMode::Client
+            }
+            (AveragingMode::Aux, Ok(Reachability::Client | Reachability::Private)) => {
+                tracing::warn!(
+                    "an Aux averager behind a NAT or in client mode cannot be reached to reduce"
+                );
+                AveragingMode::Aux
+            }
+            (mode, _) => mode,
+        }
+    }
+
     async fn step_inner(
         &self,
         tensors: &mut [&mut [f32]],
@@ -326,7 +347,7 @@ impl Averager {
         let group_key = format!("{}.averager.{schema:016x}.{grid}", cfg.prefix);
         let me = MemberInfo {
             peer_id: self.shared.node.peer_id().to_bytes(),
-            mode: cfg.mode,
+            mode: self.effective_mode().await,
             bandwidth: self.shared.bandwidth(),
             addrs: self
                 .shared

@@ -5,7 +5,9 @@ use starling_compression::Codec;
 /// How a peer takes part in averaging.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum AveragingMode {
-    /// Sends, receives and reduces a span sized by its bandwidth.
+    /// Sends, receives and reduces a span sized by its bandwidth. A `Node` averager whose node
+    /// accepts no inbound connections (client-mode node, or autonat found it behind a NAT)
+    /// declares itself a `Client` for the round.
     Node,
     /// Behind NAT or by choice: accepts no inbound streams, reduces nothing, only sends its
     /// tensors to the reducers and receives the averaged result.

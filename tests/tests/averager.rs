@@ -175,11 +175,11 @@ async fn client_mode_peer_averages_without_listening() {
         let mut nodes = cluster.nodes.clone();
         nodes.push(client.clone());
         let mut averagers = Vec::new();
-        for (i, n) in nodes.iter().enumerate() {
-            let mut c = avg_cfg("client", "none", 4);
-            if i == 3 {
-                c.mode = AveragingMode::Client;
-            }
+        // Every averager is configured as a `Node`: the one on the client-mode node takes part
+        // as a `Client` by itself, since nobody could reach it to reduce.
+        for n in &nodes {
+            let c = avg_cfg("client", "none", 4);
+            assert_eq!(c.mode, AveragingMode::Node);
             averagers.push(Averager::new(n.clone(), c).await.unwrap());
         }
         let mut tensors: Vec<Vec<Vec<f32>>> = (0..4)
