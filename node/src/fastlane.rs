@@ -404,6 +404,13 @@ impl FastLane {
     }
 }
 
+/// The last handle gone (every `Node` clone dropped without `shutdown`): stop the loops too.
+impl Drop for FastLane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_stream::Control) {
     let Ok(mut incoming) = control.accept(FASTLANE_PROTOCOL) else {
         tracing::warn!("fast lane protocol already registered; lanes disabled");
