@@ -65,19 +65,24 @@ impl Shared {
         if let Ok(Ok(s)) = timeout(t, control.open_stream(peer, protocol.clone())).await {
             return Ok(s);
         }
-        for a in addrs {
-            if let Ok(addr) = a.parse::<Multiaddr>() {
-                if self.node.dial(addr).await.is_ok() {
-                    break;
-                }
-            }
-        }
+        self.dial_any(addrs).await;
         match timeout(t, control.open_stream(peer, protocol)).await {
             Ok(Ok(s)) => Ok(s),
             Ok(Err(e)) => Err(AveragerError::Protocol(format!(
                 "cannot open a stream to {peer}: {e}"
             ))),
             Err(_) => Err(AveragerError::Deadline("opening a stream")),
+        }
+    }
+
+    /// Dials the first of `addrs` that answers.
+    async fn dial_any(&self, addrs: &[String]) {
+        for a in addrs {
+            if let Ok(addr) = a.parse::<Multiaddr>() {
+                if self.node.dial(addr).await.is_ok() {
+                    break;
+                }
+            }
         }
     }
 
@@ -96,14 +101,19 @@ impl Shared {
             .and_then(|f| f.get(&peer).copied())
             .is_some_and(|at| at.elapsed() < LANE_RETRY_AFTER);
         if self.config.fast_lane && !recently_failed {
-            let mut lane = self.node.open_fast(peer, protocol.clone()).await;
-            if lane.is_err() {
-                // Not connected yet: connect the slow way, then ask again.
-                self.open_stream(peer, addrs, protocol.clone()).await?;
-                lane = self.node.open_fast(peer, protocol.clone()).await;
+            // A lane is asked for over a direct connection: make one if there is none yet. If
+            // that fails, libp2p may still find a way (other addresses, a relay): no lane this
+            // time, but that is no reason to stop asking the peer for one.
+            let mut connected = self.node.connected_peers().await?.contains(&peer);
+            if !connected {
+                self.dial_any(addrs).await;
+                connected = self.node.connected_peers().await?.contains(&peer);
             }
-            match lane {
+            match self.node.open_fast(peer, protocol.clone()).await {
                 Ok(s) => return Ok(Lane::Fast(Box::new(s))),
+                Err(e) if !connected => {
+                    tracing::debug!(%peer, "not connected directly, no fast lane this time: {e}");
+                }
                 Err(e) => {
                     tracing::debug!(%peer, "no fast lane, using libp2p streams: {e}");
                     if let Ok(mut f) = self.lane_failures.lock() {

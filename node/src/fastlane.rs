@@ -60,6 +60,8 @@ const HELLO: &[u8; 16] = b"starling-lane-v1";
 const READY: &[u8; 16] = b"starling-lane-ok";
 /// Lanes offered but not yet connected, and handshakes in progress, at most.
 const MAX_PENDING: usize = 256;
+/// Offers one peer may have pending (so that one peer cannot take every slot).
+const MAX_PENDING_PER_PEER: usize = 32;
 const MAX_HANDSHAKES: usize = 64;
 /// Queued inbound lanes per protocol before new ones are refused.
 const ROUTE_QUEUE: usize = 64;
@@ -337,7 +339,9 @@ impl FastLane {
         };
         let now = Instant::now();
         pending.retain(|_, p| p.expires > now);
-        if pending.len() >= MAX_PENDING {
+        if pending.len() >= MAX_PENDING
+            || pending.values().filter(|p| p.peer == peer).count() >= MAX_PENDING_PER_PEER
+        {
             return Handshake::Refuse("too many lanes pending".into());
         }
         if pending.contains_key(&token) {
@@ -795,6 +799,41 @@ mod tests {
             FastStream::new(a.unwrap(), &keys, true, None).unwrap(),
             FastStream::new(b.unwrap().0, &keys, false, None).unwrap(),
         )
+    }
+
+    #[tokio::test]
+    async fn offers_are_bounded_per_peer_and_tokens_are_single_use() {
+        let lane = FastLane::with_port(Some(9), Duration::from_secs(5));
+        let proto = StreamProtocol::new("/test/1");
+        let _rx = lane.accept(&proto).unwrap();
+        let offer = |i: u8| Handshake::Offer {
+            protocol: "/test/1".into(),
+            token: [i; 16],
+            keys: [0; 64],
+        };
+        let (greedy, other) = (PeerId::random(), PeerId::random());
+        for i in 0..MAX_PENDING_PER_PEER as u8 {
+            assert!(matches!(
+                lane.offer(greedy, offer(i)),
+                Handshake::Accept { port: 9 }
+            ));
+        }
+        assert!(matches!(
+            lane.offer(greedy, offer(200)),
+            Handshake::Refuse(_)
+        ));
+        // Another peer is not locked out, but cannot reuse a pending token.
+        assert!(matches!(
+            lane.offer(other, offer(201)),
+            Handshake::Accept { .. }
+        ));
+        assert!(matches!(lane.offer(other, offer(0)), Handshake::Refuse(_)));
+        // No handler for the protocol: refused.
+        let mut stray = offer(202);
+        if let Handshake::Offer { protocol, .. } = &mut stray {
+            *protocol = "/nobody/1".into();
+        }
+        assert!(matches!(lane.offer(other, stray), Handshake::Refuse(_)));
     }
 
     #[tokio::test]
