@@ -1,10 +1,10 @@
 //! The butterfly all-reduce of one formed group.
 //!
 //! The flattened vector is cut into one contiguous span per member, sized by
-//! [`crate::partition::solve_fractions`] over
-//! [`crate::partition::denoise_bandwidths`] (clients and weak peers get none). Each sender streams
-//! its part of span `j` to reducer `j` (over `j`'s fast lane when it has one) in order, in chunks of `chunk_bytes` (compressed by the
-//! configured codec). The reducer works **part by part** (a part is one chunk's worth of
+//! [`crate::partition::solve_fractions`] over [`crate::partition::denoise_bandwidths`]
+//! (clients and weak peers get none). Each sender streams its part of span `j` to reducer `j`
+//! (over `j`'s fast lane when it has one) in order, in chunks of `chunk_bytes` (compressed by
+//! the configured codec). The reducer works **part by part** (a part is one chunk's worth of
 //! elements): as soon as every present sender has delivered a part, and every expected sender
 //! has shown up (or the no-show time passed), it computes that part's weighted mean and streams
 //! back to each contributor its *delta* `mean - received`, so quantization error does not

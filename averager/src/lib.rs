@@ -24,9 +24,10 @@
 //!
 //! Departures from hivemind: the span split minimises the slowest peer's time under a
 //! full-duplex cost model (bisection instead of an LP solver), acting only on bandwidth
-//! differences larger than measurement noise ([`partition::denoise_bandwidths`]); reducers send deltas rather than
-//! averaged values; a sender counts in a part only once it delivered all of that part, and every
-//! part's result names exactly whose data it holds, so a partial sender can never skew a mean.
+//! differences larger than measurement noise ([`partition::denoise_bandwidths`]); reducers
+//! send deltas rather than averaged values; a sender counts in a part only once it delivered
+//! all of that part, and every part's result names exactly whose data it holds, so a partial
+//! sender can never skew a mean.
 //!
 //! Not yet: gossip averaging, and local (intra-node) collectives.
 

@@ -666,7 +666,8 @@ pub struct FastWriter {
     _guard: Option<Arc<LaneGuard>>,
 }
 
-/// Seals `buf` (`[length word][plaintext]`) in place into a record: `[length word][ciphertext][tag]`.
+/// Seals `buf` (`[length word][plaintext]`) in place into a record:
+/// `[length word][ciphertext][tag]`.
 fn seal_record(key: &LessSafeKey, counter: u64, buf: &mut Vec<u8>, close: bool) -> io::Result<()> {
     let len = buf.len() - HEAD;
     let word = len as u32 | if close { CLOSE_BIT } else { 0 };
