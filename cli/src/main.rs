@@ -3,6 +3,7 @@
 mod bench;
 mod bench_allreduce;
 mod bench_experts;
+mod bench_lane;
 mod dht_cmd;
 mod experts_cmd;
 mod node_cmd;
