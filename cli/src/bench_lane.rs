@@ -110,6 +110,24 @@ where
     Ok(out)
 }
 
+/// Serves the first `n` incoming streams, each with [`sink`] in its own task.
+async fn serve_sinks<P, S>(
+    mut incoming: impl futures::Stream<Item = (P, S)> + Unpin,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<u64>>>
+where
+    S: futures::AsyncRead + futures::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut tasks = Vec::new();
+    while tasks.len() < n {
+        let Some((_, s)) = incoming.next().await else {
+            break;
+        };
+        tasks.push(tokio::spawn(sink(s)));
+    }
+    tasks
+}
+
 pub async fn run(args: LaneArgs) -> Result<()> {
     ensure!(
         args.mib >= 1 && args.streams >= 1,
@@ -122,17 +140,8 @@ pub async fn run(args: LaneArgs) -> Result<()> {
     let per_stream = args.mib * (1 << 20) / args.streams;
 
     let mut lanes = server.accept_fast(PROTOCOL)?;
-    let streams = args.streams;
-    let lane_sinks = tokio::spawn(async move {
-        let mut tasks = Vec::new();
-        while tasks.len() < streams {
-            let Some((_, lane)) = lanes.recv().await else {
-                break;
-            };
-            tasks.push(tokio::spawn(sink(lane)));
-        }
-        tasks
-    });
+    let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx));
+    let lane_sinks = tokio::spawn(serve_sinks(lanes, args.streams));
     let ready_lanes = open_ready(args.streams, || async {
         Ok(client.open_fast(server.peer_id(), PROTOCOL).await?)
     })
@@ -141,17 +150,8 @@ pub async fn run(args: LaneArgs) -> Result<()> {
     futures::future::try_join_all(ready_lanes.into_iter().map(|l| source(l, per_stream))).await?;
     let fast = (per_stream * args.streams) as f64 / t.elapsed().as_secs_f64() / 1e9;
 
-    let mut incoming = server.stream_control().accept(PROTOCOL)?;
-    let p2p_sinks = tokio::spawn(async move {
-        let mut tasks = Vec::new();
-        while tasks.len() < streams {
-            let Some((_, s)) = incoming.next().await else {
-                break;
-            };
-            tasks.push(tokio::spawn(sink(s)));
-        }
-        tasks
-    });
+    let incoming = server.stream_control().accept(PROTOCOL)?;
+    let p2p_sinks = tokio::spawn(serve_sinks(incoming, args.streams));
     let ready_streams = open_ready(args.streams, || async {
         Ok(client
             .stream_control()
