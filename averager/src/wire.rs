@@ -168,7 +168,7 @@ pub async fn write_control<S: AsyncWrite + Unpin, M: Serialize>(
     msg: &M,
 ) -> Result<usize, AveragerError> {
     let body = postcard::to_stdvec(msg).map_err(|e| AveragerError::Protocol(e.to_string()))?;
-    let n = write_frame(s, TAG_CONTROL, &body).await?;
+    let n = write_frame(s, TAG_CONTROL, &[&body]).await?;
     // Buffered streams (the fast lane) hold writes back until flushed: a control message is
     // always something the peer waits for.
     s.flush().await?;
@@ -180,22 +180,27 @@ pub async fn write_data<S: AsyncWrite + Unpin>(
     s: &mut S,
     chunk: &[u8],
 ) -> Result<usize, AveragerError> {
-    write_frame(s, TAG_DATA, chunk).await
+    write_frame(s, TAG_DATA, &[chunk]).await
 }
 
+/// Writes one frame whose body is the concatenation of `body` (written piece by piece, so a
+/// caller never copies pieces together first). Returns the bytes written.
 async fn write_frame<S: AsyncWrite + Unpin>(
     s: &mut S,
     tag: u8,
-    body: &[u8],
+    body: &[&[u8]],
 ) -> Result<usize, AveragerError> {
-    let len = u32::try_from(body.len() + 1)
+    let body_len: usize = body.iter().map(|b| b.len()).sum();
+    let len = u32::try_from(body_len + 1)
         .map_err(|_| AveragerError::Protocol("frame too large".into()))?;
     let mut head = [0u8; 5];
     head[..4].copy_from_slice(&len.to_le_bytes());
     head[4] = tag;
     s.write_all(&head).await?;
-    s.write_all(body).await?;
-    Ok(body.len() + 5)
+    for piece in body {
+        s.write_all(piece).await?;
+    }
+    Ok(body_len + 5)
 }
 
 /// The data frames of a span: uncompressed chunks go out straight from the values (header from
@@ -292,17 +297,7 @@ pub(crate) async fn write_chunk<S: AsyncWrite + Unpin>(
             let header =
                 starling_compression::raw_frame_header(values.len(), *offset as u64, *total as u64)
                     .map_err(|e| AveragerError::Protocol(e.to_string()))?;
-            let payload: &[u8] = bytemuck::cast_slice(values);
-            let body = header.len() + payload.len();
-            let len = u32::try_from(body + 1)
-                .map_err(|_| AveragerError::Protocol("frame too large".into()))?;
-            let mut head = [0u8; 5];
-            head[..4].copy_from_slice(&len.to_le_bytes());
-            head[4] = TAG_DATA;
-            s.write_all(&head).await?;
-            s.write_all(&header).await?;
-            s.write_all(payload).await?;
-            Ok(body + 5)
+            write_frame(s, TAG_DATA, &[&header, bytemuck::cast_slice(values)]).await
         }
     }
 }
