@@ -36,8 +36,10 @@ pub mod cluster;
 mod config;
 mod error;
 pub mod fastlane;
+pub mod framing;
 mod identity;
 mod node;
+pub mod streams;
 mod swarm_key;
 
 pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};

@@ -441,6 +441,39 @@ impl Node {
         self.call(Command::ConnectedPeers).await
     }
 
+    /// Makes sure a connection to `peer` is open: returns at once when one is, else dials
+    /// `addrs` in order until one reaches that peer (each dial bounded by the node's request
+    /// timeout). Returns whether the peer is connected afterwards; a failed dial is not an
+    /// error, because libp2p may still reach the peer another way (a relay, other addresses).
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId, addr: starling_node::Multiaddr) -> Result<(), starling_node::NodeError> {
+    /// if !node.connect_if_needed(peer, &[addr]).await? {
+    ///     eprintln!("{peer} is not directly reachable");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_if_needed(
+        &self,
+        peer: PeerId,
+        addrs: &[Multiaddr],
+    ) -> Result<bool, NodeError> {
+        if self.connected_peers().await?.contains(&peer) {
+            return Ok(true);
+        }
+        for addr in addrs {
+            match self.dial(addr.clone()).await {
+                Ok(reached) if reached == peer => return Ok(true),
+                Ok(reached) => {
+                    tracing::debug!(%peer, %reached, %addr, "address reached another peer")
+                }
+                Err(NodeError::Closed) => return Err(NodeError::Closed),
+                Err(e) => tracing::debug!(%peer, %addr, "dial failed: {e}"),
+            }
+        }
+        Ok(false)
+    }
+
     /// The handle for opening and accepting bulk-data streams on custom protocols.
     pub fn stream_control(&self) -> libp2p_stream::Control {
         self.stream.clone()
@@ -547,6 +580,29 @@ impl Node {
             f.stop();
         }
         let _ = self.call(Command::Shutdown).await;
+    }
+
+    /// Resolves once the node's swarm task has stopped (after [`Node::shutdown`] from any handle,
+    /// or a crash); at once if it already has. Lets long operations end as soon as their own
+    /// node is gone instead of waiting out their timeouts.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) {
+    /// let watcher = node.clone();
+    /// tokio::spawn(async move {
+    ///     watcher.closed().await;
+    ///     eprintln!("node stopped");
+    /// });
+    /// node.shutdown().await;
+    /// # }
+    /// ```
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+
+    /// Whether the node's swarm task has stopped.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
     }
 
     /// The fast lane's TCP port, if this node listens for lanes.
