@@ -133,7 +133,7 @@ pub fn encode_msg<M: Serialize>(msg: &M) -> Result<Vec<u8>, FrameError> {
 /// Decodes a message frame's body; trailing bytes are refused (a frame holds one message).
 pub fn decode_msg<M: DeserializeOwned>(body: &[u8]) -> Result<M, FrameError> {
     match postcard::take_from_bytes(body) {
-        Ok((m, rest)) if rest.is_empty() => Ok(m),
+        Ok((m, [])) => Ok(m),
         Ok((_, rest)) => Err(FrameError::Malformed(format!(
             "{} trailing bytes after the message",
             rest.len()
