@@ -1,180 +1,38 @@
-use std::collections::HashMap;
-use std::future::Future;
+//! The [`Averager`] handle: one step = flatten and check the tensors, find a group
+//! ([`matchmaking`](crate::matchmaking)), run the all-reduce ([`allreduce`](crate::allreduce)),
+//! write the averaged spans back. It owns the protocol servers (through the [`Router`]) and
+//! the state kept from round to round: bandwidth estimate, buffer pool, grid position and
+//! the previous round's repair server.
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
-use serde::de::DeserializeOwned;
-use starling_node::{Multiaddr, Node, PeerId, Reachability, Stream, StreamProtocol};
-use tokio::sync::{mpsc, Semaphore};
+use serde::{Deserialize, Serialize};
+use starling_node::{Node, NodeError, Reachability};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
+use tracing::Instrument;
 
-use crate::allreduce::{run_allreduce, IncomingSender, RoundRoute};
-use crate::lane::Lane;
-use crate::matchmaking::{find_group, IncomingJoin};
-use crate::pool::BufPool;
-use crate::wire::{
-    read_control, write_control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
-    MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL, UNKNOWN_ROUND,
-};
+use crate::allreduce::{run_allreduce, RoundEnv};
+use crate::bandwidth::Bandwidth;
+use crate::matchmaking::{find_group, Matchmaker};
+use crate::pool::{BufPool, PoolBuf};
+use crate::router::Router;
+use crate::sync::lock;
+use crate::transport::Transport;
+use crate::wire::MemberInfo;
 use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
 
-/// Inbound streams being read at once, per protocol (bounds tasks and buffers).
-const MAX_INBOUND_HANDSHAKES: usize = 256;
-/// How long an inbound reduce stream waits for its round to be registered locally (the reducer
-/// may learn of the round a little after the sender).
-const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
 /// Elements flattened and checked at a time (fits in L1/L2).
 const FLATTEN_PIECE: usize = 8192;
-/// How long a peer whose fast lane failed is reached over libp2p streams only.
-const LANE_RETRY_AFTER: Duration = Duration::from_secs(300);
-/// Peers remembered as having no usable fast lane, at most.
-const MAX_LANE_FAILURES: usize = 4096;
-/// Weight of a new bandwidth measurement in the running average.
-const BANDWIDTH_EMA: f64 = 0.3;
-
-/// State shared by the averager handle, its accept loops and running rounds.
-pub(crate) struct Shared {
-    pub node: Node,
-    pub config: AveragerConfig,
-    pub join_routes: Mutex<HashMap<String, mpsc::Sender<IncomingJoin>>>,
-    pub round_routes: Mutex<HashMap<u64, RoundRoute>>,
-    /// Measured upload rate (bytes/s); `None` until the first measurement.
-    bandwidth: Mutex<Option<f64>>,
-    grid_index: Mutex<u32>,
-    /// The last round's background repair server (see `allreduce`): at most one at a time.
-    repair_server: Mutex<Option<JoinHandle<()>>>,
-    /// Peers whose fast lane failed recently, and when.
-    lane_failures: Mutex<HashMap<PeerId, Instant>>,
-    /// Model-sized buffers kept from round to round.
-    pub pool: Arc<BufPool>,
-}
-
-impl Shared {
-    /// Opens a stream to `peer`, dialing one of `addrs` first if the peer is not reachable yet.
-    pub async fn open_stream(
-        &self,
-        peer: PeerId,
-        addrs: &[String],
-        protocol: StreamProtocol,
-    ) -> Result<Stream, AveragerError> {
-        let t = self.config.request_timeout;
-        let mut control = self.node.stream_control();
-        if let Ok(Ok(s)) = timeout(t, control.open_stream(peer, protocol.clone())).await {
-            return Ok(s);
-        }
-        self.dial_any(addrs).await;
-        match timeout(t, control.open_stream(peer, protocol)).await {
-            Ok(Ok(s)) => Ok(s),
-            Ok(Err(e)) => Err(AveragerError::Protocol(format!(
-                "cannot open a stream to {peer}: {e}"
-            ))),
-            Err(_) => Err(AveragerError::Deadline("opening a stream")),
-        }
-    }
-
-    /// Dials the first of `addrs` that answers.
-    async fn dial_any(&self, addrs: &[String]) {
-        for a in addrs {
-            if let Ok(addr) = a.parse::<Multiaddr>() {
-                if self.node.dial(addr).await.is_ok() {
-                    break;
-                }
-            }
-        }
-    }
-
-    /// Opens a reduce exchange's stream to `peer`: a fast lane if the configuration allows one
-    /// and the peer's lane has not failed recently, else a libp2p stream.
-    pub async fn open_lane(
-        &self,
-        peer: PeerId,
-        addrs: &[String],
-        protocol: StreamProtocol,
-    ) -> Result<Lane, AveragerError> {
-        let recently_failed = self
-            .lane_failures
-            .lock()
-            .ok()
-            .and_then(|f| f.get(&peer).copied())
-            .is_some_and(|at| at.elapsed() < LANE_RETRY_AFTER);
-        if self.config.fast_lane && !recently_failed {
-            // A lane is asked for over a direct connection: make one if there is none yet. If
-            // that fails, libp2p may still find a way (other addresses, a relay): no lane this
-            // time, but that is no reason to stop asking the peer for one.
-            let mut connected = self.node.connected_peers().await?.contains(&peer);
-            if !connected {
-                self.dial_any(addrs).await;
-                connected = self.node.connected_peers().await?.contains(&peer);
-            }
-            match self.node.open_fast(peer, protocol.clone()).await {
-                Ok(s) => return Ok(Lane::Fast(Box::new(s))),
-                Err(e) if !connected => {
-                    tracing::debug!(%peer, "not connected directly, no fast lane this time: {e}");
-                }
-                Err(e) => {
-                    tracing::debug!(%peer, "no fast lane, using libp2p streams: {e}");
-                    if let Ok(mut f) = self.lane_failures.lock() {
-                        f.retain(|_, at| at.elapsed() < LANE_RETRY_AFTER);
-                        if f.len() < MAX_LANE_FAILURES {
-                            f.insert(peer, Instant::now());
-                        }
-                    }
-                }
-            }
-        }
-        self.open_stream(peer, addrs, protocol).await.map(Lane::P2p)
-    }
-
-    /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
-    /// previous one: one lingering round at a time bounds the memory and tasks it holds.
-    pub fn set_repair_server(&self, server: JoinHandle<()>) {
-        if let Ok(mut s) = self.repair_server.lock() {
-            if let Some(old) = s.replace(server) {
-                old.abort();
-            }
-        }
-    }
-
-    /// Ends the background repair server, if any.
-    fn stop_repair_server(&self) {
-        if let Ok(mut s) = self.repair_server.lock() {
-            if let Some(old) = s.take() {
-                old.abort();
-            }
-        }
-    }
-
-    pub fn bandwidth(&self) -> f64 {
-        self.config
-            .bandwidth
-            .or_else(|| self.bandwidth.lock().ok().and_then(|b| *b))
-            .unwrap_or(self.config.initial_bandwidth)
-    }
-
-    /// Folds a measured upload rate (bytes/s, from this round's sender streams) into the
-    /// running estimate that the next rounds declare.
-    fn record_bandwidth(&self, measured: Option<f64>) {
-        let Some(measured) = measured.filter(|m| m.is_finite() && *m > 0.0) else {
-            return;
-        };
-        if let Ok(mut b) = self.bandwidth.lock() {
-            // The first measurement replaces the initial guess outright; later ones are smoothed.
-            *b = Some(match *b {
-                None => measured,
-                Some(old) => (1.0 - BANDWIDTH_EMA) * old + BANDWIDTH_EMA * measured,
-            });
-        }
-    }
-}
 
 /// Averages flat `f32` tensors with other peers of the swarm.
 ///
-/// One call to [`Averager::step`] finds a group through the DHT and runs a butterfly
-/// all-reduce with it; the tensors are replaced by the group's weighted mean (on the spans
-/// that could be averaged, see [`RoundReport`]) only when the round completes.
+/// One call to [`Averager::step`] (or [`Averager::step_blocking`] from a plain thread) finds a
+/// group through the DHT and runs a butterfly all-reduce with it; the tensors are replaced by
+/// the group's weighted mean (on the spans that could be averaged, see [`RoundReport`]) only
+/// when the round completes. The crate docs explain matchmaking and the all-reduce.
 ///
 /// ```no_run
 /// # async fn train() -> Result<(), Box<dyn std::error::Error>> {
@@ -187,7 +45,8 @@ impl Shared {
 /// let mut weights = vec![0.0f32; 1000];
 /// let mut bias = vec![0.0f32; 10];
 /// for step in 0..100 {
-///     // ... a local optimizer step updates `weights` and `bias` ...
+///     // ... a local optimizer step updates `weights` and `bias` (run heavy compute on its
+///     // own thread or with `spawn_blocking`, not on the tokio workers that drive the network)
 ///     if step % 10 == 9 {
 ///         let deadline = Instant::now() + Duration::from_secs(30);
 ///         match averager.step(&mut [&mut weights[..], &mut bias[..]], 1.0, deadline).await {
@@ -200,77 +59,112 @@ impl Shared {
 /// # Ok(()) }
 /// ```
 pub struct Averager {
-    shared: Arc<Shared>,
+    config: Arc<AveragerConfig>,
+    transport: Transport,
+    router: Router,
+    bandwidth: Bandwidth,
+    /// Model-sized buffers kept from round to round.
+    pool: Arc<BufPool>,
+    /// This peer's group-key grid position (Moshpit rotation, `group_bits > 0`).
+    grid_index: Mutex<u32>,
+    /// The last round's background repair server: at most one at a time.
+    repair_server: Mutex<Option<JoinHandle<()>>>,
+    /// The schema this peer last announced, and until when the announcement lasts.
+    announced: Mutex<Option<(u64, Instant)>>,
     busy: AtomicBool,
     tasks: Vec<JoinHandle<()>>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// The tensor schema of a step: what peers must agree on to average together.
+struct Schema {
+    hash: u64,
+    summary: String,
+}
+
+impl Schema {
+    fn of(sizes: &[usize], codec: &str) -> Self {
+        let hash = schema_hash(sizes, codec);
+        let total: usize = sizes.iter().sum();
+        Schema {
+            hash,
+            summary: format!(
+                "{} tensors of {total} elements in all, codec {codec} (schema {hash:016x})",
+                sizes.len()
+            ),
+        }
+    }
+}
+
+/// What a peer announces under a run's schema key, so that a peer left alone can tell a schema
+/// mismatch from an empty swarm.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SchemaNote {
+    hash: u64,
+    summary: String,
+}
+
+/// Clears the busy flag when a step ends, also when its future is dropped half-way.
+struct BusyGuard<'a>(&'a AtomicBool);
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl Averager {
-    /// Starts serving the averaging protocols on `node`. One averager per node.
+    /// Starts serving the averaging protocols on `node`. One averager per node. Its tasks run
+    /// on the current tokio runtime, inside an `averager{peer}` span.
     pub async fn new(node: Node, config: AveragerConfig) -> Result<Self, AveragerError> {
         config.validate()?;
-        let mut control = node.stream_control();
-        let joins = control
-            .accept(MATCHMAKING_PROTOCOL)
-            .map_err(|_| AveragerError::AlreadyRunning)?;
-        let reduces = control
-            .accept(REDUCE_PROTOCOL)
-            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let config = Arc::new(config);
+        let router = Router::new(config.request_timeout);
+        let span = tracing::debug_span!("averager", peer = %short_id(&node));
+        let tasks = {
+            let _entered = span.enter();
+            router.serve(&node, config.fast_lane)?
+        };
         let grid = if config.group_bits == 0 {
             0
         } else {
             rand::random::<u32>() % (1 << config.group_bits)
         };
-        let shared = Arc::new(Shared {
-            node,
-            bandwidth: Mutex::new(None),
-            config,
-            join_routes: Mutex::new(HashMap::new()),
-            round_routes: Mutex::new(HashMap::new()),
+        Ok(Averager {
+            transport: Transport::new(node, config.fast_lane, config.request_timeout),
+            bandwidth: Bandwidth::new(config.bandwidth, config.initial_bandwidth),
+            router,
+            pool: Arc::new(BufPool::default()),
             grid_index: Mutex::new(grid),
             repair_server: Mutex::new(None),
-            lane_failures: Mutex::new(HashMap::new()),
-            pool: Arc::new(BufPool::default()),
-        });
-        let reduces = reduces.map(|(peer, s)| (peer, Lane::P2p(s)));
-        let mut tasks = vec![
-            tokio::spawn(serve_inbound(shared.clone(), joins, on_join)),
-            tokio::spawn(serve_inbound(shared.clone(), reduces, on_reduce)),
-        ];
-        // Senders reach a reducer over its fast lane when it has one (never in client mode).
-        if shared.config.fast_lane && shared.node.fast_lane_port().is_some() {
-            let mut lanes = shared
-                .node
-                .accept_fast(REDUCE_PROTOCOL)
-                .map_err(|_| AveragerError::AlreadyRunning)?;
-            let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx))
-                .map(|(peer, s)| (peer, Lane::Fast(Box::new(s))));
-            tasks.push(tokio::spawn(serve_inbound(
-                shared.clone(),
-                lanes,
-                on_reduce,
-            )));
-        }
-        Ok(Averager {
-            shared,
+            announced: Mutex::new(None),
             busy: AtomicBool::new(false),
             tasks,
+            runtime: tokio::runtime::Handle::current(),
+            config,
         })
     }
 
     /// The configuration in force.
     pub fn config(&self) -> &AveragerConfig {
-        &self.shared.config
+        &self.config
     }
 
     /// The bandwidth this peer currently declares (bytes per second).
     pub fn bandwidth(&self) -> f64 {
-        self.shared.bandwidth()
+        self.bandwidth.current()
     }
 
     /// Finds a group and averages `tensors` with it, weighted by `weight` (e.g. the number of
     /// samples behind this peer's update), finishing before `deadline`. The tensors change only
     /// if the round completes, and only on the spans the report lists as averaged.
+    ///
+    /// Errors name the cause: [`AveragerError::SchemaMismatch`] when the other searching peers
+    /// pass other tensor sizes or another codec, [`AveragerError::NoGroup`] when too few peers
+    /// searched (a lone peer gives up after one matchmaking window), `Node(Closed)` at once
+    /// when this peer's own node stops, [`AveragerError::StepInProgress`] for a second
+    /// concurrent step, [`AveragerError::InvalidWeight`] and
+    /// [`AveragerError::Deadline`] for bad arguments.
     pub async fn step(
         &self,
         tensors: &mut [&mut [f32]],
@@ -278,36 +172,88 @@ impl Averager {
         deadline: std::time::Instant,
     ) -> Result<RoundReport, AveragerError> {
         if self.busy.swap(true, Ordering::AcqRel) {
+            return Err(AveragerError::StepInProgress);
+        }
+        let _busy = BusyGuard(&self.busy);
+        let node = self.transport.node();
+        if node.is_closed() {
+            return Err(NodeError::Closed.into());
+        }
+        let span = tracing::debug_span!("averager", peer = %short_id(node));
+        // A node that stops (shutdown, crash) ends the step at once: its streams are gone, and
+        // waiting out the deadline would only hold the caller up. The tensors are written in
+        // one synchronous pass at the end, so a step cut short never leaves them half-written.
+        tokio::select! {
+            biased;
+            _ = node.closed() => Err(NodeError::Closed.into()),
+            r = self.step_inner(tensors, weight, Instant::from_std(deadline)).instrument(span) => r,
+        }
+    }
+
+    /// [`Averager::step`] for synchronous training loops: blocks the calling thread until the
+    /// step ends, while the network keeps running on the runtime the averager was created on
+    /// (which must be a multi-threaded one). Call it from a plain thread (the training loop's),
+    /// never from inside an async runtime ([`AveragerError::BlockingInRuntime`]).
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::{Duration, Instant};
+    /// use starling_averager::{Averager, AveragerConfig};
+    /// use starling_node::{Node, NodeConfig};
+    ///
+    /// let rt = tokio::runtime::Runtime::new()?; // network threads
+    /// let node = rt.block_on(Node::start(NodeConfig::default()))?;
+    /// let averager = rt.block_on(Averager::new(node, AveragerConfig::new("my-run")))?;
+    /// let mut weights = vec![0.0f32; 1000];
+    /// for step in 0..100 {
+    ///     // ... model compute on this thread ...
+    ///     if step % 10 == 9 {
+    ///         let deadline = Instant::now() + Duration::from_secs(30);
+    ///         if let Err(e) = averager.step_blocking(&mut [&mut weights[..]], 1.0, deadline) {
+    ///             eprintln!("no averaging this time: {e}");
+    ///         }
+    ///     }
+    /// }
+    /// rt.block_on(averager.shutdown());
+    /// # Ok(()) }
+    /// ```
+    pub fn step_blocking(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: std::time::Instant,
+    ) -> Result<RoundReport, AveragerError> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(AveragerError::BlockingInRuntime);
+        }
+        if self.runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
             return Err(AveragerError::Config(
-                "a step is already running on this averager".into(),
+                "step_blocking needs the averager to be created on a multi-threaded tokio runtime \
+                 (a current-thread runtime is driven only by its own block_on)"
+                    .into(),
             ));
         }
-        let result = self
-            .step_inner(tensors, weight, Instant::from_std(deadline))
-            .await;
-        self.busy.store(false, Ordering::Release);
-        result
+        self.runtime.block_on(self.step(tensors, weight, deadline))
     }
 
     /// The mode to declare this round: a `Node` peer that cannot accept connections (its node
     /// runs in client mode, or autonat found it behind a NAT) takes part as a `Client`, so that
     /// nobody waits on a reducer it cannot reach.
-    async fn effective_mode(&self) -> AveragingMode {
-        let cfg = &self.shared.config;
-        let reachability = self.shared.node.status().await.map(|s| s.reachability);
-        match (cfg.mode, reachability) {
-            (AveragingMode::Node, Ok(Reachability::Client | Reachability::Private)) => {
+    async fn effective_mode(&self) -> Result<AveragingMode, AveragerError> {
+        let reachability = self.transport.node().status().await?.reachability;
+        Ok(match (self.config.mode, reachability) {
+            (AveragingMode::Node, Reachability::Client | Reachability::Private) => {
                 tracing::debug!("this node accepts no inbound connections: averaging as a client");
                 AveragingMode::Client
             }
-            (AveragingMode::Aux, Ok(Reachability::Client | Reachability::Private)) => {
+            (AveragingMode::Aux, Reachability::Client | Reachability::Private) => {
                 tracing::warn!(
                     "an Aux averager behind a NAT or in client mode cannot be reached to reduce"
                 );
                 AveragingMode::Aux
             }
             (mode, _) => mode,
-        }
+        })
     }
 
     async fn step_inner(
@@ -316,28 +262,100 @@ impl Averager {
         weight: f32,
         deadline: Instant,
     ) -> Result<RoundReport, AveragerError> {
-        let cfg = &self.shared.config;
+        let cfg = &self.config;
         if !(weight.is_finite() && weight >= 0.0) {
-            return Err(AveragerError::NonFinite(format!("weight {weight}")));
+            return Err(AveragerError::InvalidWeight(weight));
+        }
+        if deadline <= Instant::now() {
+            return Err(AveragerError::Deadline("before the step began"));
         }
         let weight = if cfg.mode == AveragingMode::Aux {
             0.0
         } else {
             weight
         };
+        let flat = self.flatten(tensors)?;
+        let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
+        let schema = Schema::of(&sizes, &cfg.codec.to_string());
+        self.announce(&schema);
+        let grid = *lock(&self.grid_index);
+        let group_key = format!("{}.averager.{:016x}.{grid}", cfg.prefix, schema.hash);
+        let node = self.transport.node();
+        let me = MemberInfo {
+            peer_id: node.peer_id().to_bytes(),
+            mode: self.effective_mode().await?,
+            bandwidth: self.bandwidth.current(),
+            addrs: node
+                .listen_addrs()
+                .await?
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+        };
+
+        let mm_start = Instant::now();
+        let mm = Matchmaker {
+            config: cfg.clone(),
+            router: self.router.clone(),
+            transport: self.transport.clone(),
+        };
+        let group = match find_group(&mm, &group_key, me, deadline).await {
+            Ok(group) => group,
+            Err(e @ AveragerError::NoGroup { alone: true, .. }) => {
+                return Err(self.explain_loneliness(&schema, e).await)
+            }
+            Err(e) => return Err(e),
+        };
+        let matchmaking_time = mm_start.elapsed();
+
+        let ar_start = Instant::now();
+        let env = RoundEnv {
+            config: cfg.clone(),
+            transport: self.transport.clone(),
+            router: self.router.clone(),
+            pool: self.pool.clone(),
+            bandwidth: self.bandwidth.current(),
+        };
+        let mut outcome = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
+        let allreduce_time = ar_start.elapsed();
+        self.bandwidth.record(outcome.measured_bandwidth);
+        if let Some(server) = outcome.repair_server.take() {
+            self.keep_repair_server(Some(server));
+        }
+        if cfg.group_bits > 0 {
+            *lock(&self.grid_index) = group.my_index.0 % (1 << cfg.group_bits);
+        }
+        if cfg.mode != AveragingMode::Aux {
+            for (range, values) in &outcome.patches {
+                write_flat(tensors, range.start, values);
+            }
+        }
+        Ok(RoundReport {
+            round_id: group.round_id,
+            group: outcome.group,
+            my_index: group.my_index.get(),
+            spans: outcome.spans,
+            failed_peers: outcome.failed_peers,
+            bytes_sent: outcome.bytes_sent,
+            bytes_received: outcome.bytes_received,
+            fast_lane_transfers: outcome.fast_lanes,
+            matchmaking_time,
+            allreduce_time,
+        })
+    }
+
+    /// Flattens the tensors into one pooled buffer (the round's snapshot) and checks for
+    /// NaN/Inf in the same pass: each piece is checked right after its copy, while it is still
+    /// in cache. A round needs about 4 model-sized buffers (this one, the one the previous
+    /// round's repair server still holds, what it receives as a reducer, the deltas it gets
+    /// back): the pool keeps that much for the next round instead of faulting in fresh pages.
+    fn flatten(&self, tensors: &[&mut [f32]]) -> Result<PoolBuf, AveragerError> {
         let total: usize = tensors.iter().map(|t| t.len()).sum();
         if total == 0 {
             return Err(AveragerError::Schema("no elements to average".into()));
         }
-        // Flatten (the round's snapshot of the tensors) and check for NaN/Inf in one pass: each
-        // piece is checked right after it is copied, while it is still in cache. A round needs
-        // about 4 model-sized buffers (this one, the one the previous round's repair server
-        // still holds, what it receives as a reducer, the deltas it gets back): the pool keeps
-        // that much for the next round instead of faulting in fresh pages every time.
-        self.shared
-            .pool
-            .set_limit(4 * total * std::mem::size_of::<f32>());
-        let mut flat = self.shared.pool.take_dirty(total);
+        self.pool.set_limit(4 * total * std::mem::size_of::<f32>());
+        let mut flat = self.pool.take_dirty(total);
         let mut at = 0;
         for (i, t) in tensors.iter().enumerate() {
             for piece in t.chunks(FLATTEN_PIECE) {
@@ -351,59 +369,86 @@ impl Averager {
                 at += piece.len();
             }
         }
-        let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
-        let schema = schema_hash(&sizes, &cfg.codec.to_string());
-        let grid = self.shared.grid_index.lock().map(|g| *g).unwrap_or(0);
-        let group_key = format!("{}.averager.{schema:016x}.{grid}", cfg.prefix);
-        let me = MemberInfo {
-            peer_id: self.shared.node.peer_id().to_bytes(),
-            mode: self.effective_mode().await,
-            bandwidth: self.shared.bandwidth(),
-            addrs: self
-                .shared
-                .node
-                .listen_addrs()
-                .await?
-                .iter()
-                .map(|a| a.to_string())
-                .collect(),
-        };
-
-        let mm_start = Instant::now();
-        let group = find_group(&self.shared, &group_key, me, deadline).await?;
-        let matchmaking_time = mm_start.elapsed();
-
-        let ar_start = Instant::now();
-        let outcome = run_allreduce(&self.shared, &group, flat, f64::from(weight), deadline).await;
-        let allreduce_time = ar_start.elapsed();
-        self.shared.record_bandwidth(outcome.measured_bandwidth);
-        if cfg.group_bits > 0 {
-            if let Ok(mut g) = self.shared.grid_index.lock() {
-                *g = (group.my_index as u32) % (1 << cfg.group_bits);
-            }
-        }
-        if cfg.mode != AveragingMode::Aux {
-            for (range, values) in &outcome.patches {
-                write_flat(tensors, range.start, values);
-            }
-        }
-        Ok(RoundReport {
-            round_id: group.round_id,
-            group: outcome.group,
-            my_index: group.my_index,
-            spans: outcome.spans,
-            failed_peers: outcome.failed_peers,
-            bytes_sent: outcome.bytes_sent,
-            bytes_received: outcome.bytes_received,
-            fast_lane_transfers: outcome.fast_lanes,
-            matchmaking_time,
-            allreduce_time,
-        })
+        Ok(flat)
     }
 
-    /// Stops the accept loops. Rounds in flight on other peers see this peer as failed.
+    /// The run's schema key: where peers announce their schema.
+    fn schema_key(&self) -> String {
+        format!("{}.averager.schemas", self.config.prefix)
+    }
+
+    /// Announces this peer's schema under the run's schema key, in the background (nothing
+    /// waits for it), when the last announcement is about to expire or named another schema.
+    fn announce(&self, schema: &Schema) {
+        let cfg = &self.config;
+        let lasts = cfg.matchmaking_time * 2 + cfg.request_timeout;
+        {
+            let mut last = lock(&self.announced);
+            let fresh = last.is_some_and(|(hash, until)| {
+                hash == schema.hash && until > Instant::now() + cfg.matchmaking_time
+            });
+            if fresh {
+                return;
+            }
+            *last = Some((schema.hash, Instant::now() + lasts));
+        }
+        let node = self.transport.node().clone();
+        let key = self.schema_key();
+        let note = SchemaNote {
+            hash: schema.hash,
+            summary: schema.summary.clone(),
+        };
+        let expires = starling_dht::now_ms() + lasts.as_millis() as u64;
+        let t = cfg.request_timeout;
+        let store = async move {
+            let subkey = node.peer_id().to_string();
+            match timeout(t, node.store(&key, &subkey, &note, expires)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!("announcing the tensor schema: {e}"),
+                Err(_) => tracing::debug!("announcing the tensor schema timed out"),
+            }
+        };
+        tokio::spawn(store.in_current_span());
+    }
+
+    /// Turns a lone peer's `NoGroup` into `SchemaMismatch` when other peers of the run were
+    /// searching with another schema, and none with this one.
+    async fn explain_loneliness(&self, schema: &Schema, no_group: AveragerError) -> AveragerError {
+        let node = self.transport.node();
+        let me = node.peer_id().to_string();
+        let t = self.config.request_timeout.min(Duration::from_secs(2));
+        let Ok(Ok(notes)) = timeout(t, node.get::<SchemaNote>(&self.schema_key())).await else {
+            return no_group;
+        };
+        let others: Vec<SchemaNote> = notes
+            .into_iter()
+            .filter(|(peer, _, _)| *peer != me)
+            .map(|(_, note, _)| note)
+            .collect();
+        if others.is_empty() || others.iter().any(|n| n.hash == schema.hash) {
+            return no_group;
+        }
+        let mut summaries: Vec<String> = others.into_iter().map(|n| n.summary).collect();
+        summaries.sort();
+        summaries.dedup();
+        AveragerError::SchemaMismatch {
+            mine: schema.summary.clone(),
+            others: summaries,
+        }
+    }
+
+    /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
+    /// previous one: one lingering round at a time bounds the memory and tasks it holds.
+    fn keep_repair_server(&self, server: Option<JoinHandle<()>>) {
+        if let Some(old) = std::mem::replace(&mut *lock(&self.repair_server), server) {
+            old.abort();
+        }
+    }
+
+    /// Stops the accept loops and the last round's repair server. Rounds in flight on other
+    /// peers see this peer as failed.
     pub async fn shutdown(mut self) {
-        self.shared.stop_repair_server();
+        self.keep_repair_server(None);
         for t in self.tasks.drain(..) {
             t.abort();
             let _ = t.await;
@@ -413,11 +458,17 @@ impl Averager {
 
 impl Drop for Averager {
     fn drop(&mut self) {
-        self.shared.stop_repair_server();
+        self.keep_repair_server(None);
         for t in &self.tasks {
             t.abort();
         }
     }
+}
+
+/// The last characters of a node's peer id, for spans and logs.
+fn short_id(node: &Node) -> String {
+    let id = node.peer_id().to_string();
+    id[id.len().saturating_sub(6)..].to_string()
 }
 
 /// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.
@@ -437,9 +488,6 @@ pub(crate) fn schema_hash(sizes: &[usize], codec: &str) -> u64 {
     h
 }
 
-/// Serves one inbound protocol: reads each stream's first control message (bounded in time and
-/// size, at most `MAX_INBOUND_HANDSHAKES` at once; extra streams are dropped, which refuses them)
-/// and hands it to `handle` on its own task.
 /// Writes `values` at flat offset `start` of the concatenation of `tensors`.
 fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
     let end = start + values.len();
@@ -458,128 +506,9 @@ fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
     }
 }
 
-async fn serve_inbound<S, M, F, Fut>(
-    shared: Arc<Shared>,
-    mut incoming: impl futures::Stream<Item = (PeerId, S)> + Unpin,
-    handle: F,
-) where
-    S: futures::AsyncRead + Unpin + Send + 'static,
-    M: DeserializeOwned + Send + 'static,
-    F: Fn(Arc<Shared>, PeerId, M, S) -> Fut + Copy + Send + 'static,
-    Fut: Future<Output = ()> + Send + 'static,
-{
-    let limit = Arc::new(Semaphore::new(MAX_INBOUND_HANDSHAKES));
-    while let Some((peer, mut stream)) = incoming.next().await {
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            continue;
-        };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let cfg = &shared.config;
-            let first = timeout(
-                cfg.request_timeout,
-                read_control::<_, M>(&mut stream, cfg.max_frame_bytes),
-            )
-            .await;
-            if let Ok(Ok(msg)) = first {
-                handle(shared.clone(), peer, msg, stream).await;
-            }
-        });
-    }
-}
-
-/// Routes a join request to the search in progress under its group key, or refuses it.
-async fn on_join(shared: Arc<Shared>, peer: PeerId, msg: MatchMsg, mut stream: Stream) {
-    let MatchMsg::Join {
-        group_key,
-        info,
-        window_end,
-    } = msg
-    else {
-        return;
-    };
-    if info.peer_id != peer.to_bytes() {
-        tracing::debug!(%peer, "join request names another peer");
-        return;
-    }
-    let route = shared
-        .join_routes
-        .lock()
-        .ok()
-        .and_then(|r| r.get(&group_key).cloned());
-    let refusal = match route {
-        Some(tx) => match tx.try_send(IncomingJoin {
-            info,
-            window_end,
-            stream,
-        }) {
-            Ok(()) => return,
-            Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
-                stream = j.stream;
-                RejectReason::Busy
-            }
-        },
-        None => RejectReason::NotSearching,
-    };
-    let reply = MatchMsg::Rejected(refusal);
-    let _ = timeout(
-        shared.config.request_timeout,
-        write_control(&mut stream, &reply),
-    )
-    .await;
-}
-
-/// Routes a sender's stream to the round its hello names (a re-delegation hello to the round's
-/// repair queue), waiting a little for a round that this peer has not started yet.
-async fn on_reduce(shared: Arc<Shared>, peer: PeerId, hello: ReduceMsg, mut stream: Lane) {
-    let (round_id, repair) = match hello {
-        ReduceMsg::Hello { round_id, .. } => (round_id, false),
-        ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
-        _ => return,
-    };
-    let give_up = Instant::now() + shared.config.request_timeout;
-    let route = loop {
-        if let Some(tx) = shared.round_routes.lock().ok().and_then(|r| {
-            r.get(&round_id).map(|route| {
-                if repair {
-                    route.repairs.clone()
-                } else {
-                    route.senders.clone()
-                }
-            })
-        }) {
-            break Some(tx);
-        }
-        if Instant::now() >= give_up {
-            break None;
-        }
-        tokio::time::sleep(ROUND_ROUTE_WAIT).await;
-    };
-    if let Some(tx) = route {
-        let incoming = IncomingSender {
-            peer,
-            hello,
-            stream,
-        };
-        match tx.send(incoming).await {
-            Ok(()) => return,
-            // The round's reduction is over (the round lingers only to serve repairs): to this
-            // sender, as good as a reducer that is gone.
-            Err(mpsc::error::SendError(incoming)) => stream = incoming.stream,
-        }
-    }
-    let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
-    let _ = timeout(
-        shared.config.request_timeout,
-        write_control(&mut stream, &reply),
-    )
-    .await;
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{schema_hash, write_flat};
+    use super::{schema_hash, write_flat, Schema};
 
     #[test]
     fn flat_writes_land_across_tensor_boundaries() {
@@ -603,5 +532,12 @@ mod tests {
         assert_ne!(a, schema_hash(&[20, 10], "none"));
         assert_ne!(a, schema_hash(&[30], "none"));
         assert_ne!(a, schema_hash(&[10, 20], "f16"));
+        let s = Schema::of(&[10, 20], "f16");
+        assert!(
+            s.summary.contains("2 tensors of 30 elements"),
+            "{}",
+            s.summary
+        );
+        assert!(s.summary.contains("codec f16"), "{}", s.summary);
     }
 }

@@ -1,3 +1,6 @@
+//! Everything tunable about averaging ([`AveragerConfig`]), how a peer takes part
+//! ([`AveragingMode`]), and the fault-injection points tests use (`testing` feature).
+
 use std::time::Duration;
 
 use starling_compression::Codec;
@@ -73,14 +76,16 @@ pub struct AveragerConfig {
     /// `starling_node::fastlane`) where both peers have one; `false` uses libp2p streams only.
     /// A peer whose lane cannot be reached falls back to libp2p streams by itself.
     pub fast_lane: bool,
-    /// Fault injection for tests: crash this peer at a chosen point of the next rounds.
-    #[doc(hidden)]
+    /// Fault injection for tests: crash this peer at a chosen point of the next rounds
+    /// (only with the `testing` feature).
+    #[cfg(feature = "testing")]
     pub fault: Option<Fault>,
 }
 
-/// Where a test makes a peer crash (its node shuts down, dropping every connection).
-#[doc(hidden)]
+/// Where a test makes a peer crash (its node shuts down, dropping every connection). Exported
+/// only with the `testing` feature; without it no fault can be configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 pub enum Fault {
     /// After the group formed, before sending anything.
     BeforeSending,
@@ -117,8 +122,17 @@ impl AveragerConfig {
             max_frame_bytes: 16 << 20,
             load_balance: true,
             fast_lane: true,
+            #[cfg(feature = "testing")]
             fault: None,
         }
+    }
+
+    /// The fault to inject, if any (always `None` without the `testing` feature).
+    pub(crate) fn fault(&self) -> Option<Fault> {
+        #[cfg(feature = "testing")]
+        return self.fault;
+        #[cfg(not(feature = "testing"))]
+        None
     }
 
     pub(crate) fn validate(&self) -> Result<(), crate::AveragerError> {

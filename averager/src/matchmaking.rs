@@ -1,24 +1,6 @@
-//! Matchmaking: forming a group through the DHT.
-//!
-//! States of one peer during one search window:
-//! - **searching**: declared under the group key with `window_end`; looks up the key and asks
-//!   the earliest-declared peer ahead of it (never a client, never one that refused for good) to
-//!   take it. Requests only go to peers declared *earlier*, so requests never form a cycle and the
-//!   earliest peer always ends up leading.
-//! - **requesting / following**: a join request is in flight, or was accepted and the peer waits
-//!   for the leader's `Begin` (until the leader's window end plus `request_timeout`). A refusal, a
-//!   `Disband`, a timeout or a dead leader send it back to searching.
-//! - **leading**: accepted at least one follower; it begins as soon as the group is full, or at
-//!   its window end if the group has `min_group_size` members; otherwise it disbands and everyone
-//!   searches again in a new window. While not full it keeps reading the key: if a peer declared
-//!   earlier is searching (declarations reach peers at different times), it disbands and joins
-//!   that peer, so groups merge towards the earliest peer instead of splitting.
-//!
-//! A leader accepts a follower only if it still ranks ahead of it under its *current*
-//! declaration (a follower may have read an older one); otherwise it answers `Stale`.
-//!
-//! Incoming join requests are answered by the same task, so a peer is never both leading and
-//! following.
+//! Matchmaking: forming a group through the DHT (the protocol is explained in the crate docs,
+//! "Matchmaking"). One search runs per step; its join requests arrive through the
+//! [`Router`](crate::router::Router) and leave through the [`Transport`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,14 +10,16 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use starling_dht::now_ms;
-use starling_node::{PeerId, Stream};
+use starling_node::{Multiaddr, NodeError, PeerId};
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
+use tracing::Instrument;
 
-use crate::averager::Shared;
-use crate::config::AveragingMode;
+use crate::config::{AveragerConfig, AveragingMode, Fault};
+use crate::router::{IncomingJoin, Router};
+use crate::transport::Transport;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
+    read_control, write_control, Declaration, MatchMsg, MemberIdx, MemberInfo, RejectReason,
     MATCHMAKING_PROTOCOL,
 };
 use crate::AveragerError;
@@ -44,36 +28,62 @@ use crate::AveragerError;
 const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
 /// How long a peer that answered `Busy` is left alone.
 const BUSY_BACKOFF: Duration = Duration::from_millis(150);
-/// Queued join requests per search.
-const JOIN_QUEUE: usize = 64;
+/// What matchmaking works with: the configuration, the router its join requests arrive
+/// through, and the transport it reaches leaders with.
+#[derive(Clone)]
+pub(crate) struct Matchmaker {
+    pub config: Arc<AveragerConfig>,
+    pub router: Router,
+    pub transport: Transport,
+}
+
+/// A member of a formed group, its peer id and addresses parsed once.
+#[derive(Debug, Clone)]
+pub(crate) struct Member {
+    pub peer: PeerId,
+    /// Addresses it can be dialed at (those that parse; empty for clients).
+    pub addrs: Vec<Multiaddr>,
+    pub mode: AveragingMode,
+    /// Declared bandwidth, bytes per second.
+    pub bandwidth: f64,
+}
+
+impl Member {
+    /// Parses a member as the wire gives it; a malformed peer id is an error (the group is
+    /// refused), never a made-up peer.
+    pub fn parse(info: &MemberInfo) -> Result<Self, String> {
+        let peer =
+            PeerId::from_bytes(&info.peer_id).map_err(|e| format!("invalid peer id: {e}"))?;
+        Ok(Member {
+            peer,
+            addrs: info.addrs.iter().filter_map(|a| a.parse().ok()).collect(),
+            mode: info.mode,
+            bandwidth: info.bandwidth,
+        })
+    }
+}
 
 /// A formed group.
 #[derive(Debug, Clone)]
 pub(crate) struct Group {
     pub round_id: u64,
-    pub members: Vec<MemberInfo>,
-    pub my_index: usize,
+    /// Every member in span order; the leader is first.
+    pub members: Vec<Member>,
+    pub my_index: MemberIdx,
 }
 
-/// A join request routed to the search in progress.
-pub(crate) struct IncomingJoin {
-    pub info: MemberInfo,
-    /// The follower's window end.
-    pub window_end: u64,
-    pub stream: Stream,
-}
-
-/// Removes the route of a search when it ends, however it ends.
-struct RouteGuard<'a> {
-    shared: &'a Shared,
-    key: String,
-}
-
-impl Drop for RouteGuard<'_> {
-    fn drop(&mut self) {
-        if let Ok(mut routes) = self.shared.join_routes.lock() {
-            routes.remove(&self.key);
-        }
+impl Group {
+    fn new(round_id: u64, infos: &[MemberInfo], my_index: usize) -> Result<Self, String> {
+        let members = infos
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Member::parse(m).map_err(|e| format!("member {i}: {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Group {
+            round_id,
+            members,
+            my_index: MemberIdx::of(my_index),
+        })
     }
 }
 
@@ -88,23 +98,15 @@ type FollowFuture = BoxFuture<'static, (Vec<u8>, Result<Option<Group>, FollowErr
 
 /// Searches until a group forms or `deadline` passes.
 pub(crate) async fn find_group(
-    shared: &Arc<Shared>,
+    mm: &Matchmaker,
     group_key: &str,
     me: MemberInfo,
     deadline: Instant,
 ) -> Result<Group, AveragerError> {
     let started = Instant::now();
-    let (tx, mut rx) = mpsc::channel(JOIN_QUEUE);
-    shared
-        .join_routes
-        .lock()
-        .map_err(|_| AveragerError::Closed)?
-        .insert(group_key.to_string(), tx);
-    let _guard = RouteGuard {
-        shared,
-        key: group_key.to_string(),
-    };
-    let cfg = &shared.config;
+    let (_registration, mut rx) = mm.router.register_search(group_key);
+    let cfg = &mm.config;
+    let node = mm.transport.node();
     loop {
         let now = Instant::now();
         let window_end = (now + cfg.matchmaking_time).min(deadline);
@@ -112,6 +114,7 @@ pub(crate) async fn find_group(
             return Err(AveragerError::NoGroup {
                 min: cfg.min_group_size,
                 searched_ms: started.elapsed().as_millis() as u64,
+                alone: false,
             });
         }
         let window_end_ms = now_ms() + (window_end - now).as_millis() as u64;
@@ -119,19 +122,19 @@ pub(crate) async fn find_group(
             info: me.clone(),
             window_end: window_end_ms,
         };
-        let subkey = shared.node.peer_id().to_string();
-        if let Err(e) = timeout(
+        let subkey = node.peer_id().to_string();
+        match timeout(
             cfg.request_timeout,
-            shared
-                .node
-                .store(group_key, &subkey, &declaration, window_end_ms),
+            node.store(group_key, &subkey, &declaration, window_end_ms),
         )
         .await
-        .unwrap_or(Err(starling_node::NodeError::Timeout("declare")))
+        .unwrap_or(Err(NodeError::Timeout("declare")))
         {
-            tracing::debug!("declaring under {group_key}: {e}");
+            Ok(_) => {}
+            Err(NodeError::Closed) => return Err(NodeError::Closed.into()),
+            Err(e) => tracing::debug!("declaring under {group_key}: {e}"),
         }
-        match run_window(shared, group_key, &me, window_end, window_end_ms, &mut rx).await? {
+        match run_window(mm, group_key, &me, window_end, window_end_ms, &mut rx).await? {
             Window::Group(group) => return Ok(group),
             Window::Again => {}
             // Nobody else searched under this key for a whole window: searching on until the
@@ -140,6 +143,7 @@ pub(crate) async fn find_group(
                 return Err(AveragerError::NoGroup {
                     min: cfg.min_group_size,
                     searched_ms: started.elapsed().as_millis() as u64,
+                    alone: true,
                 })
             }
         }
@@ -171,15 +175,20 @@ fn rank(window_end: u64, peer: &[u8]) -> (u64, Vec<u8>) {
     (window_end, peer.to_vec())
 }
 
+/// One search window: the state machine of the crate docs' "Matchmaking" section, one
+/// `select!` arm per event (window end, join request, answer of the leader asked, refresh of
+/// the group key). Long because the states share their locals; splitting it would pass them all
+/// around.
 async fn run_window(
-    shared: &Arc<Shared>,
+    mm: &Matchmaker,
     group_key: &str,
     me: &MemberInfo,
     window_end: Instant,
     window_end_ms: u64,
     rx: &mut mpsc::Receiver<IncomingJoin>,
 ) -> Result<Window, AveragerError> {
-    let cfg = &shared.config;
+    let cfg = &mm.config;
+    let node = mm.transport.node();
     let my_rank = rank(window_end_ms, &me.peer_id);
     // Whether any other peer searched under the key during this window.
     let mut saw_others = false;
@@ -196,11 +205,11 @@ async fn run_window(
             _ = sleep_until(window_end), if attempt.is_none() => {
                 tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
                 if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
-                    return Ok(Window::Group(begin(shared, me, followers).await));
+                    return Ok(Window::Group(begin(cfg, me, followers).await?));
                 }
                 disband(&mut followers, cfg.request_timeout).await;
                 if cfg.min_group_size <= 1 {
-                    return Ok(Window::Group(begin(shared, me, Vec::new()).await));
+                    return Ok(Window::Group(begin(cfg, me, Vec::new()).await?));
                 }
                 return Ok(if saw_others { Window::Again } else { Window::Alone });
             }
@@ -229,12 +238,12 @@ async fn run_window(
                 tracing::trace!(me = %short(&me.peer_id), from = %short(&join.info.peer_id), ?reply, "join request");
                 if reply.is_none() && matches!(sent, Ok(Ok(_))) {
                     followers.push(join);
-                    if cfg.fault == Some(crate::config::Fault::LeaderAfterFollowers(followers.len())) {
-                        shared.node.shutdown().await;
-                        return Err(AveragerError::Closed);
+                    if cfg.fault() == Some(Fault::LeaderAfterFollowers(followers.len())) {
+                        node.shutdown().await;
+                        return Err(NodeError::Closed.into());
                     }
                     if followers.len() + 1 >= cfg.target_group_size {
-                        return Ok(Window::Group(begin(shared, me, followers).await));
+                        return Ok(Window::Group(begin(cfg, me, followers).await?));
                     }
                 }
             }
@@ -261,8 +270,11 @@ async fn run_window(
             // group disbands and everyone joins that peer, so groups grow instead of splitting
             // when declarations reach peers at different times.
             _ = refresh.tick(), if attempt.is_none() && followers.len() + 1 < cfg.target_group_size => {
-                let found = timeout(cfg.request_timeout, shared.node.get::<Declaration>(group_key)).await;
-                let Ok(Ok(entries)) = found else { continue };
+                let entries = match timeout(cfg.request_timeout, node.get::<Declaration>(group_key)).await {
+                    Ok(Ok(entries)) => entries,
+                    Ok(Err(NodeError::Closed)) => return Err(NodeError::Closed.into()),
+                    _ => continue,
+                };
                 saw_others |= entries.iter().any(|(_, d, _)| d.info.peer_id != me.peer_id);
                 let now = Instant::now();
                 let best = entries
@@ -277,7 +289,8 @@ async fn run_window(
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), followers = followers.len(), "asking to join");
                     disband(&mut followers, cfg.request_timeout).await;
                     following = Arc::new(AtomicBool::new(false));
-                    attempt = Some(follow(shared.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone()).boxed());
+                    let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
+                    attempt = Some(asking.in_current_span().boxed());
                 }
             }
         }
@@ -299,7 +312,11 @@ async fn disband(followers: &mut Vec<IncomingJoin>, each: Duration) {
 }
 
 /// The leader's move: fix the member list, tell every follower, and return the group.
-async fn begin(shared: &Arc<Shared>, me: &MemberInfo, mut followers: Vec<IncomingJoin>) -> Group {
+async fn begin(
+    cfg: &AveragerConfig,
+    me: &MemberInfo,
+    mut followers: Vec<IncomingJoin>,
+) -> Result<Group, AveragerError> {
     let round_id: u64 = rand::random();
     let mut members = vec![me.clone()];
     members.extend(followers.iter().map(|f| f.info.clone()));
@@ -307,7 +324,7 @@ async fn begin(shared: &Arc<Shared>, me: &MemberInfo, mut followers: Vec<Incomin
         round_id,
         members: members.clone(),
     };
-    let timeout_each = shared.config.request_timeout;
+    let timeout_each = cfg.request_timeout;
     futures::future::join_all(followers.iter_mut().map(|f| async {
         let sent = timeout(timeout_each, async {
             write_control(&mut f.stream, &msg).await?;
@@ -321,15 +338,12 @@ async fn begin(shared: &Arc<Shared>, me: &MemberInfo, mut followers: Vec<Incomin
         }
     }))
     .await;
-    Group {
-        round_id,
-        members,
-        my_index: 0,
-    }
+    // Every member's peer id was checked against its connection when it joined.
+    Group::new(round_id, &members, 0).map_err(AveragerError::Protocol)
 }
 
 async fn follow(
-    shared: Arc<Shared>,
+    mm: Matchmaker,
     group_key: String,
     me: MemberInfo,
     my_window_end: u64,
@@ -337,23 +351,28 @@ async fn follow(
     accepted: Arc<AtomicBool>,
 ) -> (Vec<u8>, Result<Option<Group>, FollowError>) {
     let id = leader.info.peer_id.clone();
-    let result = follow_inner(&shared, group_key, me, my_window_end, leader, accepted).await;
+    let result = follow_inner(&mm, group_key, me, my_window_end, leader, accepted).await;
     (id, result)
 }
 
 async fn follow_inner(
-    shared: &Shared,
+    mm: &Matchmaker,
     group_key: String,
     me: MemberInfo,
     my_window_end: u64,
     leader: Declaration,
     accepted: Arc<AtomicBool>,
 ) -> Result<Option<Group>, FollowError> {
-    let cfg = &shared.config;
+    let cfg = &mm.config;
     let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
-    let peer = PeerId::from_bytes(&leader.info.peer_id).map_err(|e| refused(&e))?;
-    let mut stream = shared
-        .open_stream(peer, &leader.info.addrs, MATCHMAKING_PROTOCOL)
+    let leader_member = Member::parse(&leader.info).map_err(|e| refused(&e))?;
+    let mut stream = mm
+        .transport
+        .open_stream(
+            leader_member.peer,
+            &leader_member.addrs,
+            MATCHMAKING_PROTOCOL,
+        )
         .await
         .map_err(|e| refused(&e))?;
     let join = MatchMsg::Join {
@@ -368,13 +387,10 @@ async fn follow_inner(
         .await
         .map_err(|e| refused(&e))?
         .map_err(|_| FollowError::Busy)?;
-    let reply: MatchMsg = timeout(
-        cfg.request_timeout,
-        read_control(&mut stream, cfg.max_frame_bytes),
-    )
-    .await
-    .map_err(|e| refused(&e))?
-    .map_err(|_| FollowError::Busy)?;
+    let reply: MatchMsg = timeout(cfg.request_timeout, read_control(&mut stream))
+        .await
+        .map_err(|e| refused(&e))?
+        .map_err(|_| FollowError::Busy)?;
     match reply {
         MatchMsg::Accepted => accepted.store(true, Ordering::Release),
         MatchMsg::Rejected(RejectReason::Busy | RejectReason::Stale) => {
@@ -385,7 +401,7 @@ async fn follow_inner(
     // Wait for the leader's decision, at most until its window closes (plus slack).
     let wait_ms = leader.window_end.saturating_sub(now_ms());
     let until = Instant::now() + Duration::from_millis(wait_ms) + cfg.request_timeout;
-    let decision: MatchMsg = timeout_at(until, read_control(&mut stream, cfg.max_frame_bytes))
+    let decision: MatchMsg = timeout_at(until, read_control(&mut stream))
         .await
         .map_err(|_| FollowError::Refused("leader did not begin in time".into()))?
         .map_err(|e| refused(&e))?;
@@ -400,11 +416,10 @@ async fn follow_inner(
             {
                 return Err(FollowError::Refused("malformed begin message".into()));
             }
-            Ok(Some(Group {
-                round_id,
-                members,
-                my_index,
-            }))
+            // Peer ids are parsed once, here: a malformed one refuses the group.
+            Group::new(round_id, &members, my_index)
+                .map(Some)
+                .map_err(|e| FollowError::Refused(format!("malformed begin message: {e}")))
         }
         MatchMsg::Disband => Ok(None),
         other => Err(FollowError::Refused(format!("unexpected {other:?}"))),

@@ -7,6 +7,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::sync::lock;
+
 /// Free buffers, best fit first, holding at most `limit` bytes.
 #[derive(Default)]
 pub(crate) struct BufPool {
@@ -18,24 +20,20 @@ impl BufPool {
     /// Sets the most bytes the pool keeps between uses, dropping buffers over it.
     pub fn set_limit(&self, bytes: usize) {
         self.limit.store(bytes, Ordering::Relaxed);
-        if let Ok(mut free) = self.free.lock() {
-            // Keep the largest buffers (the ones rounds need), drop the rest.
-            free.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
-            let mut held = 0usize;
-            free.retain(|v| {
-                held += v.capacity() * 4;
-                held <= bytes
-            });
-        }
+        let mut free = lock(&self.free);
+        // Keep the largest buffers (the ones rounds need), drop the rest.
+        free.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
+        let mut held = 0usize;
+        free.retain(|v| {
+            held += v.capacity() * 4;
+            held <= bytes
+        });
     }
 
     /// Bytes held in free buffers.
     #[cfg(test)]
     pub fn held(&self) -> usize {
-        self.free
-            .lock()
-            .map(|f| f.iter().map(|v| v.capacity() * 4).sum())
-            .unwrap_or(0)
+        lock(&self.free).iter().map(|v| v.capacity() * 4).sum()
     }
 
     /// A zeroed buffer of `len` elements: the smallest free one that fits (and is at most twice
@@ -50,15 +48,15 @@ impl BufPool {
     /// element is still an initialized f32). For buffers the caller overwrites completely before
     /// reading, which saves a pass over model-sized memory.
     pub fn take_dirty(self: &Arc<Self>, len: usize) -> PoolBuf {
-        let reused = self.free.lock().ok().and_then(|mut free| {
-            let best = free
-                .iter()
+        let reused = {
+            let mut free = lock(&self.free);
+            free.iter()
                 .enumerate()
                 .filter(|(_, v)| v.capacity() >= len && v.capacity() <= len.max(1024) * 2)
                 .min_by_key(|(_, v)| v.capacity())
-                .map(|(i, _)| i)?;
-            Some(free.swap_remove(best))
-        });
+                .map(|(i, _)| i)
+                .map(|best| free.swap_remove(best))
+        };
         let mut vec = reused.unwrap_or_default();
         vec.truncate(len);
         vec.resize(len, 0.0);
@@ -80,11 +78,10 @@ impl BufPool {
         if bytes == 0 {
             return;
         }
-        if let Ok(mut free) = self.free.lock() {
-            let held: usize = free.iter().map(|v| v.capacity() * 4).sum();
-            if held + bytes <= self.limit.load(Ordering::Relaxed) {
-                free.push(vec);
-            }
+        let mut free = lock(&self.free);
+        let held: usize = free.iter().map(|v| v.capacity() * 4).sum();
+        if held + bytes <= self.limit.load(Ordering::Relaxed) {
+            free.push(vec);
         }
     }
 }

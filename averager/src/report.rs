@@ -1,3 +1,5 @@
+//! What a round did: [`RoundReport`], and per span [`SpanReport`] / [`SpanOutcome`].
+
 use std::ops::Range;
 use std::time::Duration;
 

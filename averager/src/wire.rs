@@ -1,13 +1,15 @@
 //! Every message of the averaging protocols, and their framing.
 //!
-//! A frame is a little-endian `u32` length followed by that many bytes, never more than the
-//! configured `max_frame_bytes`. The first byte of a frame is its tag: [`TAG_CONTROL`] frames
-//! carry a postcard-encoded message, [`TAG_DATA`] frames carry one chunk in the
-//! `starling_compression` wire format.
+//! Frames are `starling_node::framing` frames (a little-endian `u32` length, then the body,
+//! never more than the configured `max_frame_bytes`). The first byte of a body is its tag:
+//! [`TAG_CONTROL`] bodies carry a postcard-encoded message, [`TAG_DATA`] bodies carry one chunk
+//! in the `starling_compression` wire format. A control body is exactly the postcard encoding
+//! of [`Control`] (variant index 0 is the tag), so a stream's first message is read with the
+//! node's generic message reader.
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use futures::{AsyncRead, AsyncWrite};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use starling_node::StreamProtocol;
+use starling_node::{framing, StreamProtocol};
 
 use crate::config::AveragingMode;
 use crate::AveragerError;
@@ -101,7 +103,7 @@ pub enum ReduceMsg {
         /// The round.
         round_id: u64,
         /// The sender's index in the member list.
-        sender: u32,
+        sender: MemberIdx,
         /// The sender's averaging weight (finite, >= 0).
         weight: f64,
         /// First element of the span (in the flattened vector).
@@ -124,7 +126,7 @@ pub enum ReduceMsg {
         /// Elements in the part.
         len: u64,
         /// Indices of the members whose data is in the part's average.
-        contributors: Vec<u32>,
+        contributors: Vec<MemberIdx>,
     },
     /// Reducer to sender: every delta chunk has been sent.
     ResultDone,
@@ -138,11 +140,11 @@ pub enum ReduceMsg {
         /// The round.
         round_id: u64,
         /// The sender's index in the member list.
-        sender: u32,
+        sender: MemberIdx,
         /// The sender's averaging weight (finite, >= 0).
         weight: f64,
         /// Index of the reducer whose span is repaired.
-        failed: u32,
+        failed: MemberIdx,
         /// First element of the part (in the flattened vector).
         start: u64,
         /// Elements in the part.
@@ -154,25 +156,65 @@ pub enum ReduceMsg {
 /// the round: for the sender, that reducer has failed.
 pub const UNKNOWN_ROUND: &str = "unknown round";
 
-/// A frame read off a stream.
-pub enum Frame<M, D = Vec<u8>> {
-    /// A control message.
-    Control(M),
-    /// A data chunk (compression wire format); `()` when it was read into a caller's buffer.
-    Data(D),
+/// A member's index in the group's member list (span order, the leader first). Groups have at
+/// most 256 members, so every index fits; this is the one place indices change type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MemberIdx(pub u32);
+
+impl MemberIdx {
+    /// The index of member `i` of a group.
+    pub fn of(i: usize) -> Self {
+        debug_assert!(i <= u32::MAX as usize);
+        MemberIdx(i as u32)
+    }
+
+    /// As a position in the member list. A received index must be checked against the group
+    /// size before use ([`MemberIdx::within`]).
+    pub fn get(self) -> usize {
+        self.0 as usize
+    }
+
+    /// `Some(position)` if this index names a member of a group of `n`.
+    pub fn within(self, n: usize) -> Option<usize> {
+        (self.get() < n).then_some(self.get())
+    }
+
+    /// Every member index of a group of `n`.
+    pub fn all(n: usize) -> impl Iterator<Item = MemberIdx> {
+        (0..n).map(MemberIdx::of)
+    }
 }
 
-/// Writes a control message and flushes the stream.
+impl std::fmt::Display for MemberIdx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A control frame's body as postcard sees it: the variant index is [`TAG_CONTROL`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Control<M> {
+    /// The message.
+    Control(M),
+}
+
+/// A frame read off a stream.
+pub enum Frame<M> {
+    /// A control message.
+    Control(M),
+    /// A data chunk (compression wire format), left in the caller's buffer after its tag:
+    /// `&buf[1..]`.
+    Data,
+}
+
+/// Writes a control message and flushes the stream (a control message is always something
+/// the peer waits for; buffered streams, like the fast lane, hold writes until flushed).
 pub async fn write_control<S: AsyncWrite + Unpin, M: Serialize>(
     s: &mut S,
     msg: &M,
 ) -> Result<usize, AveragerError> {
-    let body = postcard::to_stdvec(msg).map_err(|e| AveragerError::Protocol(e.to_string()))?;
-    let n = write_frame(s, TAG_CONTROL, &[&body]).await?;
-    // Buffered streams (the fast lane) hold writes back until flushed: a control message is
-    // always something the peer waits for.
-    s.flush().await?;
-    Ok(n)
+    Ok(framing::write_msg(s, &Control::Control(msg)).await?)
 }
 
 /// Writes a data frame holding one encoded chunk.
@@ -180,27 +222,7 @@ pub async fn write_data<S: AsyncWrite + Unpin>(
     s: &mut S,
     chunk: &[u8],
 ) -> Result<usize, AveragerError> {
-    write_frame(s, TAG_DATA, &[chunk]).await
-}
-
-/// Writes one frame whose body is the concatenation of `body` (written piece by piece, so a
-/// caller never copies pieces together first). Returns the bytes written.
-async fn write_frame<S: AsyncWrite + Unpin>(
-    s: &mut S,
-    tag: u8,
-    body: &[&[u8]],
-) -> Result<usize, AveragerError> {
-    let body_len: usize = body.iter().map(|b| b.len()).sum();
-    let len = u32::try_from(body_len + 1)
-        .map_err(|_| AveragerError::Protocol("frame too large".into()))?;
-    let mut head = [0u8; 5];
-    head[..4].copy_from_slice(&len.to_le_bytes());
-    head[4] = tag;
-    s.write_all(&head).await?;
-    for piece in body {
-        s.write_all(piece).await?;
-    }
-    Ok(body_len + 5)
+    Ok(framing::write_frame(s, &[&[TAG_DATA], chunk]).await?)
 }
 
 /// The data frames of a span: uncompressed chunks go out straight from the values (header from
@@ -297,76 +319,46 @@ pub(crate) async fn write_chunk<S: AsyncWrite + Unpin>(
             let header =
                 starling_compression::raw_frame_header(values.len(), *offset as u64, *total as u64)
                     .map_err(|e| AveragerError::Protocol(e.to_string()))?;
-            write_frame(s, TAG_DATA, &[&header, bytemuck::cast_slice(values)]).await
+            Ok(
+                framing::write_frame(s, &[&[TAG_DATA], &header, bytemuck::cast_slice(values)])
+                    .await?,
+            )
         }
     }
 }
 
-/// Reads one frame, refusing anything longer than `max_frame_bytes` before allocating.
-pub async fn read_frame<S: AsyncRead + Unpin, M: DeserializeOwned>(
-    s: &mut S,
-    max_frame_bytes: usize,
-) -> Result<(Frame<M>, usize), AveragerError> {
-    let mut body = Vec::new();
-    let (frame, n) = read_frame_into(s, max_frame_bytes, &mut body).await?;
-    Ok((
-        match frame {
-            Frame::Control(m) => Frame::Control(m),
-            Frame::Data(()) => Frame::Data(body),
-        },
-        n,
-    ))
-}
-
-/// [`read_frame`] into a reusable buffer: a data frame's bytes are left in `buf` (which only
-/// grows), so a stream of chunks allocates and zeroes its buffer once.
+/// Reads one frame into a reusable buffer (which only grows, so a stream of chunks allocates
+/// and zeroes its buffer once), refusing anything longer than `max_frame_bytes` before
+/// allocating. A data chunk is left in `buf[1..]`. Returns the frame and the bytes read.
 pub async fn read_frame_into<S: AsyncRead + Unpin, M: DeserializeOwned>(
     s: &mut S,
     max_frame_bytes: usize,
     buf: &mut Vec<u8>,
-) -> Result<(Frame<M, ()>, usize), AveragerError> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).await?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len == 0 || len > max_frame_bytes {
-        return Err(AveragerError::Protocol(format!(
-            "frame of {len} bytes (limit {max_frame_bytes})"
-        )));
-    }
-    let mut tag = [0u8; 1];
-    s.read_exact(&mut tag).await?;
-    if buf.len() < len - 1 {
-        buf.resize(len - 1, 0);
-    }
-    buf.truncate(len - 1);
-    s.read_exact(buf).await?;
-    let frame = match tag[0] {
-        TAG_CONTROL => {
+) -> Result<(Frame<M>, usize), AveragerError> {
+    let n = framing::read_frame_into(s, max_frame_bytes, buf).await?;
+    let frame = match buf.first() {
+        Some(&TAG_CONTROL) => {
             if buf.len() > MAX_CONTROL_BYTES {
-                return Err(AveragerError::Protocol("control message too large".into()));
+                return Err(AveragerError::Protocol(format!(
+                    "control message of {} bytes (limit {MAX_CONTROL_BYTES})",
+                    buf.len()
+                )));
             }
-            Frame::Control(
-                postcard::from_bytes(buf).map_err(|e| AveragerError::Protocol(e.to_string()))?,
-            )
+            Frame::Control(framing::decode_msg(&buf[1..])?)
         }
-        TAG_DATA => Frame::Data(()),
-        t => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
+        Some(&TAG_DATA) => Frame::Data,
+        Some(t) => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
+        None => return Err(AveragerError::Protocol("empty frame".into())),
     };
-    Ok((frame, len + 4))
+    Ok((frame, n))
 }
 
-/// Reads a frame that must be a control message.
+/// Reads a frame that must be a control message (at most [`MAX_CONTROL_BYTES`]).
 pub async fn read_control<S: AsyncRead + Unpin, M: DeserializeOwned>(
     s: &mut S,
-    max_frame_bytes: usize,
 ) -> Result<M, AveragerError> {
-    match read_frame(s, max_frame_bytes.min(MAX_CONTROL_BYTES + 1))
-        .await?
-        .0
-    {
-        Frame::Control(m) => Ok(m),
-        Frame::Data(_) => Err(AveragerError::Protocol("expected a control message".into())),
-    }
+    let Control::Control(m) = framing::read_msg(s, MAX_CONTROL_BYTES + 1).await?;
+    Ok(m)
 }
 
 #[cfg(test)]
@@ -380,24 +372,49 @@ mod tests {
             .await
             .unwrap();
         write_data(&mut buf, &[1, 2, 3]).await.unwrap();
+        // The control frame's bytes are the historical ones: length, tag 0, postcard body.
+        assert_eq!(&buf[..7], &[3, 0, 0, 0, TAG_CONTROL, 2, 2]);
         let mut r = futures::io::Cursor::new(buf.clone());
-        let m: MatchMsg = read_control(&mut r, 1024).await.unwrap();
+        let m: MatchMsg = read_control(&mut r).await.unwrap();
         assert!(matches!(m, MatchMsg::Rejected(RejectReason::Full)));
-        match read_frame::<_, MatchMsg>(&mut r, 1024).await.unwrap().0 {
-            Frame::Data(d) => assert_eq!(d, vec![1, 2, 3]),
-            Frame::Control(_) => panic!("expected data"),
+        let mut chunk = Vec::new();
+        match read_frame_into::<_, MatchMsg>(&mut r, 1024, &mut chunk)
+            .await
+            .unwrap()
+        {
+            (Frame::Data, 8) => assert_eq!(&chunk[1..], &[1, 2, 3]),
+            _ => panic!("expected a data frame of 8 bytes"),
         }
         // Oversized length prefix: refused before allocation.
         let mut r = futures::io::Cursor::new(vec![0xff, 0xff, 0xff, 0x7f, 0]);
-        assert!(read_frame::<_, MatchMsg>(&mut r, 1 << 20).await.is_err());
-        // Unknown tag, truncated body, garbage control.
+        assert!(read_frame_into::<_, MatchMsg>(&mut r, 1 << 20, &mut chunk)
+            .await
+            .is_err());
+        // Unknown tag, empty frame, truncated body, garbage control.
         for bad in [
             vec![2, 0, 0, 0, 9, 0],
+            vec![0, 0, 0, 0],
             vec![10, 0, 0, 0, 0, 1],
             vec![3, 0, 0, 0, 0, 0xff, 0xff],
         ] {
             let mut r = futures::io::Cursor::new(bad);
-            assert!(read_frame::<_, MatchMsg>(&mut r, 1024).await.is_err());
+            assert!(read_frame_into::<_, MatchMsg>(&mut r, 1024, &mut chunk)
+                .await
+                .is_err());
         }
+        // A data frame where a control message must come.
+        let mut r = futures::io::Cursor::new(vec![2, 0, 0, 0, TAG_DATA, 0]);
+        assert!(read_control::<_, MatchMsg>(&mut r).await.is_err());
+    }
+
+    #[test]
+    fn member_indices_are_checked_against_the_group() {
+        assert_eq!(MemberIdx::of(3).within(4), Some(3));
+        assert_eq!(MemberIdx(4).within(4), None);
+        assert_eq!(MemberIdx(u32::MAX).within(256), None);
+        assert_eq!(
+            MemberIdx::all(3).collect::<Vec<_>>(),
+            [MemberIdx(0), MemberIdx(1), MemberIdx(2)]
+        );
     }
 }

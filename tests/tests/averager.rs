@@ -330,8 +330,8 @@ async fn a_lone_peer_gives_up_after_one_window() {
             )
             .await;
         match r {
-            Err(starling_averager::AveragerError::NoGroup { .. }) => {}
-            other => panic!("expected NoGroup, got {other:?}"),
+            Err(starling_averager::AveragerError::NoGroup { alone: true, .. }) => {}
+            other => panic!("expected NoGroup with alone: true, got {other:?}"),
         }
         assert_eq!(t, before, "a failed step leaves the tensors alone");
         averager.shutdown().await;
@@ -366,10 +366,12 @@ async fn nan_or_infinite_input_is_refused_before_anything_is_sent() {
             .await
             .is_err());
         b[54_321] = before.1[54_321];
-        assert!(averager
-            .step(&mut [&mut a[..], &mut b[..]], f32::NAN, deadline)
-            .await
-            .is_err());
+        assert!(matches!(
+            averager
+                .step(&mut [&mut a[..], &mut b[..]], f32::NAN, deadline)
+                .await,
+            Err(starling_averager::AveragerError::InvalidWeight(w)) if w.is_nan()
+        ));
         assert!(
             a == before.0 && b == before.1,
             "refused steps change nothing"

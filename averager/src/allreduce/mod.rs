@@ -1,0 +1,382 @@
+//! The butterfly all-reduce of one formed group (explained in the crate docs, "The all-reduce"
+//! and "Re-delegation").
+//!
+//! - [`plan`]: who reduces what (span fractions, repair plans); pure.
+//! - [`send`]: a sender's side of one span: stream the values, read back the deltas.
+//! - [`reduce`]: a reducer's side: receive every sender's values, average part by part,
+//!   return deltas; [`part::PartReducer`] holds the arithmetic, with no I/O.
+//! - [`repair`]: phase 2, re-delegating the spans of reducers that failed.
+//!
+//! [`run_allreduce`] runs both sides for this peer and assembles the [`Outcome`]; it returns
+//! the background repair server for the caller to keep instead of installing it anywhere.
+
+mod part;
+mod plan;
+mod reduce;
+mod repair;
+mod send;
+
+use std::collections::{BTreeSet, HashSet};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use starling_node::{Multiaddr, PeerId};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::config::{AveragerConfig, AveragingMode, Fault};
+use crate::matchmaking::Group;
+use crate::partition::spans;
+use crate::pool::{BufPool, PoolBuf};
+use crate::router::{Registration, Router};
+use crate::sync::lock;
+use crate::transport::Transport;
+use crate::wire::MemberIdx;
+use crate::{SpanOutcome, SpanReport};
+
+use reduce::{reduce_span, ReduceJob};
+use repair::Repair;
+use send::{send_span, SendKind};
+
+/// Contributors of a contiguous run of a span: `(absolute range, member indices)`.
+pub(crate) type Segment = (Range<usize>, Vec<MemberIdx>);
+
+/// What a round needs from its averager.
+#[derive(Clone)]
+pub(crate) struct RoundEnv {
+    pub config: Arc<AveragerConfig>,
+    pub transport: Transport,
+    pub router: Router,
+    pub pool: Arc<BufPool>,
+    /// This peer's bandwidth estimate (bytes/s), for transfer-time estimates.
+    pub bandwidth: f64,
+}
+
+/// What a round produced for the local peer.
+pub(crate) struct Outcome {
+    /// New values of the averaged ranges of the flattened vector; the rest keeps its values.
+    pub patches: Vec<(Range<usize>, PoolBuf)>,
+    pub group: Vec<PeerId>,
+    pub spans: Vec<SpanReport>,
+    pub failed_peers: Vec<PeerId>,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Span transfers sent over a fast lane.
+    pub fast_lanes: usize,
+    /// This peer's upload rate (bytes/s) as seen on this round's streams, if enough was sent.
+    pub measured_bandwidth: Option<f64>,
+    /// The finished round, still serving other members' re-delegated parts for a while (see
+    /// the crate docs); the caller keeps at most one and aborts it when the next round starts.
+    pub repair_server: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    fast: AtomicU64,
+    /// Sum over concurrent sender streams of bytes / seconds.
+    rate_sum: Mutex<f64>,
+}
+
+/// Everything a round's tasks need, shared between them.
+struct Round {
+    env: RoundEnv,
+    round_id: u64,
+    me: MemberIdx,
+    weight: f64,
+    peers: Vec<PeerId>,
+    addrs: Vec<Vec<Multiaddr>>,
+    modes: Vec<AveragingMode>,
+    /// Declared bandwidths, as the group's member list gives them (the repair plan's input).
+    bandwidths: Vec<f64>,
+    /// Each member's span.
+    ranges: Vec<Range<usize>>,
+    flat: Arc<PoolBuf>,
+    counters: Counters,
+    deadline: Instant,
+}
+
+impl Round {
+    fn config(&self) -> &AveragerConfig {
+        &self.env.config
+    }
+
+    /// The members that send (not `Aux`), except those listed.
+    fn senders_except(&self, except: &[MemberIdx]) -> HashSet<MemberIdx> {
+        MemberIdx::all(self.peers.len())
+            .filter(|i| !except.contains(i) && self.modes[i.get()] != AveragingMode::Aux)
+            .collect()
+    }
+
+    fn peer(&self, i: MemberIdx) -> PeerId {
+        self.peers[i.get()]
+    }
+
+    /// Crashes this peer (its node shuts down) if the configured fault is `fault`.
+    async fn crash_if(&self, fault: Fault) -> bool {
+        if self.config().fault() == Some(fault) {
+            self.env.transport.node().shutdown().await;
+            return true;
+        }
+        false
+    }
+}
+
+/// A spawned task that is aborted when this handle drops, so a step cancelled half-way (its
+/// node died, its future was dropped) leaves nothing running.
+struct Task<T>(JoinHandle<T>);
+
+impl<T> Drop for Task<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<T: Send + 'static> Task<T> {
+    fn spawn(fut: impl std::future::Future<Output = T> + Send + 'static) -> Self {
+        Task(tokio::spawn(fut.in_current_span()))
+    }
+}
+
+impl<T> std::future::Future for Task<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+pub(crate) fn kept(reason: impl Into<String>) -> SpanOutcome {
+    SpanOutcome::KeptLocal {
+        reason: reason.into(),
+    }
+}
+
+/// Runs the all-reduce for `group` over the flattened local vector, inside a `round{id, me}`
+/// span.
+pub(crate) async fn run_allreduce(
+    env: RoundEnv,
+    group: &Group,
+    flat: PoolBuf,
+    weight: f64,
+    deadline: Instant,
+) -> Outcome {
+    let span = tracing::debug_span!(
+        "round",
+        id = %format_args!("{:016x}", group.round_id),
+        me = group.my_index.0
+    );
+    run(env, group, flat, weight, deadline)
+        .instrument(span)
+        .await
+}
+
+async fn run(
+    env: RoundEnv,
+    group: &Group,
+    flat: PoolBuf,
+    weight: f64,
+    deadline: Instant,
+) -> Outcome {
+    let t_start = Instant::now();
+    let n = group.members.len();
+    let peers: Vec<PeerId> = group.members.iter().map(|m| m.peer).collect();
+    let modes: Vec<AveragingMode> = group.members.iter().map(|m| m.mode).collect();
+    let bandwidths: Vec<f64> = group.members.iter().map(|m| m.bandwidth).collect();
+    let Some(fractions) = plan::fractions(&env.config, &bandwidths, &modes) else {
+        return Outcome {
+            patches: vec![],
+            group: peers,
+            spans: vec![],
+            failed_peers: vec![],
+            bytes_sent: 0,
+            bytes_received: 0,
+            fast_lanes: 0,
+            measured_bandwidth: None,
+            repair_server: None,
+        };
+    };
+    let ranges = spans(flat.len(), &fractions);
+    let (registration, queues) = env.router.register_round(group.round_id, n);
+    let me = group.my_index;
+    let round = Arc::new(Round {
+        env,
+        round_id: group.round_id,
+        me,
+        weight,
+        addrs: group.members.iter().map(|m| m.addrs.clone()).collect(),
+        peers: peers.clone(),
+        modes: modes.clone(),
+        bandwidths,
+        ranges: ranges.clone(),
+        flat: Arc::new(flat),
+        counters: Counters::default(),
+        deadline,
+    });
+    round.crash_if(Fault::BeforeSending).await;
+
+    // Senders: one task per remote reducer with a non-empty span.
+    let mut sends = Vec::new();
+    if modes[me.get()] != AveragingMode::Aux {
+        for j in MemberIdx::all(n) {
+            let range = ranges[j.get()].clone();
+            if j != me && !range.is_empty() {
+                let round = round.clone();
+                let task =
+                    Task::spawn(async move { send_span(&round, j, range, SendKind::Span).await });
+                sends.push((j, task));
+            }
+        }
+    }
+    // Reducer: our own span.
+    let my_range = ranges[me.get()].clone();
+    let reduced = if my_range.is_empty() {
+        None
+    } else {
+        let job = ReduceJob {
+            range: my_range.clone(),
+            allowed: round.senders_except(&[me]),
+            expected: round.senders_except(&[me]),
+            repair: None,
+        };
+        Some(reduce_span(round.clone(), job, queues.senders).await)
+    };
+    tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
+
+    let mut patches: Vec<(Range<usize>, PoolBuf)> = Vec::new();
+    let mut reports = Vec::new();
+    // Members seen failing in any role, and reducers seen failing (the repair plan's input).
+    let mut failed: HashSet<MemberIdx> = HashSet::new();
+    let mut down: BTreeSet<MemberIdx> = BTreeSet::new();
+    let mut lost: Vec<(MemberIdx, String)> = Vec::new();
+    if let Some(r) = reduced {
+        failed.extend(&r.failed);
+        reports.extend(segment_reports(&round, me, &my_range, &r.segments, |c| {
+            SpanOutcome::Averaged { contributors: c }
+        }));
+        if r.segments.len() == 1 && r.segments[0].0 == my_range {
+            patches.push((my_range.clone(), r.values));
+        } else {
+            for (seg, _) in &r.segments {
+                let local = seg.start - my_range.start..seg.end - my_range.start;
+                patches.push((seg.clone(), round.env.pool.copy_of(&r.values[local])));
+            }
+        }
+    }
+    for (j, task) in sends {
+        let range = ranges[j.get()].clone();
+        let outcome = match task.await {
+            Ok(Ok((segments, values))) => {
+                patches.push((range.clone(), values));
+                reports.extend(segment_reports(&round, j, &range, &segments, |c| {
+                    SpanOutcome::Averaged { contributors: c }
+                }));
+                continue;
+            }
+            Ok(Err(fail)) => {
+                failed.insert(j);
+                if fail.reducer_failed {
+                    down.insert(j);
+                    lost.push((j, fail.reason));
+                    continue;
+                }
+                kept(fail.reason)
+            }
+            Err(e) => kept(format!("sender task failed: {e}")),
+        };
+        reports.push(SpanReport {
+            reducer: round.peer(j),
+            range,
+            outcome,
+        });
+    }
+    tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
+    // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
+    // lost a span this peer received (in the background: the caller does not wait for it).
+    let mut repair = Repair::new(round.clone(), down, failed);
+    let mut repair_rx = queues.repairs;
+    if !lost.is_empty() {
+        repair.start(lost);
+        repair.drive(&mut repair_rx, None).await;
+    }
+    patches.append(&mut repair.patches);
+    reports.append(&mut repair.reports);
+    let failed = repair.failed.clone();
+    let cfg = round.config();
+    let left = deadline.saturating_duration_since(Instant::now());
+    let repair_server = (!my_range.is_empty() && left >= cfg.repair_min_time).then(|| {
+        let until = (Instant::now() + cfg.request_timeout).min(deadline);
+        let serve = async move {
+            repair.drive(&mut repair_rx, Some(until)).await;
+            drop(repair);
+            drop::<Registration>(registration);
+        };
+        tokio::spawn(serve.in_current_span())
+    });
+
+    reports.sort_by_key(|r| r.range.start);
+    tracing::debug!(elapsed = ?t_start.elapsed(), "round assembled");
+    let mut failed: Vec<PeerId> = failed.into_iter().map(|f| round.peer(f)).collect();
+    failed.sort();
+    failed.dedup();
+    let counters = &round.counters;
+    let measured_bandwidth = Some(*lock(&counters.rate_sum)).filter(|r| *r > 0.0);
+    Outcome {
+        patches,
+        group: peers,
+        spans: reports,
+        failed_peers: failed,
+        bytes_sent: counters.sent.load(Ordering::Relaxed),
+        bytes_received: counters.received.load(Ordering::Relaxed),
+        fast_lanes: counters.fast.load(Ordering::Relaxed) as usize,
+        measured_bandwidth,
+        repair_server,
+    }
+}
+
+/// One report per run of `range` with its contributors (`outcome` builds the averaged
+/// outcome from them); whatever the runs leave uncovered was not averaged and kept its values.
+fn segment_reports(
+    round: &Round,
+    reducer: MemberIdx,
+    range: &Range<usize>,
+    segments: &[Segment],
+    outcome: impl Fn(Vec<PeerId>) -> SpanOutcome,
+) -> Vec<SpanReport> {
+    let reducer = round.peer(reducer);
+    let mut reports = Vec::new();
+    let mut at = range.start;
+    for (seg, contributors) in segments {
+        if seg.start > at {
+            reports.push(SpanReport {
+                reducer,
+                range: at..seg.start,
+                outcome: kept("no contributions to this part"),
+            });
+        }
+        reports.push(SpanReport {
+            reducer,
+            range: seg.clone(),
+            outcome: outcome(contributors.iter().map(|c| round.peer(*c)).collect()),
+        });
+        at = seg.end;
+    }
+    if at < range.end {
+        reports.push(SpanReport {
+            reducer,
+            range: at..range.end,
+            outcome: kept(if at == range.start {
+                "no contributions arrived"
+            } else {
+                "the deadline passed before the rest of the span was averaged"
+            }),
+        });
+    }
+    reports
+}

@@ -1,0 +1,323 @@
+//! A sender's side of one span: open a stream to the reducer (its fast lane when it has one),
+//! stream this peer's values in chunks while reading back the averaged deltas part by part,
+//! and turn them into new values.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
+use starling_node::streams::{open_confirmed, OpenError, Retry};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::{Round, Segment};
+use crate::config::Fault;
+use crate::pool::PoolBuf;
+use crate::sync::lock;
+use crate::transport::Lane;
+use crate::wire::{
+    read_frame_into, write_chunk, write_control, ChunkOut, Control, Frame, MemberIdx, ReduceMsg,
+    SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
+};
+
+/// Streams shorter than this say too little about bandwidth to be measured.
+const MIN_MEASURED_BYTES: usize = 256 * 1024;
+
+/// What a sender streams: its part of a reducer's span (phase 1), or its part of a failed
+/// reducer's span to a surviving reducer (phase 2).
+#[derive(Clone, Copy)]
+pub(super) enum SendKind {
+    Span,
+    Repair { failed: MemberIdx },
+}
+
+/// Why a sender got no result back.
+pub(super) struct SendFail {
+    pub reason: String,
+    /// The reducer failed (gone, stalled, broke the protocol, not in the round), as opposed to
+    /// refusing us, or our own failure or deadline.
+    pub reducer_failed: bool,
+}
+
+impl SendFail {
+    fn reducer(reason: impl Into<String>) -> Self {
+        SendFail {
+            reason: reason.into(),
+            reducer_failed: true,
+        }
+    }
+
+    fn other(reason: impl Into<String>) -> Self {
+        SendFail {
+            reason: reason.into(),
+            reducer_failed: false,
+        }
+    }
+
+    /// `Excluded(why)` from the reducer: a failure only if it does not know the round.
+    fn excluded(why: String) -> Self {
+        SendFail {
+            reducer_failed: why == UNKNOWN_ROUND,
+            reason: format!("excluded by reducer: {why}"),
+        }
+    }
+}
+
+/// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
+/// surviving reducer `j`) and, at the same time, reads back the averaged deltas part by part as
+/// the reducer finishes them. Returns the contributors of each run of the range and the new
+/// values of the whole range, or a failure if any part did not come back (partial results are
+/// discarded: the range is then repaired or kept whole).
+pub(super) async fn send_span(
+    round: &Round,
+    j: MemberIdx,
+    range: Range<usize>,
+    kind: SendKind,
+) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
+    let cfg = &round.env.config;
+    let phase1 = matches!(kind, SendKind::Span);
+    // A surviving reducer may still be finishing phase 1 when our repair hello arrives. A part
+    // comes back only once every sender delivered it (or the reducer gave up waiting for
+    // no-shows), so allow for a no-show between result frames.
+    let ack_wait = match kind {
+        SendKind::Span => cfg.request_timeout * 2,
+        SendKind::Repair { .. } => cfg.request_timeout * 2 + cfg.reducer_timeout,
+    };
+    let result_gap = cfg.reducer_timeout + cfg.request_timeout + cfg.sender_timeout;
+    let failed_reducer = match kind {
+        SendKind::Span => None,
+        SendKind::Repair { failed } => Some(failed),
+    };
+    let work = async {
+        let t0 = Instant::now();
+        let hello = match kind {
+            SendKind::Span => ReduceMsg::Hello {
+                round_id: round.round_id,
+                sender: round.me,
+                weight: round.weight,
+                start: range.start as u64,
+                len: range.len() as u64,
+            },
+            SendKind::Repair { failed } => ReduceMsg::RepairHello {
+                round_id: round.round_id,
+                sender: round.me,
+                weight: round.weight,
+                failed,
+                start: range.start as u64,
+                len: range.len() as u64,
+            },
+        };
+        let (stream, hello_bytes) = open_with_hello(round, j, &hello, ack_wait).await?;
+        if stream.is_fast() {
+            round.counters.fast.fetch_add(1, Ordering::Relaxed);
+        }
+        let (mut rd, mut wr) = stream.split();
+        let part = &round.flat[range.clone()];
+        // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
+        // that decoded copy so the returned delta lands the result exactly on the mean.
+        let mut as_sent = (cfg.codec != Codec::None).then(|| round.env.pool.take_dirty(part.len()));
+        let write = async {
+            let mut sent = hello_bytes;
+            let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
+                .map_err(|e| SendFail::other(e.to_string()))?;
+            let mut index = 0;
+            while let Some(chunk) = chunks.next_chunk() {
+                if phase1 && round.crash_if(Fault::AfterSentChunks(index)).await {
+                    return Err(SendFail::other("fault injected: crashed while sending"));
+                }
+                index += 1;
+                let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
+                if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_mut(), &chunk) {
+                    let header =
+                        ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
+                    // Our own encoder's header: in range by construction.
+                    let at = header.offset as usize;
+                    decode_into(bytes, &mut buf[at..at + header.count])
+                        .map_err(|e| SendFail::other(e.to_string()))?;
+                }
+                sent += timeout(cfg.reducer_timeout, write_chunk(&mut wr, &chunk))
+                    .await
+                    .map_err(|_| SendFail::reducer("reducer stopped reading"))?
+                    .map_err(|e| SendFail::reducer(e.to_string()))?;
+            }
+            sent += write_control(&mut wr, &ReduceMsg::SendDone)
+                .await
+                .map_err(|e| SendFail::reducer(e.to_string()))?;
+            futures::AsyncWriteExt::flush(&mut wr)
+                .await
+                .map_err(|e| SendFail::reducer(e.to_string()))?;
+            Ok::<_, SendFail>((sent, t0.elapsed()))
+        };
+        let read = receive_results(round, &mut rd, range.len(), result_gap, failed_reducer);
+        // Whichever side fails first ends the exchange (a refusal arrives on the read side while
+        // the write side may still be pushing data nobody reads).
+        let ((sent, t_sent), (segments, delta)) = futures::future::try_join(write, read).await?;
+        round
+            .counters
+            .sent
+            .fetch_add(sent as u64, Ordering::Relaxed);
+        // Only phase 1's concurrent streams measure this peer's upload rate.
+        if phase1 && sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
+            *lock(&round.counters.rate_sum) += sent as f64 / t_sent.as_secs_f64();
+        }
+        let _ = futures::AsyncWriteExt::close(&mut wr).await;
+        drop(rd);
+        tracing::debug!(reducer = j.0, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
+        // Turn the delta into the new values: (what the reducer saw of us) + delta.
+        let mut result = delta;
+        match as_sent {
+            Some(base) => result
+                .iter_mut()
+                .zip(base.iter())
+                .for_each(|(d, b)| *d += b),
+            None => result.iter_mut().zip(part).for_each(|(d, b)| *d += b),
+        }
+        let segments = segments
+            .into_iter()
+            .map(|(r, c)| (range.start + r.start..range.start + r.end, c))
+            .collect();
+        Ok((segments, result))
+    };
+    timeout_at(round.deadline, work)
+        .await
+        .unwrap_or_else(|_| Err(SendFail::other("deadline passed")))
+}
+
+/// Reads a reducer's answers to a span of `len` elements: for each part, `Result` (its range and
+/// contributors) and its delta chunks, until `ResultDone`; at most `gap` between frames. Returns
+/// the runs of the span (offsets within it) with their contributors, and the whole delta.
+async fn receive_results<R: futures::AsyncRead + Unpin>(
+    round: &Round,
+    rd: &mut R,
+    len: usize,
+    gap: Duration,
+    failed_reducer: Option<MemberIdx>,
+) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
+    let cfg = &round.env.config;
+    // Every element is decoded into before the delta is used (the span must come back whole).
+    let mut delta = round.env.pool.take_dirty(len);
+    let mut segments: Vec<Segment> = Vec::new();
+    // The part being received: its range and how many of its elements arrived.
+    let mut current: Option<(Range<usize>, usize)> = None;
+    let mut decoder = starling_compression::Decoder::new(decode_options(len));
+    let mut chunk = Vec::new();
+    loop {
+        let (frame, n) = timeout(
+            gap,
+            read_frame_into::<_, ReduceMsg>(rd, cfg.max_frame_bytes, &mut chunk),
+        )
+        .await
+        .map_err(|_| SendFail::reducer("reducer did not answer in time"))?
+        .map_err(|e| SendFail::reducer(e.to_string()))?;
+        round
+            .counters
+            .received
+            .fetch_add(n as u64, Ordering::Relaxed);
+        let covered = segments.last().map_or(0, |s| s.0.end);
+        match frame {
+            Frame::Data => {
+                let Some((part, got)) = current.as_mut() else {
+                    return Err(SendFail::reducer("delta chunk outside a part"));
+                };
+                let chunk = &chunk[1..];
+                let h = ChunkHeader::parse(chunk).map_err(|e| SendFail::reducer(e.to_string()))?;
+                let (at, count) = (h.offset, h.count);
+                let in_place = h.total == part.len() as u64
+                    && at == *got as u64
+                    && (*got)
+                        .checked_add(count)
+                        .is_some_and(|end| end <= part.len());
+                if !in_place {
+                    return Err(SendFail::reducer("delta chunk out of place"));
+                }
+                let at = *got;
+                let dst = part.start + at;
+                decoder
+                    .decode_into(chunk, &mut delta[dst..dst + count])
+                    .map_err(|e| SendFail::reducer(e.to_string()))?;
+                *got += count;
+            }
+            Frame::Control(ReduceMsg::Result {
+                start,
+                len: part_len,
+                contributors,
+            }) => {
+                if let Some((part, got)) = &current {
+                    if *got != part.len() {
+                        return Err(SendFail::reducer("a part's delta is incomplete"));
+                    }
+                }
+                let end = start.checked_add(part_len);
+                let well_formed = start == covered as u64
+                    && part_len > 0
+                    && end.is_some_and(|end| end <= len as u64)
+                    && contributors.contains(&round.me)
+                    && contributors.iter().all(|c| {
+                        c.within(round.peers.len()).is_some() && Some(*c) != failed_reducer
+                    });
+                if !well_formed {
+                    return Err(SendFail::reducer(
+                        "reducer's part or contributor list is malformed",
+                    ));
+                }
+                // In range: checked above against `len`, a usize.
+                let part = covered..covered + part_len as usize;
+                match segments.last_mut() {
+                    Some(last) if last.1 == contributors => last.0.end = part.end,
+                    _ => segments.push((part.clone(), contributors)),
+                }
+                current = Some((part, 0));
+            }
+            Frame::Control(ReduceMsg::ResultDone) => {
+                let complete = current.as_ref().is_none_or(|(p, got)| *got == p.len());
+                if !complete || covered != len {
+                    return Err(SendFail::reducer("reducer's result is incomplete"));
+                }
+                return Ok((segments, delta));
+            }
+            Frame::Control(ReduceMsg::Excluded(why)) => return Err(SendFail::excluded(why)),
+            Frame::Control(other) => {
+                return Err(SendFail::reducer(format!("unexpected message {other:?}")))
+            }
+        }
+    }
+}
+
+/// Opens a reduce stream to member `j` and waits (at most `wait`) for its `Ready`, retrying
+/// streams that were dropped before the reducer saw them (see `starling_node::streams`).
+/// Retrying is safe: a reducer counts each sender at most once.
+async fn open_with_hello(
+    round: &Round,
+    j: MemberIdx,
+    hello: &ReduceMsg,
+    wait: Duration,
+) -> Result<(Lane, usize), SendFail> {
+    let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
+    let transport = &round.env.transport;
+    // The reducer may still be starting its round: allow for that, then give up.
+    let opened = open_confirmed(
+        || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
+        &Control::Control(hello),
+        MAX_CONTROL_BYTES + 1,
+        Instant::now() + wait,
+        Retry::default(),
+    )
+    .await;
+    match opened {
+        Ok(c) => match c.reply {
+            Control::Control(ReduceMsg::Ready) => Ok((c.stream, c.sent)),
+            Control::Control(ReduceMsg::Excluded(why)) => Err(SendFail::excluded(why)),
+            Control::Control(other) => {
+                Err(SendFail::reducer(format!("unexpected message {other:?}")))
+            }
+        },
+        Err(OpenError::Unanswered { last, .. }) => Err(SendFail::reducer(format!(
+            "could not reach the reducer: {last}"
+        ))),
+        Err(OpenError::BadReply(e)) => Err(SendFail::reducer(e.to_string())),
+    }
+}
+
+pub(super) fn decode_options(len: usize) -> DecodeOptions {
+    DecodeOptions::default().with_max_elements(len.max(1))
+}

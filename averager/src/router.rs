@@ -1,0 +1,286 @@
+//! Inbound averaging streams and where they go: join requests to the search in progress under
+//! their group key, reduce streams (libp2p streams and fast lanes) to the round their hello
+//! names. A search or round registers its queues with the [`Router`] and holds the returned
+//! [`Registration`] for as long as it wants traffic; dropping it unregisters.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use starling_node::streams::{serve_inbound, InboundLimits};
+use starling_node::{Node, PeerId, Stream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::{timeout, Instant};
+use tracing::Instrument;
+
+use crate::sync::lock;
+use crate::transport::Lane;
+use crate::wire::{
+    write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason, MATCHMAKING_PROTOCOL,
+    MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
+};
+use crate::AveragerError;
+
+/// Inbound streams whose first message is being read at once, per protocol (bounds tasks and
+/// buffers).
+const MAX_INBOUND_HANDSHAKES: usize = 256;
+/// How often an inbound reduce stream looks again for its round (the reducer may learn of the
+/// round a little after the sender).
+const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
+/// Queued join requests per search.
+const JOIN_QUEUE: usize = 64;
+/// Repair hellos queued per member of the group (a member sends at most one per failed span).
+const REPAIR_QUEUE_PER_MEMBER: usize = 4;
+
+/// A join request routed to the search in progress.
+pub(crate) struct IncomingJoin {
+    pub info: MemberInfo,
+    /// The follower's window end (unix ms).
+    pub window_end: u64,
+    pub stream: Stream,
+}
+
+/// A sender's stream routed to the round it names.
+pub(crate) struct IncomingSender {
+    pub peer: PeerId,
+    pub hello: ReduceMsg,
+    pub stream: Lane,
+}
+
+/// A round's inbound queues: plain hellos (the reduction of this peer's own span) and repair
+/// hellos (its re-delegation phase).
+pub(crate) struct RoundQueues {
+    pub senders: mpsc::Receiver<IncomingSender>,
+    pub repairs: mpsc::Receiver<IncomingSender>,
+}
+
+struct RoundRoute {
+    senders: mpsc::Sender<IncomingSender>,
+    repairs: mpsc::Sender<IncomingSender>,
+}
+
+#[derive(Default)]
+struct Routes {
+    searches: HashMap<String, mpsc::Sender<IncomingJoin>>,
+    rounds: HashMap<u64, RoundRoute>,
+}
+
+/// Routes inbound averaging streams (cheap to clone).
+#[derive(Clone)]
+pub(crate) struct Router {
+    routes: Arc<Mutex<Routes>>,
+    request_timeout: Duration,
+}
+
+/// What a [`Registration`] keeps registered.
+enum Key {
+    Search(String),
+    Round(u64),
+}
+
+/// Keeps a search's or a round's queues registered while it lives.
+pub(crate) struct Registration {
+    routes: Arc<Mutex<Routes>>,
+    key: Key,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut routes = lock(&self.routes);
+        match &self.key {
+            Key::Search(k) => {
+                routes.searches.remove(k);
+            }
+            Key::Round(id) => {
+                routes.rounds.remove(id);
+            }
+        }
+    }
+}
+
+impl Router {
+    pub fn new(request_timeout: Duration) -> Self {
+        Router {
+            routes: Arc::default(),
+            request_timeout,
+        }
+    }
+
+    /// Routes join requests under `group_key` to the returned queue until the registration
+    /// drops.
+    pub fn register_search(&self, group_key: &str) -> (Registration, mpsc::Receiver<IncomingJoin>) {
+        let (tx, rx) = mpsc::channel(JOIN_QUEUE);
+        lock(&self.routes)
+            .searches
+            .insert(group_key.to_string(), tx);
+        let reg = Registration {
+            routes: self.routes.clone(),
+            key: Key::Search(group_key.to_string()),
+        };
+        (reg, rx)
+    }
+
+    /// Routes reduce streams of round `round_id` (a group of `members`) to the returned queues
+    /// until the registration drops.
+    pub fn register_round(&self, round_id: u64, members: usize) -> (Registration, RoundQueues) {
+        let (tx, senders) = mpsc::channel(members + 4);
+        let (repair_tx, repairs) = mpsc::channel(REPAIR_QUEUE_PER_MEMBER * members + 4);
+        lock(&self.routes).rounds.insert(
+            round_id,
+            RoundRoute {
+                senders: tx,
+                repairs: repair_tx,
+            },
+        );
+        let reg = Registration {
+            routes: self.routes.clone(),
+            key: Key::Round(round_id),
+        };
+        (reg, RoundQueues { senders, repairs })
+    }
+
+    /// Starts the accept loops of both averaging protocols on `node` (libp2p streams, and fast
+    /// lanes when `fast_lane` is set and the node listens for them), each in the current span.
+    /// Fails if another averager already serves the node.
+    pub fn serve(
+        &self,
+        node: &Node,
+        fast_lane: bool,
+    ) -> Result<Vec<JoinHandle<()>>, AveragerError> {
+        let mut control = node.stream_control();
+        let joins = control
+            .accept(MATCHMAKING_PROTOCOL)
+            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let reduces = control
+            .accept(REDUCE_PROTOCOL)
+            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let limits = InboundLimits {
+            max_pending: MAX_INBOUND_HANDSHAKES,
+            first_message_timeout: self.request_timeout,
+            max_first_message: MAX_CONTROL_BYTES + 1,
+        };
+        let on_join = {
+            let router = self.clone();
+            move |peer, Control::Control(msg), stream| {
+                let router = router.clone();
+                async move { router.on_join(peer, msg, stream).await }
+            }
+        };
+        let on_reduce = {
+            let router = self.clone();
+            move |peer, Control::Control(msg), stream| {
+                let router = router.clone();
+                async move { router.on_reduce(peer, msg, stream).await }
+            }
+        };
+        let reduces = reduces.map(|(peer, s)| (peer, Lane::P2p(s)));
+        let mut tasks = vec![
+            tokio::spawn(serve_inbound(joins, limits, on_join.clone()).in_current_span()),
+            tokio::spawn(serve_inbound(reduces, limits, on_reduce.clone()).in_current_span()),
+        ];
+        // Senders reach a reducer over its fast lane when it has one (never in client mode).
+        if fast_lane && node.fast_lane_port().is_some() {
+            let mut lanes = node
+                .accept_fast(REDUCE_PROTOCOL)
+                .map_err(|_| AveragerError::AlreadyRunning)?;
+            let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx))
+                .map(|(peer, s)| (peer, Lane::Fast(Box::new(s))));
+            tasks.push(tokio::spawn(
+                serve_inbound(lanes, limits, on_reduce).in_current_span(),
+            ));
+        }
+        Ok(tasks)
+    }
+
+    /// Routes a join request to the search in progress under its group key, or refuses it.
+    async fn on_join(&self, peer: PeerId, msg: MatchMsg, mut stream: Stream) {
+        let MatchMsg::Join {
+            group_key,
+            info,
+            window_end,
+        } = msg
+        else {
+            return;
+        };
+        if info.peer_id != peer.to_bytes() {
+            tracing::debug!(%peer, "join request names another peer");
+            return;
+        }
+        let route = lock(&self.routes).searches.get(&group_key).cloned();
+        let refusal = match route {
+            Some(tx) => match tx.try_send(IncomingJoin {
+                info,
+                window_end,
+                stream,
+            }) {
+                Ok(()) => return,
+                Err(mpsc::error::TrySendError::Full(j) | mpsc::error::TrySendError::Closed(j)) => {
+                    stream = j.stream;
+                    RejectReason::Busy
+                }
+            },
+            None => RejectReason::NotSearching,
+        };
+        let reply = MatchMsg::Rejected(refusal);
+        let _ = timeout(self.request_timeout, write_control(&mut stream, &reply)).await;
+    }
+
+    /// Routes a sender's stream to the round its hello names (a re-delegation hello to the
+    /// round's repair queue), waiting a little for a round that this peer has not started yet.
+    async fn on_reduce(&self, peer: PeerId, hello: ReduceMsg, mut stream: Lane) {
+        let (round_id, repair) = match hello {
+            ReduceMsg::Hello { round_id, .. } => (round_id, false),
+            ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
+            _ => return,
+        };
+        let give_up = Instant::now() + self.request_timeout;
+        let route = loop {
+            let found = lock(&self.routes).rounds.get(&round_id).map(|route| {
+                if repair {
+                    route.repairs.clone()
+                } else {
+                    route.senders.clone()
+                }
+            });
+            if found.is_some() || Instant::now() >= give_up {
+                break found;
+            }
+            tokio::time::sleep(ROUND_ROUTE_WAIT).await;
+        };
+        if let Some(tx) = route {
+            let incoming = IncomingSender {
+                peer,
+                hello,
+                stream,
+            };
+            match tx.send(incoming).await {
+                Ok(()) => return,
+                // The round's reduction is over (the round lingers only to serve repairs): to
+                // this sender, as good as a reducer that is gone.
+                Err(mpsc::error::SendError(incoming)) => stream = incoming.stream,
+            }
+        }
+        let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
+        let _ = timeout(self.request_timeout, write_control(&mut stream, &reply)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_unregister_when_dropped() {
+        let router = Router::new(Duration::from_secs(1));
+        let (a, _rx) = router.register_search("k");
+        let (b, _q) = router.register_round(7, 4);
+        assert!(lock(&router.routes).searches.contains_key("k"));
+        assert!(lock(&router.routes).rounds.contains_key(&7));
+        drop(a);
+        assert!(!lock(&router.routes).searches.contains_key("k"));
+        drop(b);
+        assert!(lock(&router.routes).rounds.is_empty());
+    }
+}
