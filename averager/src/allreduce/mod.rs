@@ -72,6 +72,23 @@ pub(crate) struct Outcome {
     pub repair_server: Option<JoinHandle<()>>,
 }
 
+impl Outcome {
+    /// A round in which nothing was averaged.
+    fn nothing(group: Vec<PeerId>) -> Self {
+        Outcome {
+            patches: vec![],
+            group,
+            spans: vec![],
+            failed_peers: vec![],
+            bytes_sent: 0,
+            bytes_received: 0,
+            fast_lanes: 0,
+            measured_bandwidth: None,
+            repair_server: None,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     sent: AtomicU64,
@@ -190,17 +207,8 @@ async fn run(
     let modes: Vec<AveragingMode> = group.members.iter().map(|m| m.mode).collect();
     let bandwidths: Vec<f64> = group.members.iter().map(|m| m.bandwidth).collect();
     let Some(fractions) = plan::fractions(&env.config, &bandwidths, &modes) else {
-        return Outcome {
-            patches: vec![],
-            group: peers,
-            spans: vec![],
-            failed_peers: vec![],
-            bytes_sent: 0,
-            bytes_received: 0,
-            fast_lanes: 0,
-            measured_bandwidth: None,
-            repair_server: None,
-        };
+        // Nobody may reduce (all clients): nothing to do, everyone keeps its values.
+        return Outcome::nothing(peers);
     };
     let ranges = spans(flat.len(), &fractions);
     let (registration, queues) = env.router.register_round(group.round_id, n);
@@ -221,19 +229,7 @@ async fn run(
     });
     round.crash_if(Fault::BeforeSending).await;
 
-    // Senders: one task per remote reducer with a non-empty span.
-    let mut sends = Vec::new();
-    if modes[me.get()] != AveragingMode::Aux {
-        for j in MemberIdx::all(n) {
-            let range = ranges[j.get()].clone();
-            if j != me && !range.is_empty() {
-                let round = round.clone();
-                let task =
-                    Task::spawn(async move { send_span(&round, j, range, SendKind::Span).await });
-                sends.push((j, task));
-            }
-        }
-    }
+    let sends = start_sends(&round);
     // Reducer: our own span.
     let my_range = ranges[me.get()].clone();
     let reduced = if my_range.is_empty() {
@@ -249,53 +245,20 @@ async fn run(
     };
     tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
 
-    let mut patches: Vec<(Range<usize>, PoolBuf)> = Vec::new();
-    let mut reports = Vec::new();
-    // Members seen failing in any role, and reducers seen failing (the repair plan's input).
-    let mut failed: HashSet<MemberIdx> = HashSet::new();
-    let mut down: BTreeSet<MemberIdx> = BTreeSet::new();
-    let mut lost: Vec<(MemberIdx, String)> = Vec::new();
+    let mut phase1 = Phase1::default();
     if let Some(r) = reduced {
-        failed.extend(&r.failed);
-        reports.extend(segment_reports(&round, me, &my_range, &r.segments, |c| {
-            SpanOutcome::Averaged { contributors: c }
-        }));
-        if r.segments.len() == 1 && r.segments[0].0 == my_range {
-            patches.push((my_range.clone(), r.values));
-        } else {
-            for (seg, _) in &r.segments {
-                let local = seg.start - my_range.start..seg.end - my_range.start;
-                patches.push((seg.clone(), round.env.pool.copy_of(&r.values[local])));
-            }
-        }
+        phase1.own_span(&round, &my_range, r);
     }
     for (j, task) in sends {
-        let range = ranges[j.get()].clone();
-        let outcome = match task.await {
-            Ok(Ok((segments, values))) => {
-                patches.push((range.clone(), values));
-                reports.extend(segment_reports(&round, j, &range, &segments, |c| {
-                    SpanOutcome::Averaged { contributors: c }
-                }));
-                continue;
-            }
-            Ok(Err(fail)) => {
-                failed.insert(j);
-                if fail.reducer_failed {
-                    down.insert(j);
-                    lost.push((j, fail.reason));
-                    continue;
-                }
-                kept(fail.reason)
-            }
-            Err(e) => kept(format!("sender task failed: {e}")),
-        };
-        reports.push(SpanReport {
-            reducer: round.peer(j),
-            range,
-            outcome,
-        });
+        phase1.sent_span(&round, j, task.await);
     }
+    let Phase1 {
+        mut patches,
+        mut reports,
+        failed,
+        down,
+        lost,
+    } = phase1;
     tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
     // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
     // lost a span this peer received (in the background: the caller does not wait for it).
@@ -308,17 +271,9 @@ async fn run(
     patches.append(&mut repair.patches);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
-    let cfg = round.config();
-    let left = deadline.saturating_duration_since(Instant::now());
-    let repair_server = (!my_range.is_empty() && left >= cfg.repair_min_time).then(|| {
-        let until = (Instant::now() + cfg.request_timeout).min(deadline);
-        let serve = async move {
-            repair.drive(&mut repair_rx, Some(until)).await;
-            drop(repair);
-            drop::<Registration>(registration);
-        };
-        tokio::spawn(serve.in_current_span())
-    });
+    let repair_server = (!my_range.is_empty())
+        .then(|| serve_repairs(repair, repair_rx, registration))
+        .flatten();
 
     reports.sort_by_key(|r| r.range.start);
     tracing::debug!(elapsed = ?t_start.elapsed(), "round assembled");
@@ -337,6 +292,119 @@ async fn run(
         fast_lanes: counters.fast.load(Ordering::Relaxed) as usize,
         measured_bandwidth,
         repair_server,
+    }
+}
+
+/// After the round, a peer that reduced keeps serving other members' re-delegated parts in the
+/// background for `request_timeout` (if the deadline leaves `repair_min_time`), holding the
+/// round's routes until then.
+fn serve_repairs(
+    mut repair: Repair,
+    mut rx: tokio::sync::mpsc::Receiver<crate::router::IncomingSender>,
+    registration: Registration,
+) -> Option<JoinHandle<()>> {
+    let round = repair.round().clone();
+    let cfg = round.config();
+    let left = round.deadline.saturating_duration_since(Instant::now());
+    if left < cfg.repair_min_time {
+        return None;
+    }
+    let until = (Instant::now() + cfg.request_timeout).min(round.deadline);
+    let serve = async move {
+        repair.drive(&mut rx, Some(until)).await;
+        drop(repair);
+        drop(registration);
+    };
+    Some(tokio::spawn(serve.in_current_span()))
+}
+
+/// Phase 1, sending side: one task per remote reducer with a non-empty span (none for an `Aux`
+/// peer, which sends nothing).
+fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, Task<send::Sent>)> {
+    let me = round.me;
+    if round.modes[me.get()] == AveragingMode::Aux {
+        return Vec::new();
+    }
+    MemberIdx::all(round.peers.len())
+        .filter(|&j| j != me && !round.ranges[j.get()].is_empty())
+        .map(|j| {
+            let (round, range) = (round.clone(), round.ranges[j.get()].clone());
+            let task =
+                Task::spawn(async move { send_span(&round, j, range, SendKind::Span).await });
+            (j, task)
+        })
+        .collect()
+}
+
+/// What the first phase left this peer with.
+#[derive(Default)]
+struct Phase1 {
+    /// New values of the ranges averaged so far.
+    patches: Vec<(Range<usize>, PoolBuf)>,
+    reports: Vec<SpanReport>,
+    /// Members seen failing in any role.
+    failed: HashSet<MemberIdx>,
+    /// Reducers seen failing (the repair plan's input).
+    down: BTreeSet<MemberIdx>,
+    /// Spans whose reducer failed, with why: phase 2 re-delegates them.
+    lost: Vec<(MemberIdx, String)>,
+}
+
+impl Phase1 {
+    /// Takes this peer's own reduced span.
+    fn own_span(&mut self, round: &Round, my_range: &Range<usize>, r: reduce::Reduced) {
+        self.failed.extend(&r.failed);
+        self.reports.extend(segment_reports(
+            round,
+            round.me,
+            my_range,
+            &r.segments,
+            |c| SpanOutcome::Averaged { contributors: c },
+        ));
+        if r.segments.len() == 1 && r.segments[0].0 == *my_range {
+            self.patches.push((my_range.clone(), r.values));
+        } else {
+            for (seg, _) in &r.segments {
+                let local = seg.start - my_range.start..seg.end - my_range.start;
+                self.patches
+                    .push((seg.clone(), round.env.pool.copy_of(&r.values[local])));
+            }
+        }
+    }
+
+    /// Takes what sending span `j` to its reducer gave.
+    fn sent_span(
+        &mut self,
+        round: &Round,
+        j: MemberIdx,
+        result: Result<send::Sent, tokio::task::JoinError>,
+    ) {
+        let range = round.ranges[j.get()].clone();
+        let outcome = match result {
+            Ok(Ok((segments, values))) => {
+                self.patches.push((range.clone(), values));
+                self.reports
+                    .extend(segment_reports(round, j, &range, &segments, |c| {
+                        SpanOutcome::Averaged { contributors: c }
+                    }));
+                return;
+            }
+            Ok(Err(fail)) => {
+                self.failed.insert(j);
+                if fail.reducer_failed {
+                    self.down.insert(j);
+                    self.lost.push((j, fail.reason));
+                    return;
+                }
+                kept(fail.reason)
+            }
+            Err(e) => kept(format!("sender task failed: {e}")),
+        };
+        self.reports.push(SpanReport {
+            reducer: round.peer(j),
+            range,
+            outcome,
+        });
     }
 }
 

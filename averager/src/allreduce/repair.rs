@@ -77,6 +77,11 @@ impl Repair {
         }
     }
 
+    /// The round it repairs.
+    pub fn round(&self) -> &Arc<Round> {
+        &self.round
+    }
+
     /// Plans the repair of every span this peer lost (`(reducer, why)`), if the deadline leaves
     /// time, and starts sending and reducing its parts.
     pub fn start(&mut self, lost: Vec<(MemberIdx, String)>) {

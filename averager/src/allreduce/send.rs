@@ -63,6 +63,10 @@ impl SendFail {
     }
 }
 
+/// What sending a span gave: the contributors of each run of the range and the new values of
+/// the whole range, or why no result came back.
+pub(super) type Sent = Result<(Vec<Segment>, PoolBuf), SendFail>;
+
 /// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
 /// surviving reducer `j`) and, at the same time, reads back the averaged deltas part by part as
 /// the reducer finishes them. Returns the contributors of each run of the range and the new
@@ -73,7 +77,7 @@ pub(super) async fn send_span(
     j: MemberIdx,
     range: Range<usize>,
     kind: SendKind,
-) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
+) -> Sent {
     let cfg = &round.env.config;
     let phase1 = matches!(kind, SendKind::Span);
     // A surviving reducer may still be finishing phase 1 when our repair hello arrives. A part
@@ -117,41 +121,15 @@ pub(super) async fn send_span(
         // that decoded copy so the returned delta lands the result exactly on the mean.
         let mut as_sent = (cfg.codec != Codec::None).then(|| round.env.pool.take_dirty(part.len()));
         let write = async {
-            let mut sent = hello_bytes;
-            let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
-                .map_err(|e| SendFail::other(e.to_string()))?;
-            let mut index = 0;
-            while let Some(chunk) = chunks.next_chunk() {
-                if phase1 && round.crash_if(Fault::AfterSentChunks(index)).await {
-                    return Err(SendFail::other("fault injected: crashed while sending"));
-                }
-                index += 1;
-                let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
-                if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_mut(), &chunk) {
-                    let header =
-                        ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
-                    // Our own encoder's header: in range by construction.
-                    let at = header.offset as usize;
-                    decode_into(bytes, &mut buf[at..at + header.count])
-                        .map_err(|e| SendFail::other(e.to_string()))?;
-                }
-                sent += timeout(cfg.reducer_timeout, write_chunk(&mut wr, &chunk))
-                    .await
-                    .map_err(|_| SendFail::reducer("reducer stopped reading"))?
-                    .map_err(|e| SendFail::reducer(e.to_string()))?;
-            }
-            sent += write_control(&mut wr, &ReduceMsg::SendDone)
-                .await
-                .map_err(|e| SendFail::reducer(e.to_string()))?;
-            futures::AsyncWriteExt::flush(&mut wr)
-                .await
-                .map_err(|e| SendFail::reducer(e.to_string()))?;
-            Ok::<_, SendFail>((sent, t0.elapsed()))
+            let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
+            // The upload rate counts the time to send, not the wait for results.
+            Ok((sent, t0.elapsed()))
         };
         let read = receive_results(round, &mut rd, range.len(), result_gap, failed_reducer);
         // Whichever side fails first ends the exchange (a refusal arrives on the read side while
         // the write side may still be pushing data nobody reads).
         let ((sent, t_sent), (segments, delta)) = futures::future::try_join(write, read).await?;
+        let sent = sent + hello_bytes;
         round
             .counters
             .sent
@@ -181,6 +159,48 @@ pub(super) async fn send_span(
     timeout_at(round.deadline, work)
         .await
         .unwrap_or_else(|_| Err(SendFail::other("deadline passed")))
+}
+
+/// Writes this peer's values of a span (`part`) as data chunks, then `SendDone`; with a lossy
+/// codec also decodes each chunk into `as_sent` (what the reducer will see of us). Returns the
+/// bytes written.
+async fn write_span<W: futures::AsyncWrite + Unpin>(
+    round: &Round,
+    wr: &mut W,
+    part: &[f32],
+    mut as_sent: Option<&mut [f32]>,
+    phase1: bool,
+) -> Result<usize, SendFail> {
+    let cfg = round.config();
+    let mut sent = 0;
+    let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
+        .map_err(|e| SendFail::other(e.to_string()))?;
+    let mut index = 0;
+    while let Some(chunk) = chunks.next_chunk() {
+        if phase1 && round.crash_if(Fault::AfterSentChunks(index)).await {
+            return Err(SendFail::other("fault injected: crashed while sending"));
+        }
+        index += 1;
+        let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
+        if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_deref_mut(), &chunk) {
+            let header = ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
+            // Our own encoder's header: in range by construction.
+            let at = header.offset as usize;
+            decode_into(bytes, &mut buf[at..at + header.count])
+                .map_err(|e| SendFail::other(e.to_string()))?;
+        }
+        sent += timeout(cfg.reducer_timeout, write_chunk(wr, &chunk))
+            .await
+            .map_err(|_| SendFail::reducer("reducer stopped reading"))?
+            .map_err(|e| SendFail::reducer(e.to_string()))?;
+    }
+    sent += write_control(wr, &ReduceMsg::SendDone)
+        .await
+        .map_err(|e| SendFail::reducer(e.to_string()))?;
+    futures::AsyncWriteExt::flush(wr)
+        .await
+        .map_err(|e| SendFail::reducer(e.to_string()))?;
+    Ok(sent)
 }
 
 /// Reads a reducer's answers to a span of `len` elements: for each part, `Result` (its range and
