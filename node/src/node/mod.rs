@@ -1,10 +1,11 @@
-use std::collections::{HashMap, HashSet};
+mod transport;
+
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use libp2p::core::{muxing::StreamMuxerBox, transport::Boxed, upgrade::Version};
 use libp2p::identity::Keypair;
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
 use libp2p::multiaddr::Protocol;
@@ -12,21 +13,17 @@ use libp2p::swarm::{
     dial_opts::{DialOpts, PeerCondition},
     ConnectionId, SwarmEvent,
 };
-use libp2p::{
-    autonat, identify, noise, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm, Transport,
-};
+use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
 use serde::{de::DeserializeOwned, Serialize};
 use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::behaviour::{self, Behaviour, BehaviourEvent};
+use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::fastlane::{FastLane, FastStream, IncomingFast};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 
 /// How often expired DHT entries are swept from the local store.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
-/// How long start-up waits for listeners to report their addresses.
-const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether this node can be dialed from outside, as far as autonat can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -108,111 +105,6 @@ impl std::fmt::Debug for Node {
     }
 }
 
-fn build_transport(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behaviour>, NodeError> {
-    let idle = cfg.idle_connection_timeout;
-    let tr = |e: &dyn std::fmt::Display| NodeError::Transport(e.to_string());
-    match cfg.swarm_key {
-        Some(swarm_key) => {
-            let psk = swarm_key.psk();
-            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
-                .with_tokio()
-                .with_other_transport(
-                    |key| -> Result<
-                        Boxed<(PeerId, StreamMuxerBox)>,
-                        Box<dyn std::error::Error + Send + Sync>,
-                    > {
-                        let noise = noise::Config::new(key)?;
-                        Ok(
-                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-                                .and_then(move |socket, _| {
-                                    libp2p::pnet::PnetConfig::new(psk).handshake(socket)
-                                })
-                                .upgrade(Version::V1Lazy)
-                                .authenticate(noise)
-                                .multiplex(yamux::Config::default())
-                                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-                                .boxed(),
-                        )
-                    },
-                )
-                .map_err(|e| tr(&e))?
-                .with_dns()
-                .map_err(|e| tr(&e))?
-                .with_relay_client(noise::Config::new, yamux::Config::default)
-                .map_err(|e| tr(&e))?
-                .with_behaviour(|key, relay| {
-                    behaviour::build(key, relay, cfg)
-                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-                })
-                .map_err(|e| tr(&e))?
-                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
-                .build();
-            Ok(swarm)
-        }
-        None => {
-            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
-                .with_tokio()
-                .with_tcp(
-                    tcp::Config::default().nodelay(true),
-                    noise::Config::new,
-                    yamux::Config::default,
-                )
-                .map_err(|e| tr(&e))?
-                .with_quic()
-                .with_dns()
-                .map_err(|e| tr(&e))?
-                .with_relay_client(noise::Config::new, yamux::Config::default)
-                .map_err(|e| tr(&e))?
-                .with_behaviour(|key, relay| {
-                    behaviour::build(key, relay, cfg)
-                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-                })
-                .map_err(|e| tr(&e))?
-                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
-                .build();
-            Ok(swarm)
-        }
-    }
-}
-
-fn is_quic(addr: &Multiaddr) -> bool {
-    addr.iter()
-        .any(|p| matches!(p, Protocol::Udp(_) | Protocol::QuicV1 | Protocol::Quic))
-}
-
-/// The IP of a TCP listen address.
-fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
-    let mut ip = None;
-    for p in addr.iter() {
-        match p {
-            Protocol::Ip4(a) => ip = Some(IpAddr::V4(a)),
-            Protocol::Ip6(a) => ip = Some(IpAddr::V6(a)),
-            Protocol::Tcp(_) => return ip,
-            _ => {}
-        }
-    }
-    None
-}
-
-/// The IP of a direct connection's remote address; `None` for relayed connections.
-fn direct_ip(addr: &Multiaddr) -> Option<IpAddr> {
-    if addr.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
-        return None;
-    }
-    addr.iter().find_map(|p| match p {
-        Protocol::Ip4(a) => Some(IpAddr::V4(a)),
-        Protocol::Ip6(a) => Some(IpAddr::V6(a)),
-        _ => None,
-    })
-}
-
-fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
-    addr.iter().find_map(|p| match p {
-        Protocol::P2p(id) => Some(id),
-        _ => None,
-    })
-}
-
 impl Node {
     /// Builds the swarm, starts listening, spawns the swarm task and, if bootstrap addresses are
     /// configured, joins the swarm through them (with retries). Fails with a clear error when no
@@ -226,59 +118,12 @@ impl Node {
         let owner = owner_key_of(&key)
             .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
         let listen = cfg.effective_listen();
-        if cfg.swarm_key.is_some() {
-            if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
-                return Err(NodeError::Config(format!(
-                    "{a}: QUIC cannot be used in a private swarm (the pre-shared key protects TCP only)"
-                )));
-            }
-        }
-        let mut swarm = build_transport(&key, &cfg)?;
+        transport::check_private_swarm(&cfg, &listen)?;
+        let mut swarm = transport::build_swarm(&key, &cfg)?;
         let peer_id = *swarm.local_peer_id();
         let stream = swarm.behaviour().stream.new_control();
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
-
-        let mut pending_listeners = HashSet::new();
-        for addr in &listen {
-            let id = swarm
-                .listen_on(addr.clone())
-                .map_err(|e| NodeError::Listen {
-                    addr: addr.to_string(),
-                    reason: e.to_string(),
-                })?;
-            pending_listeners.insert(id);
-        }
-        let mut listen_addrs = Vec::new();
-        let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
-        while !pending_listeners.is_empty() {
-            let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
-                .await
-                .map_err(|_| NodeError::Timeout("waiting for listen addresses"))?;
-            match event {
-                SwarmEvent::NewListenAddr {
-                    listener_id,
-                    address,
-                } => {
-                    pending_listeners.remove(&listener_id);
-                    listen_addrs.push(address);
-                }
-                SwarmEvent::ListenerClosed {
-                    addresses, reason, ..
-                } => {
-                    return Err(NodeError::Listen {
-                        addr: format!("{addresses:?}"),
-                        reason: format!("{reason:?}"),
-                    })
-                }
-                SwarmEvent::ListenerError { error, .. } => {
-                    return Err(NodeError::Listen {
-                        addr: format!("{listen:?}"),
-                        reason: error.to_string(),
-                    })
-                }
-                _ => {}
-            }
-        }
+        let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
 
         let fast = if !cfg.fast_lane {
             None
@@ -287,7 +132,7 @@ impl Node {
         } else {
             let ip = listen_addrs
                 .iter()
-                .find_map(tcp_ip)
+                .find_map(transport::tcp_ip)
                 .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
             Some(
                 FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream.clone())
@@ -728,7 +573,7 @@ impl Actor {
                 let _ = reply.send(self.listen_addrs.clone());
             }
             Command::Dial(addr, reply) => {
-                let opts = match peer_of(&addr) {
+                let opts = match transport::peer_of(&addr) {
                     Some(peer) => DialOpts::peer_id(peer)
                         .condition(PeerCondition::Always)
                         .addresses(vec![addr.clone()])
@@ -862,7 +707,7 @@ impl Actor {
                 endpoint,
                 ..
             } => {
-                if let Some(ip) = direct_ip(endpoint.get_remote_address()) {
+                if let Some(ip) = transport::direct_ip(endpoint.get_remote_address()) {
                     self.peer_ips.insert(peer_id, ip);
                 }
                 if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
