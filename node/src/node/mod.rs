@@ -1,29 +1,29 @@
+//! The [`Node`] handle and how a node starts.
+//!
+//! - `mod.rs` (here): the handle, the public snapshot types, and [`Node::start`] as named steps;
+//! - [`actor`]: the swarm task that owns the `Swarm` and the [`Command`]s handles send it;
+//! - [`queries`]: Kademlia queries in flight and the Kademlia events that answer them;
+//! - [`transport`]: building the swarm, bringing listeners up, multiaddr helpers.
+
+mod actor;
+mod queries;
 mod transport;
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use libp2p::identity::Keypair;
-use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
+use libp2p::kad::{Record, RecordKey};
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::{
-    dial_opts::{DialOpts, PeerCondition},
-    ConnectionId, SwarmEvent,
-};
-use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
+use libp2p::{Multiaddr, PeerId, StreamProtocol};
 use serde::{de::DeserializeOwned, Serialize};
 use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::fastlane::{FastLane, FastStream, IncomingFast};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
-
-/// How often expired DHT entries are swept from the local store.
-const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+use actor::{Actor, Command};
 
 /// Whether this node can be dialed from outside, as far as autonat can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -66,23 +66,6 @@ pub struct PutReport {
     pub acknowledged: usize,
 }
 
-enum Command {
-    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
-    Dial(Multiaddr, oneshot::Sender<Result<PeerId, NodeError>>),
-    Bootstrap(oneshot::Sender<Result<(), NodeError>>),
-    Status(oneshot::Sender<NodeStatus>),
-    ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
-    Put(Record, oneshot::Sender<Result<PutReport, NodeError>>),
-    PutRawToConnected(Record, oneshot::Sender<Result<PutReport, NodeError>>),
-    Get(
-        RecordKey,
-        oneshot::Sender<Result<Option<DictionaryRecord>, NodeError>>,
-    ),
-    GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
-    PeerIp(PeerId, oneshot::Sender<Option<IpAddr>>),
-    Shutdown(oneshot::Sender<()>),
-}
-
 /// A handle to a running node. Cheap to clone; all clones talk to the same swarm task.
 ///
 /// See the crate docs for an example.
@@ -110,11 +93,7 @@ impl Node {
     /// configured, joins the swarm through them (with retries). Fails with a clear error when no
     /// bootstrap peer answers.
     pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
-        let key = match (&cfg.identity, &cfg.identity_file) {
-            (Some(k), _) => k.clone(),
-            (None, Some(path)) => load_or_create_identity(path)?,
-            (None, None) => Keypair::generate_ed25519(),
-        };
+        let key = identity(&cfg)?;
         let owner = owner_key_of(&key)
             .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
         let listen = cfg.effective_listen();
@@ -124,40 +103,9 @@ impl Node {
         let stream = swarm.behaviour().stream.new_control();
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
         let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
-
-        let fast = if !cfg.fast_lane {
-            None
-        } else if cfg.client_mode {
-            Some(FastLane::dial_only(cfg.request_timeout))
-        } else {
-            let ip = listen_addrs
-                .iter()
-                .find_map(transport::tcp_ip)
-                .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-            Some(
-                FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream.clone())
-                    .await?,
-            )
-        };
+        let fast = start_fast_lane(&cfg, &listen_addrs, stream.clone()).await?;
+        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
-        let actor = Actor {
-            peer_ips: HashMap::new(),
-            swarm,
-            listen_addrs,
-            pending_dials: HashMap::new(),
-            pending_puts: HashMap::new(),
-            pending_gets: HashMap::new(),
-            pending_bootstrap: HashMap::new(),
-            reachability: if cfg.client_mode {
-                Reachability::Client
-            } else {
-                Reachability::Unknown
-            },
-            validator: validator.clone(),
-            put_quorum: cfg.put_quorum.max(1),
-            kad_protocol: libp2p::StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
-                .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
-        };
         tokio::spawn(actor.run(rx));
         let node = Node {
             tx,
@@ -512,360 +460,32 @@ impl Node {
     }
 }
 
-struct PendingGet {
-    merged: DictionaryRecord,
-    reply: oneshot::Sender<Result<Option<DictionaryRecord>, NodeError>>,
+/// The configured identity, the one in the identity file (created when absent), or a fresh one.
+fn identity(cfg: &NodeConfig) -> Result<Keypair, NodeError> {
+    Ok(match (&cfg.identity, &cfg.identity_file) {
+        (Some(k), _) => k.clone(),
+        (None, Some(path)) => load_or_create_identity(path)?,
+        (None, None) => Keypair::generate_ed25519(),
+    })
 }
 
-struct Actor {
-    /// The remote IP of each peer with a direct connection (for fast lanes).
-    peer_ips: HashMap<PeerId, IpAddr>,
-    swarm: Swarm<Behaviour>,
-    listen_addrs: Vec<Multiaddr>,
-    pending_dials: HashMap<ConnectionId, (Multiaddr, oneshot::Sender<Result<PeerId, NodeError>>)>,
-    pending_puts: HashMap<QueryId, (String, oneshot::Sender<Result<PutReport, NodeError>>)>,
-    pending_gets: HashMap<QueryId, PendingGet>,
-    pending_bootstrap: HashMap<QueryId, oneshot::Sender<Result<(), NodeError>>>,
-    reachability: Reachability,
-    validator: Validator,
-    put_quorum: usize,
-    kad_protocol: libp2p::StreamProtocol,
-}
-
-impl Actor {
-    async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
-        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
-        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                cmd = rx.recv() => match cmd {
-                    Some(Command::Shutdown(reply)) => {
-                        self.close();
-                        let _ = reply.send(());
-                        break;
-                    }
-                    Some(cmd) => self.on_command(cmd),
-                    None => {
-                        self.close();
-                        break;
-                    }
-                },
-                event = self.swarm.select_next_some() => self.on_event(event),
-                _ = sweep.tick() => {
-                    self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
-                }
-            }
-        }
-        tracing::debug!(peer = %self.swarm.local_peer_id(), "swarm task stopped");
+/// The fast lane as configured: none when disabled, dial-only in client mode, else a listener
+/// on the IP of the first TCP listen address (all interfaces when there is none).
+async fn start_fast_lane(
+    cfg: &NodeConfig,
+    listen_addrs: &[Multiaddr],
+    stream: libp2p_stream::Control,
+) -> Result<Option<Arc<FastLane>>, NodeError> {
+    if !cfg.fast_lane {
+        return Ok(None);
     }
-
-    fn close(&mut self) {
-        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
-        for p in peers {
-            let _ = self.swarm.disconnect_peer_id(p);
-        }
-        // Pending callers learn the node is closed when their oneshots drop with `self`.
+    if cfg.client_mode {
+        return Ok(Some(FastLane::dial_only(cfg.request_timeout)));
     }
-
-    fn on_command(&mut self, cmd: Command) {
-        match cmd {
-            Command::ListenAddrs(reply) => {
-                let _ = reply.send(self.listen_addrs.clone());
-            }
-            Command::Dial(addr, reply) => {
-                let opts = match transport::peer_of(&addr) {
-                    Some(peer) => DialOpts::peer_id(peer)
-                        .condition(PeerCondition::Always)
-                        .addresses(vec![addr.clone()])
-                        .build(),
-                    None => DialOpts::unknown_peer_id().address(addr.clone()).build(),
-                };
-                let id = opts.connection_id();
-                match self.swarm.dial(opts) {
-                    Ok(()) => {
-                        self.pending_dials.insert(id, (addr, reply));
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(NodeError::Dial {
-                            addr: addr.to_string(),
-                            reason: e.to_string(),
-                        }));
-                    }
-                }
-            }
-            Command::Bootstrap(reply) => match self.swarm.behaviour_mut().kad.bootstrap() {
-                Ok(id) => {
-                    self.pending_bootstrap.insert(id, reply);
-                }
-                Err(_) => {
-                    let _ = reply.send(Err(NodeError::Bootstrap {
-                        tried: 0,
-                        attempts: 1,
-                        last_error: "no known peers".into(),
-                    }));
-                }
-            },
-            Command::Status(reply) => {
-                let _ = reply.send(self.status());
-            }
-            Command::ConnectedPeers(reply) => {
-                let _ = reply.send(self.swarm.connected_peers().copied().collect());
-            }
-            Command::Put(record, reply) => {
-                let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
-                let quorum = Quorum::N(
-                    std::num::NonZeroUsize::new(self.put_quorum)
-                        .unwrap_or(std::num::NonZeroUsize::MIN),
-                );
-                match self.swarm.behaviour_mut().kad.put_record(record, quorum) {
-                    Ok(id) => {
-                        self.pending_puts.insert(id, (key, reply));
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(NodeError::Dht(starling_dht::DhtError::StoreFull(
-                            match e {
-                                kad::store::Error::MaxRecords => "too many records",
-                                _ => "record refused by local store",
-                            },
-                        ))));
-                    }
-                }
-            }
-            Command::PutRawToConnected(record, reply) => {
-                let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
-                let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
-                let id = self.swarm.behaviour_mut().kad.put_record_to(
-                    record,
-                    peers.into_iter(),
-                    Quorum::One,
-                );
-                self.pending_puts.insert(id, (key, reply));
-            }
-            Command::Get(key, reply) => {
-                let id = self.swarm.behaviour_mut().kad.get_record(key);
-                self.pending_gets.insert(
-                    id,
-                    PendingGet {
-                        merged: DictionaryRecord::default(),
-                        reply,
-                    },
-                );
-            }
-            Command::GetLocal(key, reply) => {
-                let store = self.swarm.behaviour_mut().kad.store_mut();
-                let _ = reply.send(store.get_live(key.as_ref(), now_ms()));
-            }
-            Command::PeerIp(peer, reply) => {
-                let ip = self
-                    .swarm
-                    .is_connected(&peer)
-                    .then(|| self.peer_ips.get(&peer).copied())
-                    .flatten();
-                let _ = reply.send(ip);
-            }
-            Command::Shutdown(_) => unreachable!("handled in run"),
-        }
-    }
-
-    fn status(&mut self) -> NodeStatus {
-        let peer_id = *self.swarm.local_peer_id();
-        let routing_table = self
-            .swarm
-            .behaviour_mut()
-            .kad
-            .kbuckets()
-            .map(|b| b.num_entries())
-            .sum();
-        let stats = self.swarm.behaviour_mut().kad.store_mut().stats();
-        NodeStatus {
-            peer_id: peer_id.to_string(),
-            listen_addrs: self
-                .listen_addrs
-                .iter()
-                .map(|a| a.clone().with(Protocol::P2p(peer_id)).to_string())
-                .collect(),
-            connected_peers: self.swarm.connected_peers().count(),
-            routing_table,
-            records: stats.records,
-            record_bytes: stats.bytes,
-            rejected_records: stats.rejected,
-            reachability: self.reachability,
-        }
-    }
-
-    fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
-        match event {
-            SwarmEvent::NewListenAddr { address, .. } if !self.listen_addrs.contains(&address) => {
-                self.listen_addrs.push(address);
-            }
-            SwarmEvent::ExpiredListenAddr { address, .. } => {
-                self.listen_addrs.retain(|a| a != &address);
-            }
-            SwarmEvent::ConnectionEstablished {
-                peer_id,
-                connection_id,
-                endpoint,
-                ..
-            } => {
-                if let Some(ip) = transport::direct_ip(endpoint.get_remote_address()) {
-                    self.peer_ips.insert(peer_id, ip);
-                }
-                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
-                    if endpoint.is_dialer() {
-                        self.swarm
-                            .behaviour_mut()
-                            .kad
-                            .add_address(&peer_id, endpoint.get_remote_address().clone());
-                    }
-                    tracing::debug!(%peer_id, %addr, "connected");
-                    let _ = reply.send(Ok(peer_id));
-                }
-            }
-            SwarmEvent::OutgoingConnectionError {
-                connection_id,
-                error,
-                ..
-            } => {
-                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
-                    let _ = reply.send(Err(NodeError::Dial {
-                        addr: addr.to_string(),
-                        reason: error.to_string(),
-                    }));
-                }
-            }
-            SwarmEvent::ConnectionClosed {
-                peer_id,
-                cause,
-                num_established,
-                ..
-            } => {
-                tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
-                if num_established == 0 {
-                    self.peer_ips.remove(&peer_id);
-                }
-            }
-            SwarmEvent::IncomingConnectionError {
-                error,
-                send_back_addr,
-                ..
-            } => {
-                tracing::debug!(%send_back_addr, "inbound connection failed: {error}");
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
-                peer_id,
-                info,
-                ..
-            })) if info.protocols.contains(&self.kad_protocol) => {
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                }
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::Event::StatusChanged {
-                new,
-                ..
-            })) if self.reachability != Reachability::Client => {
-                self.reachability = match new {
-                    autonat::NatStatus::Public(_) => Reachability::Public,
-                    autonat::NatStatus::Private => Reachability::Private,
-                    autonat::NatStatus::Unknown => Reachability::Unknown,
-                };
-                tracing::info!(?new, "reachability changed");
-            }
-            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),
-            _ => {}
-        }
-    }
-
-    fn on_kad(&mut self, event: kad::Event) {
-        match event {
-            kad::Event::InboundRequest {
-                request:
-                    kad::InboundRequest::PutRecord {
-                        source,
-                        record: Some(record),
-                        ..
-                    },
-            } => {
-                let store = self.swarm.behaviour_mut().kad.store_mut();
-                if let Err(e) =
-                    store.insert(record.key.as_ref(), &record.value, Some(source), now_ms())
-                {
-                    tracing::debug!(%source, "refused inbound record: {e}");
-                }
-            }
-            kad::Event::OutboundQueryProgressed {
-                id, result, step, ..
-            } => match result {
-                QueryResult::GetRecord(Ok(GetRecordOk::FoundRecord(peer_record))) => {
-                    if let Some(pending) = self.pending_gets.get_mut(&id) {
-                        match self.validator.validate(
-                            peer_record.record.key.as_ref(),
-                            &peer_record.record.value,
-                            now_ms(),
-                        ) {
-                            Ok((_, record)) => {
-                                pending.merged.merge(record);
-                            }
-                            Err(e) => {
-                                tracing::debug!(peer = ?peer_record.peer, "dropped invalid record from GET: {e}");
-                            }
-                        }
-                    }
-                    if step.last {
-                        self.finish_get(id);
-                    }
-                }
-                QueryResult::GetRecord(_) if step.last => self.finish_get(id),
-                QueryResult::PutRecord(result) => {
-                    if let Some((key, reply)) = self.pending_puts.remove(&id) {
-                        let r = match result {
-                            Ok(_) => Ok(PutReport {
-                                acknowledged: self.put_quorum,
-                            }),
-                            Err(kad::PutRecordError::QuorumFailed {
-                                success, quorum, ..
-                            }) => Err(NodeError::QuorumFailed {
-                                key,
-                                acknowledged: success.len(),
-                                required: quorum.get(),
-                            }),
-                            Err(kad::PutRecordError::Timeout {
-                                success, quorum, ..
-                            }) => Err(NodeError::QuorumFailed {
-                                key,
-                                acknowledged: success.len(),
-                                required: quorum.get(),
-                            }),
-                        };
-                        let _ = reply.send(r);
-                    }
-                }
-                QueryResult::Bootstrap(result) => {
-                    let done = match &result {
-                        Ok(ok) => ok.num_remaining == 0,
-                        Err(_) => true,
-                    } || step.last;
-                    if done {
-                        if let Some(reply) = self.pending_bootstrap.remove(&id) {
-                            let _ = reply.send(
-                                result
-                                    .map(|_| ())
-                                    .map_err(|_| NodeError::Timeout("bootstrap")),
-                            );
-                        }
-                    }
-                }
-                _ => {}
-            },
-            _ => {}
-        }
-    }
-
-    fn finish_get(&mut self, id: QueryId) {
-        if let Some(mut pending) = self.pending_gets.remove(&id) {
-            pending.merged.remove_expired(now_ms());
-            let result = (!pending.merged.is_empty()).then_some(pending.merged);
-            let _ = pending.reply.send(Ok(result));
-        }
-    }
+    let ip = listen_addrs
+        .iter()
+        .find_map(transport::tcp_ip)
+        .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+    let lane = FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream).await?;
+    Ok(Some(lane))
 }
