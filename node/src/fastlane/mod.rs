@@ -31,7 +31,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use libp2p::{PeerId, StreamProtocol};
 use ring::rand::{SecureRandom, SystemRandom};
 use tokio::net::{TcpListener, TcpStream};
@@ -39,8 +39,9 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
+use crate::framing::{read_msg, write_msg};
 use crate::NodeError;
-use handshake::{Handshake, Keys, Token, HELLO, READY};
+use handshake::{Handshake, Keys, Token, HELLO, MAX_HANDSHAKE_MSG, READY};
 use record::LaneGuard;
 pub use record::{FastReader, FastStream, FastWriter, MAX_RECORD};
 
@@ -54,7 +55,6 @@ const MAX_PENDING_PER_PEER: usize = 32;
 const MAX_HANDSHAKES: usize = 64;
 /// Queued inbound lanes per protocol before new ones are refused.
 const ROUTE_QUEUE: usize = 64;
-const MAX_HANDSHAKE_MSG: usize = 1024;
 /// Longest wait for a lane's TCP connection and handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Tries at a lane request whose stream was dropped, and the pause between them (times the try).
@@ -200,6 +200,10 @@ impl FastLane {
         };
         // libp2p-stream drops inbound streams that arrive while the listener's accept queue is
         // busy (several peers asking at once): a dropped request is retried with fresh secrets.
+        // Not `streams::open_confirmed`: it resends one fixed hello, but a retry must carry a
+        // fresh token (an offer whose reply was lost is still pending on the listener, which
+        // refuses the same token again as "in use"), and each attempt here gets the whole
+        // request timeout rather than sharing one deadline.
         let mut attempt = 0u32;
         let (token, keys, reply) = loop {
             let mut token = [0u8; 16];
@@ -219,7 +223,7 @@ impl FastLane {
                     .await
                     .map_err(io::Error::other)?;
                 write_msg(&mut s, &offer).await?;
-                let reply = read_msg(&mut s).await?;
+                let reply: Handshake = read_msg(&mut s, MAX_HANDSHAKE_MSG).await?;
                 let _ = s.close().await;
                 Ok::<_, io::Error>(reply)
             })
@@ -384,7 +388,7 @@ async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_strea
             let _permit = permit;
             let t = lane.timeout;
             let _ = timeout(t, async {
-                let msg = read_msg(&mut stream).await?;
+                let msg = read_msg(&mut stream, MAX_HANDSHAKE_MSG).await?;
                 let reply = lane.offer(peer, msg);
                 write_msg(&mut stream, &reply).await?;
                 stream.close().await
@@ -418,28 +422,6 @@ async fn serve_connections(lane: std::sync::Weak<FastLane>, listener: TcpListene
             }
         });
     }
-}
-
-async fn write_msg<S: AsyncWrite + Unpin>(s: &mut S, msg: &Handshake) -> io::Result<()> {
-    let body = postcard::to_stdvec(msg).map_err(io::Error::other)?;
-    s.write_all(&(body.len() as u32).to_le_bytes()).await?;
-    s.write_all(&body).await?;
-    s.flush().await
-}
-
-async fn read_msg<S: AsyncRead + Unpin>(s: &mut S) -> io::Result<Handshake> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).await?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_HANDSHAKE_MSG {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "handshake too large",
-        ));
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).await?;
-    postcard::from_bytes(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 #[cfg(test)]
