@@ -41,6 +41,7 @@ mod identity;
 mod node;
 pub mod streams;
 mod swarm_key;
+mod sync;
 
 pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;

@@ -40,6 +40,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 
 use crate::framing::{read_msg, write_msg};
+use crate::sync::lock;
 use crate::NodeError;
 use handshake::{Handshake, Keys, Token, HELLO, MAX_HANDSHAKE_MSG, READY};
 use record::LaneGuard;
@@ -89,10 +90,10 @@ impl FastLane {
         let std = tcp.into_std()?;
         let guard = Arc::new(LaneGuard(std.try_clone()?));
         let tcp = TcpStream::from_std(std)?;
-        if let Ok(mut live) = self.live.lock() {
-            live.retain(|w| w.strong_count() > 0);
-            live.push(Arc::downgrade(&guard));
-        }
+        let mut live = lock(&self.live);
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(&guard));
+        drop(live);
         FastStream::new(tcp, keys, dialer, Some(guard))
     }
 
@@ -133,10 +134,7 @@ impl FastLane {
         let lane = Self::with_port(Some(port), timeout);
         let offers = tokio::spawn(serve_offers(Arc::downgrade(&lane), control));
         let conns = tokio::spawn(serve_connections(Arc::downgrade(&lane), listener));
-        if let Ok(mut t) = lane.tasks.lock() {
-            t.push(offers);
-            t.push(conns);
-        }
+        lock(&lane.tasks).extend([offers, conns]);
         tracing::debug!(port, "fast lane listening");
         Ok(lane)
     }
@@ -147,21 +145,13 @@ impl FastLane {
 
     /// Stops the accept loops and drops every route (handlers see their incoming queue end).
     pub(crate) fn stop(&self) {
-        if let Ok(mut t) = self.tasks.lock() {
-            for h in t.drain(..) {
-                h.abort();
-            }
+        for h in lock(&self.tasks).drain(..) {
+            h.abort();
         }
-        if let Ok(mut r) = self.routes.lock() {
-            r.clear();
-        }
-        if let Ok(mut p) = self.pending.lock() {
-            p.clear();
-        }
-        if let Ok(mut live) = self.live.lock() {
-            for g in live.drain(..).filter_map(|w| w.upgrade()) {
-                let _ = g.0.shutdown(std::net::Shutdown::Both);
-            }
+        lock(&self.routes).clear();
+        lock(&self.pending).clear();
+        for g in lock(&self.live).drain(..).filter_map(|w| w.upgrade()) {
+            let _ = g.0.shutdown(std::net::Shutdown::Both);
         }
     }
 
@@ -171,10 +161,7 @@ impl FastLane {
                 "this node has no fast lane listener (client mode or disabled)".into(),
             ));
         }
-        let mut routes = self
-            .routes
-            .lock()
-            .map_err(|_| NodeError::FastLane("lock poisoned".into()))?;
+        let mut routes = lock(&self.routes);
         let key = protocol.as_ref().to_string();
         if routes.get(&key).is_some_and(|tx| !tx.is_closed()) {
             return Err(NodeError::FastLane(format!(
@@ -285,16 +272,13 @@ impl FastLane {
         let Some(port) = self.port else {
             return Handshake::Refuse("no listener".into());
         };
-        let routed = self
-            .routes
-            .lock()
-            .is_ok_and(|r| r.get(&protocol).is_some_and(|tx| !tx.is_closed()));
+        let routed = lock(&self.routes)
+            .get(&protocol)
+            .is_some_and(|tx| !tx.is_closed());
         if !routed {
             return Handshake::Refuse(format!("no handler for {protocol}"));
         }
-        let Ok(mut pending) = self.pending.lock() else {
-            return Handshake::Refuse("internal error".into());
-        };
+        let mut pending = lock(&self.pending);
         let now = Instant::now();
         pending.retain(|_, p| p.expires > now);
         if pending.len() >= MAX_PENDING
@@ -322,11 +306,10 @@ impl FastLane {
         tcp.set_nodelay(true)?;
         let mut token = [0u8; 16];
         tokio::io::AsyncReadExt::read_exact(&mut tcp, &mut token).await?;
-        let found = self.pending.lock().ok().and_then(|p| {
-            p.get(&token)
-                .filter(|p| p.expires > Instant::now())
-                .map(|p| (p.peer, p.protocol.clone(), p.keys))
-        });
+        let found = lock(&self.pending)
+            .get(&token)
+            .filter(|p| p.expires > Instant::now())
+            .map(|p| (p.peer, p.protocol.clone(), p.keys));
         let Some((peer, protocol, keys)) = found else {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -340,21 +323,14 @@ impl FastLane {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "bad lane hello"));
         }
         // The first record opened with the offered key: the dialer is who the offer came from.
-        let fresh = self
-            .pending
-            .lock()
-            .is_ok_and(|mut p| p.remove(&token).is_some());
+        let fresh = lock(&self.pending).remove(&token).is_some();
         if !fresh {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 "token used",
             ));
         }
-        let route = self
-            .routes
-            .lock()
-            .ok()
-            .and_then(|r| r.get(&protocol).cloned());
+        let route = lock(&self.routes).get(&protocol).cloned();
         let Some(route) = route else {
             return Err(io::Error::other("handler gone"));
         };
