@@ -38,6 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
+use tracing::Instrument;
 
 use crate::framing::{read_msg, write_msg};
 use crate::sync::lock;
@@ -132,8 +133,10 @@ impl FastLane {
             .map_err(|e| NodeError::Transport(e.to_string()))?
             .port();
         let lane = Self::with_port(Some(port), timeout);
-        let offers = tokio::spawn(serve_offers(Arc::downgrade(&lane), control));
-        let conns = tokio::spawn(serve_connections(Arc::downgrade(&lane), listener));
+        // The loops and the handshakes they spawn run in the caller's span (the node's).
+        let offers = tokio::spawn(serve_offers(Arc::downgrade(&lane), control).in_current_span());
+        let conns =
+            tokio::spawn(serve_connections(Arc::downgrade(&lane), listener).in_current_span());
         lock(&lane.tasks).extend([offers, conns]);
         tracing::debug!(port, "fast lane listening");
         Ok(lane)
@@ -360,7 +363,7 @@ async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_strea
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             continue;
         };
-        tokio::spawn(async move {
+        let handshake = async move {
             let _permit = permit;
             let t = lane.timeout;
             let _ = timeout(t, async {
@@ -370,7 +373,9 @@ async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_strea
                 stream.close().await
             })
             .await;
-        });
+        }
+        .in_current_span();
+        tokio::spawn(handshake);
     }
 }
 
@@ -389,14 +394,16 @@ async fn serve_connections(lane: std::sync::Weak<FastLane>, listener: TcpListene
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             continue; // dropped: too many unauthenticated connections at once
         };
-        tokio::spawn(async move {
+        let handshake = async move {
             let _permit = permit;
             match timeout(lane.timeout, lane.admit(tcp)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(%from, "fast lane refused: {e}"),
                 Err(_) => tracing::debug!(%from, "fast lane handshake timed out"),
             }
-        });
+        }
+        .in_current_span();
+        tokio::spawn(handshake);
     }
 }
 

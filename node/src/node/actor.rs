@@ -112,7 +112,7 @@ impl Actor {
                 }
             }
         }
-        tracing::debug!(peer = %self.swarm.local_peer_id(), "swarm task stopped");
+        tracing::debug!("swarm task stopped");
     }
 
     fn close(&mut self) {

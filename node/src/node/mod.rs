@@ -20,6 +20,7 @@ use libp2p::{Multiaddr, PeerId, StreamProtocol};
 use serde::{de::DeserializeOwned, Serialize};
 use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use crate::fastlane::{FastLane, FastStream, IncomingFast};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
@@ -78,6 +79,8 @@ pub struct Node {
     validator: Validator,
     request_timeout: Duration,
     fast: Option<Arc<FastLane>>,
+    /// `node{peer=<short id>}`: entered by the swarm task and every task the node spawns.
+    span: tracing::Span,
 }
 
 impl std::fmt::Debug for Node {
@@ -94,6 +97,18 @@ impl Node {
     /// bootstrap peer answers.
     pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
         let key = identity(&cfg)?;
+        let span = node_span(&key.public().to_peer_id());
+        Self::start_as(cfg, key, span.clone())
+            .instrument(span)
+            .await
+    }
+
+    /// [`Node::start`] once the identity is known, inside the node's span.
+    async fn start_as(
+        cfg: NodeConfig,
+        key: Keypair,
+        span: tracing::Span,
+    ) -> Result<Node, NodeError> {
         let owner = owner_key_of(&key)
             .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
         let listen = cfg.effective_listen();
@@ -106,7 +121,7 @@ impl Node {
         let fast = start_fast_lane(&cfg, &listen_addrs, stream.clone()).await?;
         let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
-        tokio::spawn(actor.run(rx));
+        tokio::spawn(actor.run(rx).instrument(span.clone()));
         let node = Node {
             tx,
             peer_id,
@@ -115,6 +130,7 @@ impl Node {
             validator,
             request_timeout: cfg.request_timeout,
             fast,
+            span,
         };
         if !cfg.bootstrap.is_empty() {
             node.join(&cfg).await?;
@@ -189,6 +205,25 @@ impl Node {
     /// This node's peer id.
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
+    }
+
+    /// The node's tracing span, `node{peer=<short peer id>}`, which its own tasks run in. Run
+    /// tasks that work for this node in it too, so that their logs say which node they belong
+    /// to when several nodes share a process:
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) {
+    /// use tracing::Instrument;
+    /// let watcher = node.clone();
+    /// let task = async move {
+    ///     let peers = watcher.connected_peers().await.map(|p| p.len());
+    ///     tracing::info!(?peers, "connected"); // logged as `node{peer=…}: connected …`
+    /// };
+    /// tokio::spawn(task.instrument(node.span()));
+    /// # }
+    /// ```
+    pub fn span(&self) -> tracing::Span {
+        self.span.clone()
     }
 
     /// The key that signs this node's owner-protected DHT entries.
@@ -460,6 +495,15 @@ impl Node {
     }
 }
 
+/// The span a node's tasks run in: `node{peer=<last 6 characters of the peer id>}`, enough to
+/// tell apart the nodes of one process (a [`LocalCluster`](crate::cluster::LocalCluster), a
+/// test). At error level so that it tags every event, whatever the filter lets through.
+fn node_span(peer: &PeerId) -> tracing::Span {
+    let id = peer.to_base58();
+    let short = &id[id.len().saturating_sub(6)..];
+    tracing::error_span!("node", peer = %short)
+}
+
 /// The configured identity, the one in the identity file (created when absent), or a fresh one.
 fn identity(cfg: &NodeConfig) -> Result<Keypair, NodeError> {
     Ok(match (&cfg.identity, &cfg.identity_file) {
@@ -488,4 +532,51 @@ async fn start_fast_lane(
         .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
     let lane = FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream).await?;
     Ok(Some(lane))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Collects what a fmt subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            crate::sync::lock(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_swarm_task_and_the_fast_lane_log_inside_the_node_span() {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        // A current-thread runtime: the node's tasks run on this thread, under this subscriber.
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let cfg = NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
+        let node = Node::start(cfg).await.unwrap();
+        let id = node.peer_id().to_base58();
+        let tag = format!("node{{peer={}}}", &id[id.len() - 6..]);
+        node.shutdown().await;
+        node.closed().await;
+        tokio::task::yield_now().await;
+        let logs = String::from_utf8(crate::sync::lock(&out.0).clone()).unwrap();
+        for line in ["fast lane listening", "swarm task stopped"] {
+            assert!(
+                logs.lines().any(|l| l.contains(line) && l.contains(&tag)),
+                "no {line:?} tagged {tag} in:\n{logs}"
+            );
+        }
+    }
 }
