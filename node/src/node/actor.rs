@@ -39,6 +39,7 @@ pub(super) enum Command {
     ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
     Put(Record, Reply<PutReport>),
     /// Fault injection: a record sent to every connected peer as it is.
+    #[cfg(feature = "testing")]
     PutRawToConnected(Record, Reply<PutReport>),
     Get(RecordKey, Reply<Option<DictionaryRecord>>),
     GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
@@ -137,6 +138,7 @@ impl Actor {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Put(record, reply) => self.queries.put(kad(&mut self.swarm), record, reply),
+            #[cfg(feature = "testing")]
             Command::PutRawToConnected(record, reply) => {
                 let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
                 self.queries

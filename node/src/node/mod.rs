@@ -344,7 +344,8 @@ impl Node {
     /// Sends raw record bytes to every connected peer **without local validation or signing**.
     ///
     /// For adversarial tests only (forged, malformed or oversized records): a well-behaved peer
-    /// uses [`Self::put_entry`] or [`Self::store`].
+    /// uses [`Self::put_entry`] or [`Self::store`]. Compiled only with the `testing` feature.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub async fn send_raw_record_unchecked(
         &self,

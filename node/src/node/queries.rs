@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use std::num::NonZeroUsize;
 
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
-use libp2p::PeerId;
 use starling_dht::{now_ms, DhtStore, DictionaryRecord, Validator};
 use tokio::sync::oneshot;
 
@@ -73,11 +72,12 @@ impl Queries {
     }
 
     /// Sends `record` to `peers` as it is (no local store, no validation): fault injection.
+    #[cfg(feature = "testing")]
     pub(super) fn put_to(
         &mut self,
         kad: &mut Kad,
         record: Record,
-        peers: Vec<PeerId>,
+        peers: Vec<libp2p::PeerId>,
         reply: Reply<PutReport>,
     ) {
         let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
