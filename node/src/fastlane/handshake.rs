@@ -12,8 +12,9 @@ pub(super) type Token = [u8; 16];
 pub(super) type Keys = [u8; 64];
 /// Largest offer or answer, in bytes (an offer is about 90 bytes plus the protocol name).
 pub(super) const MAX_HANDSHAKE_MSG: usize = 1024;
-/// What the dialer's first record says; what the listener's first record answers.
+/// What the dialer's first record on a new lane says (it proves the dialer holds the keys).
 pub(super) const HELLO: &[u8; 16] = b"starling-lane-v1";
+/// What the listener's first record answers once the lane is routed to a handler.
 pub(super) const READY: &[u8; 16] = b"starling-lane-ok";
 
 /// A message on the `/starling/fastlane/1` libp2p stream.

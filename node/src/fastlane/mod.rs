@@ -50,19 +50,23 @@ pub use record::{FastReader, FastStream, FastWriter, MAX_RECORD};
 /// The libp2p protocol on which fast lanes are requested.
 pub const FASTLANE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/fastlane/1");
 
-/// Lanes offered but not yet connected, and handshakes in progress, at most.
+/// Lanes offered but not yet connected, at most.
 const MAX_PENDING: usize = 256;
 /// Offers one peer may have pending (so that one peer cannot take every slot).
 const MAX_PENDING_PER_PEER: usize = 32;
+/// Handshakes in progress at most, per accept loop (offer streams; unauthenticated TCP
+/// connections); more are dropped.
 const MAX_HANDSHAKES: usize = 64;
 /// Queued inbound lanes per protocol before new ones are refused.
 const ROUTE_QUEUE: usize = 64;
 /// Longest wait for a lane's TCP connection and handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Tries at a lane request whose stream was dropped, and the pause between them (times the try).
+/// Tries at a lane request whose stream was dropped.
 const OFFER_ATTEMPTS: u32 = 4;
+/// Pause before retrying a dropped lane request, times the number of the retry.
 const OFFER_RETRY_PAUSE: Duration = Duration::from_millis(20);
 
+/// A lane offered and accepted, waiting for its TCP connection.
 struct Pending {
     peer: PeerId,
     protocol: String,
@@ -87,6 +91,7 @@ pub(crate) struct FastLane {
 }
 
 impl FastLane {
+    /// Wraps a connected socket into a lane that [`Self::stop`] can cut.
     fn lane(&self, tcp: TcpStream, keys: &Keys, dialer: bool) -> io::Result<FastStream> {
         let std = tcp.into_std()?;
         let guard = Arc::new(LaneGuard(std.try_clone()?));
@@ -142,6 +147,7 @@ impl FastLane {
         Ok(lane)
     }
 
+    /// The listener's TCP port; `None` for a dial-only lane state.
     pub(crate) fn port(&self) -> Option<u16> {
         self.port
     }
@@ -158,6 +164,7 @@ impl FastLane {
         }
     }
 
+    /// Takes inbound lanes for `protocol` (see [`crate::Node::accept_fast`]).
     pub(crate) fn accept(&self, protocol: &StreamProtocol) -> Result<IncomingFast, NodeError> {
         if self.port.is_none() {
             return Err(NodeError::FastLane(
@@ -263,6 +270,9 @@ impl FastLane {
             .map_err(|e| err(&format!("fast lane to {addr}"), &e))
     }
 
+    /// The listener's answer to `peer`'s request: accepts an offer (and remembers it until its
+    /// connection arrives or it expires) when the protocol has a handler, the token is new and
+    /// neither the peer nor the node has too many offers pending.
     fn offer(&self, peer: PeerId, msg: Handshake) -> Handshake {
         let Handshake::Offer {
             protocol,
@@ -352,6 +362,7 @@ impl Drop for FastLane {
     }
 }
 
+/// Answers lane requests on [`FASTLANE_PROTOCOL`] streams until the lane state is gone.
 async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_stream::Control) {
     let Ok(mut incoming) = control.accept(FASTLANE_PROTOCOL) else {
         tracing::warn!("fast lane protocol already registered; lanes disabled");
@@ -379,6 +390,7 @@ async fn serve_offers(lane: std::sync::Weak<FastLane>, mut control: libp2p_strea
     }
 }
 
+/// Accepts TCP connections on the lane port and admits those that prove an offer.
 async fn serve_connections(lane: std::sync::Weak<FastLane>, listener: TcpListener) {
     let limit = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     loop {

@@ -24,7 +24,9 @@ use super::handshake::Keys;
 /// Largest plaintext in one record. Small enough that a record stays in L2 while it is copied
 /// and sealed, large enough that per-record costs vanish.
 pub const MAX_RECORD: usize = 256 * 1024;
+/// Bytes of a record's length word.
 const HEAD: usize = 4;
+/// Bytes of a record's AES-GCM tag.
 const TAG: usize = 16;
 /// Set in a record's length word for the (empty) record that ends a stream.
 const CLOSE_BIT: u32 = 1 << 31;
@@ -34,26 +36,46 @@ const CLOSE_BIT: u32 = 1 << 31;
 /// connections do).
 pub(super) struct LaneGuard(pub(super) std::net::TcpStream);
 
+/// The AES-GCM nonce of a direction's `counter`-th record: 4 zero bytes, then the counter LE.
 fn nonce(counter: u64) -> Nonce {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&counter.to_le_bytes());
     Nonce::assume_unique_for_key(n)
 }
 
+/// An AES-256-GCM key from 32 bytes.
 fn key(bytes: &[u8]) -> io::Result<LessSafeKey> {
     UnboundKey::new(&AES_256_GCM, bytes)
         .map(LessSafeKey::new)
         .map_err(|_| io::Error::other("bad key"))
 }
 
+/// An `InvalidData` error: the peer sent something no honest peer sends.
 fn bad(what: &'static str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what)
 }
 
-/// An authenticated, encrypted, full-duplex byte stream to one peer (see the module docs).
+/// An authenticated, encrypted, full-duplex byte stream to one peer (see [`crate::fastlane`]).
 /// Writes are buffered into records: call `flush` when the peer must see what was written, and
 /// `close` to end the stream (a stream dropped without `close` reads as truncated on the other
-/// side). [`FastStream::into_split`] gives halves that work in separate tasks.
+/// side). [`FastStream::into_split`] gives halves that work in separate tasks, so sealing and
+/// opening run on two cores:
+///
+/// ```no_run
+/// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId) -> std::io::Result<()> {
+/// use futures::{AsyncReadExt, AsyncWriteExt};
+/// use starling_node::StreamProtocol;
+/// let lane = node.open_fast(peer, StreamProtocol::new("/example/echo/1")).await.map_err(std::io::Error::other)?;
+/// let (mut rd, mut wr) = lane.into_split();
+/// let sender = tokio::spawn(async move {
+///     wr.write_all(&vec![7u8; 1 << 20]).await?;
+///     wr.close().await // flushes the last record, then seals the close record
+/// });
+/// let mut echoed = Vec::new();
+/// rd.read_to_end(&mut echoed).await?; // ends cleanly only at the peer's close record
+/// sender.await.map_err(std::io::Error::other)??;
+/// # Ok(()) }
+/// ```
 pub struct FastStream {
     rd: FastReader,
     wr: FastWriter,
@@ -66,6 +88,8 @@ impl std::fmt::Debug for FastStream {
 }
 
 impl FastStream {
+    /// A lane over a connected socket; `keys` as offered, `dialer` picks which key each
+    /// direction uses; `guard` lets the node cut the lane when it stops.
     pub(super) fn new(
         tcp: TcpStream,
         keys: &Keys,

@@ -67,9 +67,28 @@ pub struct PutReport {
     pub acknowledged: usize,
 }
 
-/// A handle to a running node. Cheap to clone; all clones talk to the same swarm task.
+/// A handle to a running node. Cheap to clone; all clones talk to the same swarm task, and every
+/// call is a message to that task and an awaited reply (bounded by the request timeout where
+/// the network is involved). When the task stops ([`Node::shutdown`] from any clone), calls fail
+/// with [`NodeError::Closed`].
 ///
-/// See the crate docs for an example.
+/// Two nodes on loopback, one joining through the other, sharing a DHT record:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), starling_node::NodeError> {
+/// use starling_node::{Node, NodeConfig};
+/// let local = || NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
+/// let first = Node::start(local()).await?;
+/// let addr = first.listen_addrs().await?.remove(0); // ends in /p2p/<first's peer id>
+/// let second = Node::start(local().bootstrap_from(addr)).await?;
+/// second.store("run/lr", "me", &0.1f64, starling_dht::now_ms() + 60_000).await?;
+/// let lrs: Vec<(String, f64, u64)> = first.get("run/lr").await?;
+/// assert_eq!(lrs[0].1, 0.1);
+/// second.shutdown().await;
+/// first.shutdown().await;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Node {
     tx: mpsc::Sender<Command>,
@@ -94,7 +113,7 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// Builds the swarm, starts listening, spawns the swarm task and, if bootstrap addresses are
     /// configured, joins the swarm through them (with retries). Fails with a clear error when no
-    /// bootstrap peer answers.
+    /// bootstrap peer answers. See [`Node`] for an example.
     pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
         let key = identity(&cfg)?;
         let span = node_span(&key.public().to_peer_id());
