@@ -186,15 +186,31 @@ impl FastLane {
     /// Requests and connects a lane to `peer` (reached at `ip`) for `protocol`.
     pub(crate) async fn open(
         &self,
-        mut control: libp2p_stream::Control,
+        control: libp2p_stream::Control,
         peer: PeerId,
         ip: IpAddr,
         protocol: &StreamProtocol,
     ) -> Result<FastStream, NodeError> {
-        let t = self.timeout;
-        let err = |what: &str, e: &dyn std::fmt::Display| {
-            NodeError::FastLane(format!("{what} with {peer}: {e}"))
-        };
+        let (token, keys, port) = self.request(control, peer, protocol).await?;
+        let addr = SocketAddr::new(ip, port);
+        // A firewalled lane port drops the SYN: give up soon, the caller falls back to libp2p.
+        timeout(
+            self.timeout.min(CONNECT_TIMEOUT),
+            self.connect(addr, &token, &keys),
+        )
+        .await
+        .map_err(|_| NodeError::Timeout("connecting a fast lane"))?
+        .map_err(|e| NodeError::FastLane(format!("fast lane to {addr} with {peer}: {e}")))
+    }
+
+    /// Offers `peer` a lane for `protocol` over a libp2p stream; returns the offer's secrets
+    /// and the port the peer accepted it on.
+    async fn request(
+        &self,
+        mut control: libp2p_stream::Control,
+        peer: PeerId,
+        protocol: &StreamProtocol,
+    ) -> Result<(Token, Keys, u16), NodeError> {
         // libp2p-stream drops inbound streams that arrive while the listener's accept queue is
         // busy (several peers asking at once): a dropped request is retried with fresh secrets.
         // Not `streams::open_confirmed`: it resends one fixed hello, but a retry must carry a
@@ -203,18 +219,13 @@ impl FastLane {
         // request timeout rather than sharing one deadline.
         let mut attempt = 0u32;
         let (token, keys, reply) = loop {
-            let mut token = [0u8; 16];
-            let mut keys = [0u8; 64];
-            self.rng
-                .fill(&mut token)
-                .and_then(|_| self.rng.fill(&mut keys))
-                .map_err(|_| NodeError::FastLane("no randomness available".into()))?;
+            let (token, keys) = self.fresh_secrets()?;
             let offer = Handshake::Offer {
                 protocol: protocol.as_ref().to_string(),
                 token,
                 keys,
             };
-            let asked = timeout(t, async {
+            let asked = timeout(self.timeout, async {
                 let mut s = control
                     .open_stream(peer, FASTLANE_PROTOCOL)
                     .await
@@ -233,41 +244,58 @@ impl FastLane {
                     attempt += 1;
                     tokio::time::sleep(OFFER_RETRY_PAUSE * attempt).await;
                 }
-                Err(e) => return Err(err("requesting a fast lane", &e)),
+                Err(e) => {
+                    return Err(NodeError::FastLane(format!(
+                        "requesting a fast lane with {peer}: {e}"
+                    )))
+                }
             }
         };
-        let port = match reply {
-            Handshake::Accept { port } => port,
+        match reply {
+            Handshake::Accept { port } => Ok((token, keys, port)),
             Handshake::Refuse(why) => {
-                return Err(NodeError::FastLane(format!("{peer} refused a lane: {why}")))
+                Err(NodeError::FastLane(format!("{peer} refused a lane: {why}")))
             }
             Handshake::Offer { .. } => {
-                return Err(NodeError::FastLane(format!("{peer} answered out of turn")))
+                Err(NodeError::FastLane(format!("{peer} answered out of turn")))
             }
-        };
-        let addr = SocketAddr::new(ip, port);
-        let connect = async {
-            let mut tcp = TcpStream::connect(addr).await?;
-            tcp.set_nodelay(true)?;
-            tokio::io::AsyncWriteExt::write_all(&mut tcp, &token).await?;
-            let mut lane = self.lane(tcp, &keys, true)?;
-            lane.write_all(HELLO).await?;
-            lane.flush().await?;
-            let mut ok = [0u8; 16];
-            lane.read_exact(&mut ok).await?;
-            if &ok != READY {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "bad lane answer",
-                ));
-            }
-            Ok::<_, io::Error>(lane)
-        };
-        // A firewalled lane port drops the SYN: give up soon, the caller falls back to libp2p.
-        timeout(t.min(CONNECT_TIMEOUT), connect)
-            .await
-            .map_err(|_| NodeError::Timeout("connecting a fast lane"))?
-            .map_err(|e| err(&format!("fast lane to {addr}"), &e))
+        }
+    }
+
+    /// A fresh single-use token and a fresh key per direction.
+    fn fresh_secrets(&self) -> Result<(Token, Keys), NodeError> {
+        let mut token = [0u8; 16];
+        let mut keys = [0u8; 64];
+        self.rng
+            .fill(&mut token)
+            .and_then(|_| self.rng.fill(&mut keys))
+            .map_err(|_| NodeError::FastLane("no randomness available".into()))?;
+        Ok((token, keys))
+    }
+
+    /// Connects to an accepted offer's port and proves the offer: the token in the clear, then
+    /// HELLO sealed with the offered key; the lane is ready once READY comes back.
+    async fn connect(
+        &self,
+        addr: SocketAddr,
+        token: &Token,
+        keys: &Keys,
+    ) -> io::Result<FastStream> {
+        let mut tcp = TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        tokio::io::AsyncWriteExt::write_all(&mut tcp, token).await?;
+        let mut lane = self.lane(tcp, keys, true)?;
+        lane.write_all(HELLO).await?;
+        lane.flush().await?;
+        let mut ok = [0u8; 16];
+        lane.read_exact(&mut ok).await?;
+        if &ok != READY {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad lane answer",
+            ));
+        }
+        Ok(lane)
     }
 
     /// The listener's answer to `peer`'s request: accepts an offer (and remembers it until its
