@@ -1,3 +1,11 @@
+//! The protocols every node runs, composed into one `NetworkBehaviour`, and how each is set
+//! up from a [`NodeConfig`].
+//!
+//! Kademlia departs from libp2p's defaults on purpose: records are filtered
+//! (`StoreInserts::FilterBoth`, our store validates and merges every inbound PUT), never cached
+//! on the query path, never republished by age (expiration is per sub-key, inside the value),
+//! and a packet may hold the largest record we accept plus [`KAD_PACKET_OVERHEAD`].
+
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
@@ -9,7 +17,8 @@ use starling_dht::DhtStore;
 
 use crate::{NodeConfig, NodeError};
 
-/// Kademlia packets must hold a full record plus closer-peer lists.
+/// Bytes a Kademlia packet may carry beyond the largest record: room for the closer-peer lists
+/// and the message envelope.
 const KAD_PACKET_OVERHEAD: usize = 64 * 1024;
 
 /// The protocols every Starling node runs, composed into one behaviour.
@@ -24,6 +33,9 @@ pub(crate) struct Behaviour {
     pub stream: libp2p_stream::Behaviour,
 }
 
+/// The behaviour for identity `key`: Kademlia over our validating [`DhtStore`] (inbound PUTs
+/// filtered, no caching, no republishing, our own record-size bound), identify, ping, autonat,
+/// the relay client the swarm builder made, dcutr and `libp2p-stream`.
 pub(crate) fn build(
     key: &Keypair,
     relay_client: relay::client::Behaviour,

@@ -1,5 +1,7 @@
 //! Many nodes in one process on 127.0.0.1, for benchmarks, demos and tests.
 
+use tracing::Instrument;
+
 use crate::{Node, NodeConfig, NodeError};
 
 /// A swarm of nodes on loopback: the first node is the bootstrap peer of all others.
@@ -42,7 +44,7 @@ impl LocalCluster {
         let mut joiners = Vec::new();
         for _ in 1..n {
             let cfg = template.clone().bootstrap_from(boot.clone());
-            joiners.push(tokio::spawn(Node::start(cfg)));
+            joiners.push(tokio::spawn(Node::start(cfg).in_current_span()));
         }
         for j in joiners {
             let node = j

@@ -1,3 +1,5 @@
+//! [`NodeConfig`]: everything a node is started with, with defaults and builder methods.
+
 use std::path::PathBuf;
 use std::time::Duration;
 

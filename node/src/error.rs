@@ -1,3 +1,6 @@
+//! [`NodeError`]: what can go wrong when starting, running and using a node, with messages
+//! that say how to fix it where the user can.
+
 use thiserror::Error;
 
 use starling_dht::DhtError;
@@ -78,10 +81,11 @@ pub enum NodeError {
     /// An operation ran past its deadline.
     #[error("{0} timed out")]
     Timeout(&'static str),
-    /// The node has shut down.
+    /// No fast lane could be had (disabled, client mode, relayed connection, refused or
+    /// failed handshake): fall back to libp2p streams.
     #[error("fast lane: {0}")]
     FastLane(String),
-
+    /// The node has shut down.
     #[error("the node has shut down")]
     Closed,
 }

@@ -1,3 +1,6 @@
+//! A node's identity: the ed25519 key file (created with 0600 permissions), and the mapping
+//! between that key, the peer id it names, and the DHT owner key that signs its records.
+
 use std::io::Write;
 use std::path::Path;
 
@@ -108,6 +111,7 @@ pub(crate) fn write_private_file(
     file.sync_all().map_err(io)
 }
 
+/// Logs a warning when a key file's mode lets group or others read it (Unix only).
 fn warn_if_readable_by_others(path: &Path) {
     #[cfg(unix)]
     {

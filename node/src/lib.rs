@@ -16,6 +16,16 @@
 //!   authenticated libp2p stream, for transfers that would saturate one libp2p connection
 //!   ([`Node::open_fast`], [`Node::accept_fast`]).
 //!
+//! Modules for protocol authors: [`framing`] (length-prefixed postcard frames with a hard size
+//! limit, the one framing every stream protocol uses), [`streams`] (opening streams the other
+//! side really accepted, serving inbound ones), [`fastlane`], and [`cluster`] (many nodes on
+//! loopback for tests, benches and demos).
+//!
+//! Every task a node runs (its swarm task, fast lane loops and handshakes) runs in a
+//! `node{peer=<last 6 characters of the peer id>}` tracing span ([`Node::span`]), so the logs of
+//! several nodes in one process can be told apart. Poisoned locks are recovered, not
+//! propagated: no critical section in this crate can leave its data half-updated.
+//!
 //! **Client mode** ([`NodeConfig::client_mode`]) is for peers that cannot or should not accept
 //! inbound connections: they listen on nothing and run Kademlia in client mode, so they never
 //! appear in others' routing tables, but can still read and write records.
@@ -31,6 +41,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod behaviour;
 pub mod cluster;
 mod config;
@@ -41,6 +53,7 @@ mod identity;
 mod node;
 pub mod streams;
 mod swarm_key;
+mod sync;
 
 pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;

@@ -1,3 +1,5 @@
+//! [`SwarmKey`]: the pre-shared key of a private swarm, in libp2p's swarm-key file format.
+
 use std::path::Path;
 use std::str::FromStr;
 
@@ -68,6 +70,7 @@ impl SwarmKey {
         crate::identity::write_private_file(path, self.to_file_string().as_bytes(), false)
     }
 
+    /// The key in the form libp2p's `pnet` takes.
     pub(crate) fn psk(&self) -> PreSharedKey {
         self.0
     }

@@ -1,0 +1,466 @@
+//! Fast lane records: how a [`FastStream`] seals what it writes and opens what it reads.
+//!
+//! A record is `[length word][ciphertext][tag]`: the little-endian `u32` length word (its top
+//! bit marks the empty record that closes a direction) is the AEAD's additional data, the body
+//! is AES-256-GCM ciphertext of at most [`MAX_RECORD`] bytes, and the 16-byte tag follows.
+//! Each direction has its own key and a counter nonce that starts at 0, so a replayed,
+//! reordered or dropped record fails authentication, and an end without the close record
+//! reads as truncation.
+
+use std::io;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use futures::{AsyncRead, AsyncWrite};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use tokio::io::ReadBuf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+use super::handshake::Keys;
+
+/// Largest plaintext in one record. Small enough that a record stays in L2 while it is copied
+/// and sealed, large enough that per-record costs vanish.
+pub const MAX_RECORD: usize = 256 * 1024;
+/// Bytes of a record's length word.
+const HEAD: usize = 4;
+/// Bytes of a record's AES-GCM tag.
+const TAG: usize = 16;
+/// Set in a record's length word for the (empty) record that ends a stream.
+const CLOSE_BIT: u32 = 1 << 31;
+
+/// Held by both halves of a lane: a second handle on its socket, through which
+/// [`FastLane::stop`](super::FastLane::stop) shuts the connection down (what a killed node's
+/// connections do).
+pub(super) struct LaneGuard(pub(super) std::net::TcpStream);
+
+/// The AES-GCM nonce of a direction's `counter`-th record: 4 zero bytes, then the counter LE.
+fn nonce(counter: u64) -> Nonce {
+    let mut n = [0u8; 12];
+    n[4..].copy_from_slice(&counter.to_le_bytes());
+    Nonce::assume_unique_for_key(n)
+}
+
+/// An AES-256-GCM key from 32 bytes.
+fn key(bytes: &[u8]) -> io::Result<LessSafeKey> {
+    UnboundKey::new(&AES_256_GCM, bytes)
+        .map(LessSafeKey::new)
+        .map_err(|_| io::Error::other("bad key"))
+}
+
+/// An `InvalidData` error: the peer sent something no honest peer sends.
+fn bad(what: &'static str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// An authenticated, encrypted, full-duplex byte stream to one peer (see [`crate::fastlane`]).
+/// Writes are buffered into records: call `flush` when the peer must see what was written, and
+/// `close` to end the stream (a stream dropped without `close` reads as truncated on the other
+/// side). [`FastStream::into_split`] gives halves that work in separate tasks, so sealing and
+/// opening run on two cores:
+///
+/// ```no_run
+/// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId) -> std::io::Result<()> {
+/// use futures::{AsyncReadExt, AsyncWriteExt};
+/// use starling_node::StreamProtocol;
+/// let lane = node.open_fast(peer, StreamProtocol::new("/example/echo/1")).await.map_err(std::io::Error::other)?;
+/// let (mut rd, mut wr) = lane.into_split();
+/// let sender = tokio::spawn(async move {
+///     wr.write_all(&vec![7u8; 1 << 20]).await?;
+///     wr.close().await // flushes the last record, then seals the close record
+/// });
+/// let mut echoed = Vec::new();
+/// rd.read_to_end(&mut echoed).await?; // ends cleanly only at the peer's close record
+/// sender.await.map_err(std::io::Error::other)??;
+/// # Ok(()) }
+/// ```
+pub struct FastStream {
+    rd: FastReader,
+    wr: FastWriter,
+}
+
+impl std::fmt::Debug for FastStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastStream").finish_non_exhaustive()
+    }
+}
+
+impl FastStream {
+    /// A lane over a connected socket; `keys` as offered, `dialer` picks which key each
+    /// direction uses; `guard` lets the node cut the lane when it stops.
+    pub(super) fn new(
+        tcp: TcpStream,
+        keys: &Keys,
+        dialer: bool,
+        guard: Option<Arc<LaneGuard>>,
+    ) -> io::Result<Self> {
+        let (out, inn) = if dialer {
+            (&keys[..32], &keys[32..])
+        } else {
+            (&keys[32..], &keys[..32])
+        };
+        let (r, w) = tcp.into_split();
+        Ok(FastStream {
+            rd: FastReader {
+                io: r,
+                key: key(inn)?,
+                counter: 0,
+                buf: vec![0u8; 2 * (HEAD + MAX_RECORD + TAG)],
+                raw: 0..0,
+                plain: 0..0,
+                closed: false,
+                _guard: guard.clone(),
+            },
+            wr: FastWriter {
+                io: w,
+                key: key(out)?,
+                counter: 0,
+                buf: vec![0u8; HEAD],
+                sealed: false,
+                written: 0,
+                close_sealed: false,
+                _guard: guard,
+            },
+        })
+    }
+
+    /// The read and write halves, each usable from its own task.
+    pub fn into_split(self) -> (FastReader, FastWriter) {
+        (self.rd, self.wr)
+    }
+}
+
+/// The receiving half of a [`FastStream`].
+pub struct FastReader {
+    io: OwnedReadHalf,
+    key: LessSafeKey,
+    counter: u64,
+    buf: Vec<u8>,
+    /// Received bytes not yet opened.
+    raw: Range<usize>,
+    /// Opened plaintext not yet handed out.
+    plain: Range<usize>,
+    closed: bool,
+    _guard: Option<Arc<LaneGuard>>,
+}
+
+impl FastReader {
+    /// Opens the next whole record in `raw`, if there is one.
+    fn open_record(&mut self) -> io::Result<bool> {
+        if self.raw.len() < HEAD {
+            return Ok(false);
+        }
+        let at = self.raw.start;
+        let head: [u8; 4] = self.buf[at..at + HEAD].try_into().expect("4 bytes");
+        let word = u32::from_le_bytes(head);
+        let close = word & CLOSE_BIT != 0;
+        let len = (word & !CLOSE_BIT) as usize;
+        if len > MAX_RECORD || (close && len != 0) {
+            return Err(bad("malformed fast lane record"));
+        }
+        let total = HEAD + len + TAG;
+        if self.raw.len() < total {
+            return Ok(false);
+        }
+        let body = &mut self.buf[at + HEAD..at + total];
+        self.key
+            .open_in_place(nonce(self.counter), Aad::from(head), body)
+            .map_err(|_| bad("fast lane record failed authentication"))?;
+        self.counter += 1;
+        self.plain = at + HEAD..at + HEAD + len;
+        self.raw.start += total;
+        self.closed = close;
+        Ok(true)
+    }
+}
+
+impl AsyncRead for FastReader {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        loop {
+            if !this.plain.is_empty() {
+                let n = this.plain.len().min(out.len());
+                out[..n].copy_from_slice(&this.buf[this.plain.start..this.plain.start + n]);
+                this.plain.start += n;
+                return Poll::Ready(Ok(n));
+            }
+            if this.closed || out.is_empty() {
+                return Poll::Ready(Ok(0));
+            }
+            if this.open_record()? {
+                continue;
+            }
+            // Make room for a whole record behind the bytes we have (nothing is handed out).
+            if this.raw.is_empty() {
+                this.raw = 0..0;
+            } else if this.buf.len() - this.raw.start < HEAD + MAX_RECORD + TAG {
+                let r = this.raw.clone();
+                this.buf.copy_within(r.clone(), 0);
+                this.raw = 0..r.len();
+            }
+            let end = this.raw.end;
+            let mut rb = ReadBuf::new(&mut this.buf[end..]);
+            ready!(tokio::io::AsyncRead::poll_read(
+                Pin::new(&mut this.io),
+                cx,
+                &mut rb
+            ))?;
+            let n = rb.filled().len();
+            if n == 0 {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "fast lane closed without its close record",
+                )));
+            }
+            this.raw.end += n;
+        }
+    }
+}
+
+/// The sending half of a [`FastStream`].
+pub struct FastWriter {
+    io: OwnedWriteHalf,
+    key: LessSafeKey,
+    counter: u64,
+    /// `[length word][plaintext]`, then, once sealed, `[ciphertext][tag]`.
+    buf: Vec<u8>,
+    sealed: bool,
+    written: usize,
+    close_sealed: bool,
+    _guard: Option<Arc<LaneGuard>>,
+}
+
+/// Seals `buf` (`[length word][plaintext]`) in place into a record:
+/// `[length word][ciphertext][tag]`.
+fn seal_record(key: &LessSafeKey, counter: u64, buf: &mut Vec<u8>, close: bool) -> io::Result<()> {
+    let len = buf.len() - HEAD;
+    let word = len as u32 | if close { CLOSE_BIT } else { 0 };
+    let head = word.to_le_bytes();
+    buf[..HEAD].copy_from_slice(&head);
+    let tag = key
+        .seal_in_place_separate_tag(nonce(counter), Aad::from(head), &mut buf[HEAD..])
+        .map_err(|_| io::Error::other("sealing failed"))?;
+    buf.extend_from_slice(tag.as_ref());
+    Ok(())
+}
+
+impl FastWriter {
+    fn seal(&mut self, close: bool) -> io::Result<()> {
+        seal_record(&self.key, self.counter, &mut self.buf, close)?;
+        self.counter += 1;
+        self.sealed = true;
+        self.written = 0;
+        Ok(())
+    }
+
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sealed {
+            let n = ready!(tokio::io::AsyncWrite::poll_write(
+                Pin::new(&mut self.io),
+                cx,
+                &self.buf[self.written..]
+            ))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.written += n;
+            if self.written == self.buf.len() {
+                self.sealed = false;
+                self.buf.truncate(HEAD);
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for FastWriter {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.close_sealed {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        ready!(this.poll_drain(cx))?;
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let room = MAX_RECORD - (this.buf.len() - HEAD);
+        let n = room.min(data.len());
+        this.buf.extend_from_slice(&data[..n]);
+        if this.buf.len() - HEAD == MAX_RECORD {
+            this.seal(false)?;
+            // Start sending now; what is left goes out on the next write or flush.
+            if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        if this.buf.len() > HEAD {
+            this.seal(false)?;
+            ready!(this.poll_drain(cx))?;
+        }
+        tokio::io::AsyncWrite::poll_flush(Pin::new(&mut this.io), cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.close_sealed {
+            ready!(self.as_mut().poll_flush(cx))?;
+            let this = self.as_mut().get_mut();
+            this.seal(true)?;
+            this.close_sealed = true;
+        }
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        tokio::io::AsyncWrite::poll_shutdown(Pin::new(&mut this.io), cx)
+    }
+}
+
+impl AsyncRead for FastStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().rd).poll_read(cx, out)
+    }
+}
+
+impl AsyncWrite for FastStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().wr).poll_write(cx, data)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().wr).poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().wr).poll_close(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    async fn pair() -> (FastStream, FastStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let keys: Keys = std::array::from_fn(|i| (i * 7 + 3) as u8);
+        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (
+            FastStream::new(a.unwrap(), &keys, true, None).unwrap(),
+            FastStream::new(b.unwrap().0, &keys, false, None).unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn records_round_trip_in_both_directions_and_close_cleanly() {
+        let (a, b) = pair().await;
+        let data: Vec<u8> = (0..3 * MAX_RECORD + 12345)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let (mut ar, mut aw) = a.into_split();
+        let (mut br, mut bw) = b.into_split();
+        let d = data.clone();
+        let send = tokio::spawn(async move {
+            // Odd-sized writes cross record boundaries.
+            for c in d.chunks(70_001) {
+                aw.write_all(c).await.unwrap();
+            }
+            aw.close().await.unwrap();
+        });
+        let mut got = Vec::new();
+        br.read_to_end(&mut got).await.unwrap();
+        send.await.unwrap();
+        assert_eq!(got, data);
+        bw.write_all(b"back").await.unwrap();
+        bw.close().await.unwrap();
+        let mut back = Vec::new();
+        ar.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"back");
+    }
+
+    #[tokio::test]
+    async fn truncation_tampering_and_oversized_records_are_errors() {
+        // Dropped without close: the reader reports truncation, not a clean end.
+        let (a, mut b) = pair().await;
+        let (_ar, mut aw) = a.into_split();
+        aw.write_all(b"partial").await.unwrap();
+        aw.flush().await.unwrap();
+        drop(aw);
+        let mut got = Vec::new();
+        let e = b.read_to_end(&mut got).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(got, b"partial");
+
+        // A flipped ciphertext bit fails authentication.
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let keys: Keys = [9u8; 64];
+        let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let mut raw = raw.unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let k = key(&keys[..32]).unwrap();
+        let record = |counter: u64, data: &[u8]| {
+            let mut buf = vec![0u8; HEAD];
+            buf.extend_from_slice(data);
+            seal_record(&k, counter, &mut buf, false).unwrap();
+            buf
+        };
+        let mut rec = record(0, b"secret values");
+        rec[HEAD + 2] ^= 1;
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &rec)
+            .await
+            .unwrap();
+        let mut one = [0u8; 4];
+        let e = b.read_exact(&mut one).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+
+        // A length word over the limit is refused before anything is read into it.
+        let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let mut raw = raw.unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let huge = (MAX_RECORD as u32 + 1).to_le_bytes();
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &huge)
+            .await
+            .unwrap();
+        let e = b.read_exact(&mut one).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+
+        // A replayed record (same nonce twice) fails the second time.
+        let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let mut raw = raw.unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let rec = record(0, b"abcd");
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &rec)
+            .await
+            .unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &rec)
+            .await
+            .unwrap();
+        b.read_exact(&mut one).await.unwrap();
+        assert_eq!(&one, b"abcd");
+        let e = b.read_exact(&mut one).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    }
+}

@@ -1,0 +1,297 @@
+//! The swarm task: the one tokio task that owns a node's libp2p `Swarm`.
+//!
+//! [`Node`](super::Node) handles send it [`Command`]s over a bounded channel, each with a
+//! oneshot for the answer; the task's loop takes commands, swarm events and a periodic sweep of
+//! expired DHT entries in turn, and never awaits anything else, so no handle waits on a lock.
+//! Commands that need the network (dials, DHT queries) park their reply until the matching
+//! swarm event arrives; Kademlia's part of that lives in [`Queries`].
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::kad::{Record, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{
+    dial_opts::{DialOpts, PeerCondition},
+    ConnectionId, SwarmEvent,
+};
+use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
+use starling_dht::{now_ms, DictionaryRecord, Validator};
+use tokio::sync::{mpsc, oneshot};
+
+use super::queries::{Kad, Queries, Reply};
+use super::transport::{direct_ip, peer_of};
+use super::{NodeStatus, PutReport, Reachability};
+use crate::behaviour::{Behaviour, BehaviourEvent};
+use crate::{NodeConfig, NodeError};
+
+/// How often expired DHT entries are swept from the local store.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// What a [`Node`](super::Node) handle asks of the swarm task; each carries its reply channel.
+pub(super) enum Command {
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    Dial(Multiaddr, Reply<PeerId>),
+    Bootstrap(Reply<()>),
+    Status(oneshot::Sender<NodeStatus>),
+    ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
+    Put(Record, Reply<PutReport>),
+    /// Fault injection: a record sent to every connected peer as it is.
+    #[cfg(feature = "testing")]
+    PutRawToConnected(Record, Reply<PutReport>),
+    Get(RecordKey, Reply<Option<DictionaryRecord>>),
+    GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
+    PeerIp(PeerId, oneshot::Sender<Option<IpAddr>>),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// The Kademlia behaviour inside a node's swarm.
+fn kad(swarm: &mut Swarm<Behaviour>) -> &mut Kad {
+    &mut swarm.behaviour_mut().kad
+}
+
+/// The swarm task's state.
+pub(super) struct Actor {
+    swarm: Swarm<Behaviour>,
+    listen_addrs: Vec<Multiaddr>,
+    /// The remote IP of each peer with a direct connection (for fast lanes).
+    peer_ips: HashMap<PeerId, IpAddr>,
+    pending_dials: HashMap<ConnectionId, (Multiaddr, Reply<PeerId>)>,
+    queries: Queries,
+    reachability: Reachability,
+    /// Peers that announce this protocol in identify get into the routing table.
+    kad_protocol: StreamProtocol,
+}
+
+impl Actor {
+    /// The task's state for a swarm that already listens on `listen_addrs`.
+    pub(super) fn new(
+        swarm: Swarm<Behaviour>,
+        listen_addrs: Vec<Multiaddr>,
+        validator: Validator,
+        cfg: &NodeConfig,
+    ) -> Result<Self, NodeError> {
+        Ok(Actor {
+            swarm,
+            listen_addrs,
+            peer_ips: HashMap::new(),
+            pending_dials: HashMap::new(),
+            queries: Queries::new(validator, cfg.put_quorum),
+            reachability: if cfg.client_mode {
+                Reachability::Client
+            } else {
+                Reachability::Unknown
+            },
+            kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
+                .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
+        })
+    }
+
+    /// Runs until a [`Command::Shutdown`] arrives or every handle is gone.
+    pub(super) async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
+        let mut sweep = tokio::time::interval(SWEEP_INTERVAL);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                cmd = rx.recv() => match cmd {
+                    Some(Command::Shutdown(reply)) => {
+                        self.close();
+                        let _ = reply.send(());
+                        break;
+                    }
+                    Some(cmd) => self.on_command(cmd),
+                    None => {
+                        self.close();
+                        break;
+                    }
+                },
+                event = self.swarm.select_next_some() => self.on_event(event),
+                _ = sweep.tick() => {
+                    self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
+                }
+            }
+        }
+        tracing::debug!("swarm task stopped");
+    }
+
+    fn close(&mut self) {
+        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        for p in peers {
+            let _ = self.swarm.disconnect_peer_id(p);
+        }
+        // Pending callers learn the node is closed when their oneshots drop with `self`.
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::ListenAddrs(reply) => {
+                let _ = reply.send(self.listen_addrs.clone());
+            }
+            Command::Dial(addr, reply) => self.dial(addr, reply),
+            Command::Bootstrap(reply) => self.queries.bootstrap(kad(&mut self.swarm), reply),
+            Command::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            Command::ConnectedPeers(reply) => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Put(record, reply) => self.queries.put(kad(&mut self.swarm), record, reply),
+            #[cfg(feature = "testing")]
+            Command::PutRawToConnected(record, reply) => {
+                let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+                self.queries
+                    .put_to(kad(&mut self.swarm), record, peers, reply);
+            }
+            Command::Get(key, reply) => self.queries.get(kad(&mut self.swarm), key, reply),
+            Command::GetLocal(key, reply) => {
+                let store = kad(&mut self.swarm).store_mut();
+                let _ = reply.send(store.get_live(key.as_ref(), now_ms()));
+            }
+            Command::PeerIp(peer, reply) => {
+                let ip = self
+                    .swarm
+                    .is_connected(&peer)
+                    .then(|| self.peer_ips.get(&peer).copied())
+                    .flatten();
+                let _ = reply.send(ip);
+            }
+            Command::Shutdown(_) => unreachable!("handled in run"),
+        }
+    }
+
+    /// Starts a dial; `reply` is answered when the connection is up or has failed.
+    fn dial(&mut self, addr: Multiaddr, reply: Reply<PeerId>) {
+        let opts = match peer_of(&addr) {
+            Some(peer) => DialOpts::peer_id(peer)
+                .condition(PeerCondition::Always)
+                .addresses(vec![addr.clone()])
+                .build(),
+            None => DialOpts::unknown_peer_id().address(addr.clone()).build(),
+        };
+        let id = opts.connection_id();
+        match self.swarm.dial(opts) {
+            Ok(()) => {
+                self.pending_dials.insert(id, (addr, reply));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(NodeError::Dial {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                }));
+            }
+        }
+    }
+
+    fn status(&mut self) -> NodeStatus {
+        let peer_id = *self.swarm.local_peer_id();
+        let routing_table = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .kbuckets()
+            .map(|b| b.num_entries())
+            .sum();
+        let stats = self.swarm.behaviour_mut().kad.store_mut().stats();
+        NodeStatus {
+            peer_id: peer_id.to_string(),
+            listen_addrs: self
+                .listen_addrs
+                .iter()
+                .map(|a| a.clone().with(Protocol::P2p(peer_id)).to_string())
+                .collect(),
+            connected_peers: self.swarm.connected_peers().count(),
+            routing_table,
+            records: stats.records,
+            record_bytes: stats.bytes,
+            rejected_records: stats.rejected,
+            reachability: self.reachability,
+        }
+    }
+
+    fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } if !self.listen_addrs.contains(&address) => {
+                self.listen_addrs.push(address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| a != &address);
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => {
+                if let Some(ip) = direct_ip(endpoint.get_remote_address()) {
+                    self.peer_ips.insert(peer_id, ip);
+                }
+                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
+                    if endpoint.is_dialer() {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer_id, endpoint.get_remote_address().clone());
+                    }
+                    tracing::debug!(%peer_id, %addr, "connected");
+                    let _ = reply.send(Ok(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                ..
+            } => {
+                if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Err(NodeError::Dial {
+                        addr: addr.to_string(),
+                        reason: error.to_string(),
+                    }));
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                cause,
+                num_established,
+                ..
+            } => {
+                tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
+                if num_established == 0 {
+                    self.peer_ips.remove(&peer_id);
+                }
+            }
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
+                tracing::debug!(%send_back_addr, "inbound connection failed: {error}");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) if info.protocols.contains(&self.kad_protocol) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::Event::StatusChanged {
+                new,
+                ..
+            })) if self.reachability != Reachability::Client => {
+                self.reachability = match new {
+                    autonat::NatStatus::Public(_) => Reachability::Public,
+                    autonat::NatStatus::Private => Reachability::Private,
+                    autonat::NatStatus::Unknown => Reachability::Unknown,
+                };
+                tracing::info!(?new, "reachability changed");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => {
+                self.queries.on_event(kad(&mut self.swarm), event)
+            }
+            _ => {}
+        }
+    }
+}

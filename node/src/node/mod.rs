@@ -1,0 +1,602 @@
+//! The [`Node`] handle and how a node starts.
+//!
+//! - `mod.rs` (here): the handle, the public snapshot types, and [`Node::start`] as named steps;
+//! - [`actor`]: the swarm task that owns the `Swarm` and the [`Command`]s handles send it;
+//! - [`queries`]: Kademlia queries in flight and the Kademlia events that answer them;
+//! - [`transport`]: building the swarm, bringing listeners up, multiaddr helpers.
+
+mod actor;
+mod queries;
+mod transport;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use libp2p::identity::Keypair;
+use libp2p::kad::{Record, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId, StreamProtocol};
+use serde::{de::DeserializeOwned, Serialize};
+use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::fastlane::{FastLane, FastStream, IncomingFast};
+use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
+use actor::{Actor, Command};
+
+/// Whether this node can be dialed from outside, as far as autonat can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Reachability {
+    /// Not yet determined (or no servers to ask).
+    Unknown,
+    /// Other peers could dial us back.
+    Public,
+    /// Dial-backs failed: we are behind a NAT or firewall.
+    Private,
+    /// Running in client mode by choice.
+    Client,
+}
+
+/// A snapshot of a node for status lines and monitoring.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NodeStatus {
+    /// This node's peer id.
+    pub peer_id: String,
+    /// Full dialable addresses (`.../p2p/<peer id>`).
+    pub listen_addrs: Vec<String>,
+    /// Peers with at least one open connection.
+    pub connected_peers: usize,
+    /// Peers in the Kademlia routing table.
+    pub routing_table: usize,
+    /// DHT keys held locally.
+    pub records: usize,
+    /// Bytes of DHT records held locally.
+    pub record_bytes: usize,
+    /// Inbound records refused since start.
+    pub rejected_records: u64,
+    /// Reachability as seen by autonat.
+    pub reachability: Reachability,
+}
+
+/// The outcome of a successful PUT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutReport {
+    /// Remote peers that acknowledged the write (at least the configured quorum).
+    pub acknowledged: usize,
+}
+
+/// A handle to a running node. Cheap to clone; all clones talk to the same swarm task, and every
+/// call is a message to that task and an awaited reply (bounded by the request timeout where
+/// the network is involved). When the task stops ([`Node::shutdown`] from any clone), calls fail
+/// with [`NodeError::Closed`].
+///
+/// Two nodes on loopback, one joining through the other, sharing a DHT record:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), starling_node::NodeError> {
+/// use starling_node::{Node, NodeConfig};
+/// let local = || NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
+/// let first = Node::start(local()).await?;
+/// let addr = first.listen_addrs().await?.remove(0); // ends in /p2p/<first's peer id>
+/// let second = Node::start(local().bootstrap_from(addr)).await?;
+/// second.store("run/lr", "me", &0.1f64, starling_dht::now_ms() + 60_000).await?;
+/// let lrs: Vec<(String, f64, u64)> = first.get("run/lr").await?;
+/// assert_eq!(lrs[0].1, 0.1);
+/// second.shutdown().await;
+/// first.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Node {
+    tx: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    owner: OwnerKey,
+    stream: libp2p_stream::Control,
+    validator: Validator,
+    request_timeout: Duration,
+    fast: Option<Arc<FastLane>>,
+    /// `node{peer=<short id>}`: entered by the swarm task and every task the node spawns.
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("peer_id", &self.peer_id)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Builds the swarm, starts listening, spawns the swarm task and, if bootstrap addresses are
+    /// configured, joins the swarm through them (with retries). Fails with a clear error when no
+    /// bootstrap peer answers. See [`Node`] for an example.
+    pub async fn start(cfg: NodeConfig) -> Result<Node, NodeError> {
+        let key = identity(&cfg)?;
+        let span = node_span(&key.public().to_peer_id());
+        Self::start_as(cfg, key, span.clone())
+            .instrument(span)
+            .await
+    }
+
+    /// [`Node::start`] once the identity is known, inside the node's span.
+    async fn start_as(
+        cfg: NodeConfig,
+        key: Keypair,
+        span: tracing::Span,
+    ) -> Result<Node, NodeError> {
+        let owner = owner_key_of(&key)
+            .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
+        let listen = cfg.effective_listen();
+        transport::check_private_swarm(&cfg, &listen)?;
+        let mut swarm = transport::build_swarm(&key, &cfg)?;
+        let peer_id = *swarm.local_peer_id();
+        let stream = swarm.behaviour().stream.new_control();
+        let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
+        let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
+        let fast = start_fast_lane(&cfg, &listen_addrs, stream.clone()).await?;
+        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
+        let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
+        tokio::spawn(actor.run(rx).instrument(span.clone()));
+        let node = Node {
+            tx,
+            peer_id,
+            owner,
+            stream,
+            validator,
+            request_timeout: cfg.request_timeout,
+            fast,
+            span,
+        };
+        if !cfg.bootstrap.is_empty() {
+            node.join(&cfg).await?;
+        }
+        Ok(node)
+    }
+
+    async fn join(&self, cfg: &NodeConfig) -> Result<(), NodeError> {
+        let mut last_error = String::from("no attempt made");
+        let mut backoff = cfg.bootstrap_backoff;
+        let attempts = cfg.bootstrap_attempts.max(1);
+        for attempt in 0..attempts {
+            let dials = cfg.bootstrap.iter().map(|a| self.dial(a.clone()));
+            let results = futures::future::join_all(dials).await;
+            let mut connected = 0;
+            for r in results {
+                match r {
+                    Ok(_) => connected += 1,
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if connected > 0 {
+                tracing::info!(connected, "joined the swarm");
+                // A failed bootstrap query (e.g. a lone bootstrap peer) still leaves us connected.
+                if let Err(e) = self.bootstrap().await {
+                    tracing::debug!("bootstrap query: {e}");
+                }
+                return Ok(());
+            }
+            if attempt + 1 < attempts {
+                tracing::warn!(
+                    attempt = attempt + 1,
+                    "no bootstrap peer answered ({last_error}); retrying in {backoff:?}"
+                );
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+        }
+        Err(NodeError::Bootstrap {
+            tried: cfg.bootstrap.len(),
+            attempts,
+            last_error,
+        })
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(make(tx))
+            .await
+            .map_err(|_| NodeError::Closed)?;
+        rx.await.map_err(|_| NodeError::Closed)
+    }
+
+    /// Like [`Self::call`], but bounded by `timeout` (the swarm task enforces its own deadlines
+    /// too; this one guards against a stalled task).
+    async fn call_timeout<T>(
+        &self,
+        what: &'static str,
+        timeout: Duration,
+        make: impl FnOnce(oneshot::Sender<Result<T, NodeError>>) -> Command,
+    ) -> Result<T, NodeError> {
+        tokio::time::timeout(timeout, self.call(make))
+            .await
+            .map_err(|_| NodeError::Timeout(what))?
+            .and_then(|r| r)
+    }
+
+    /// This node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// The node's tracing span, `node{peer=<short peer id>}`, which its own tasks run in. Run
+    /// tasks that work for this node in it too, so that their logs say which node they belong
+    /// to when several nodes share a process:
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) {
+    /// use tracing::Instrument;
+    /// let watcher = node.clone();
+    /// let task = async move {
+    ///     let peers = watcher.connected_peers().await.map(|p| p.len());
+    ///     tracing::info!(?peers, "connected"); // logged as `node{peer=…}: connected …`
+    /// };
+    /// tokio::spawn(task.instrument(node.span()));
+    /// # }
+    /// ```
+    pub fn span(&self) -> tracing::Span {
+        self.span.clone()
+    }
+
+    /// The key that signs this node's owner-protected DHT entries.
+    pub fn owner_key(&self) -> &OwnerKey {
+        &self.owner
+    }
+
+    /// The marker that makes a key or sub-key writable by this node only.
+    pub fn owner_marker(&self) -> String {
+        self.owner.marker()
+    }
+
+    /// Full dialable addresses of this node, each ending in `/p2p/<peer id>`.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NodeError> {
+        let addrs = self.call(Command::ListenAddrs).await?;
+        Ok(addrs
+            .into_iter()
+            .map(|a| a.with(Protocol::P2p(self.peer_id)))
+            .collect())
+    }
+
+    /// Dials `addr` and waits until the connection is up (or fails, or times out).
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId, NodeError> {
+        self.call_timeout("dial", self.request_timeout * 2, |tx| {
+            Command::Dial(addr, tx)
+        })
+        .await
+    }
+
+    /// Runs a Kademlia bootstrap (refreshes the routing table through known peers).
+    pub async fn bootstrap(&self) -> Result<(), NodeError> {
+        self.call_timeout("bootstrap", self.request_timeout * 6, Command::Bootstrap)
+            .await
+    }
+
+    /// A status snapshot.
+    pub async fn status(&self) -> Result<NodeStatus, NodeError> {
+        self.call(Command::Status).await
+    }
+
+    /// Peers with an open connection.
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NodeError> {
+        self.call(Command::ConnectedPeers).await
+    }
+
+    /// Makes sure a connection to `peer` is open: returns at once when one is, else dials
+    /// `addrs` in order until one reaches that peer (each dial bounded by the node's request
+    /// timeout). Returns whether the peer is connected afterwards; a failed dial is not an
+    /// error, because libp2p may still reach the peer another way (a relay, other addresses).
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId, addr: starling_node::Multiaddr) -> Result<(), starling_node::NodeError> {
+    /// if !node.connect_if_needed(peer, &[addr]).await? {
+    ///     eprintln!("{peer} is not directly reachable");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_if_needed(
+        &self,
+        peer: PeerId,
+        addrs: &[Multiaddr],
+    ) -> Result<bool, NodeError> {
+        if self.connected_peers().await?.contains(&peer) {
+            return Ok(true);
+        }
+        for addr in addrs {
+            match self.dial(addr.clone()).await {
+                Ok(reached) if reached == peer => return Ok(true),
+                Ok(reached) => {
+                    tracing::debug!(%peer, %reached, %addr, "address reached another peer")
+                }
+                Err(NodeError::Closed) => return Err(NodeError::Closed),
+                Err(e) => tracing::debug!(%peer, %addr, "dial failed: {e}"),
+            }
+        }
+        Ok(false)
+    }
+
+    /// The handle for opening and accepting bulk-data streams on custom protocols.
+    pub fn stream_control(&self) -> libp2p_stream::Control {
+        self.stream.clone()
+    }
+
+    /// Stores a raw entry under `key`. If the key or sub-key names this node as owner the entry
+    /// is signed; if it names another owner the write is refused locally. The entry is merged into
+    /// the local store and sent to the `k` peers closest to the key.
+    pub async fn put_entry(&self, key: &str, mut entry: Entry) -> Result<PutReport, NodeError> {
+        if let Some(owner) = starling_dht::required_owner(key, &entry.subkey)? {
+            if owner != self.owner.public() {
+                return Err(
+                    starling_dht::DhtError::NotOwner(starling_dht::owner_marker(&owner)).into(),
+                );
+            }
+            self.owner.sign_entry(key, &mut entry);
+        }
+        let mut record = DictionaryRecord::default();
+        record.insert(entry);
+        let value = record.encode();
+        // Validate locally first so the caller gets the precise reason for a refusal.
+        let (_, live) = self.validator.validate(key.as_bytes(), &value, now_ms())?;
+        if live.is_empty() {
+            return Err(starling_dht::DhtError::Expired {
+                subkey: record
+                    .entries()
+                    .next()
+                    .map(|e| e.subkey.clone())
+                    .unwrap_or_default(),
+            }
+            .into());
+        }
+        let record = Record::new(RecordKey::new(&key), value);
+        self.call_timeout("DHT put", self.request_timeout * 2, |tx| {
+            Command::Put(record, tx)
+        })
+        .await
+    }
+
+    /// Sends raw record bytes to every connected peer **without local validation or signing**.
+    ///
+    /// For adversarial tests only (forged, malformed or oversized records): a well-behaved peer
+    /// uses [`Self::put_entry`] or [`Self::store`]. Compiled only with the `testing` feature.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub async fn send_raw_record_unchecked(
+        &self,
+        key: &[u8],
+        value: Vec<u8>,
+    ) -> Result<PutReport, NodeError> {
+        let record = Record::new(RecordKey::new(&key), value);
+        self.call_timeout("raw put", self.request_timeout * 2, |tx| {
+            Command::PutRawToConnected(record, tx)
+        })
+        .await
+    }
+
+    /// Stores a typed value under `(key, subkey)` until `expiration` (unix ms).
+    pub async fn store<T: Serialize>(
+        &self,
+        key: &str,
+        subkey: &str,
+        value: &T,
+        expiration: DhtTime,
+    ) -> Result<PutReport, NodeError> {
+        let value = encode_value(value)?;
+        self.put_entry(key, Entry::new(subkey, value, expiration))
+            .await
+    }
+
+    /// Looks `key` up across the swarm and merges what every responding peer (and the local
+    /// store) holds. Records that fail validation are dropped; expired entries never appear.
+    pub async fn get_record(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.validator.validate_key(key.as_bytes())?;
+        let rk = RecordKey::new(&key);
+        self.call_timeout("DHT get", self.request_timeout * 2, |tx| {
+            Command::Get(rk, tx)
+        })
+        .await
+    }
+
+    /// Typed lookup: every live entry under `key` that decodes as `T`, as
+    /// `(subkey, value, expiration)`.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Vec<(String, T, DhtTime)>, NodeError> {
+        Ok(self
+            .get_record(key)
+            .await?
+            .map(|r| r.typed_entries(now_ms()))
+            .unwrap_or_default())
+    }
+
+    /// What the local store holds under `key` (no network traffic).
+    pub async fn get_local(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.call(|tx| Command::GetLocal(RecordKey::new(&key), tx))
+            .await
+    }
+
+    /// Stops the swarm task and closes all connections. Other clones of this handle get
+    /// [`NodeError::Closed`] afterwards.
+    pub async fn shutdown(&self) {
+        if let Some(f) = &self.fast {
+            f.stop();
+        }
+        let _ = self.call(Command::Shutdown).await;
+    }
+
+    /// Resolves once the node's swarm task has stopped (after [`Node::shutdown`] from any handle,
+    /// or a crash); at once if it already has. Lets long operations end as soon as their own
+    /// node is gone instead of waiting out their timeouts.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) {
+    /// let watcher = node.clone();
+    /// tokio::spawn(async move {
+    ///     watcher.closed().await;
+    ///     eprintln!("node stopped");
+    /// });
+    /// node.shutdown().await;
+    /// # }
+    /// ```
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+
+    /// Whether the node's swarm task has stopped.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// The fast lane's TCP port, if this node listens for lanes.
+    pub fn fast_lane_port(&self) -> Option<u16> {
+        self.fast.as_ref().and_then(|f| f.port())
+    }
+
+    /// Takes inbound fast lanes for `protocol`: each item is an authenticated peer and its
+    /// [`FastStream`]. Fails in client mode, with the fast lane disabled, or when `protocol`
+    /// already has a handler.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) -> Result<(), Box<dyn std::error::Error>> {
+    /// use futures::{AsyncReadExt, AsyncWriteExt};
+    /// use starling_node::StreamProtocol;
+    /// const ECHO: StreamProtocol = StreamProtocol::new("/example/echo/1");
+    /// let mut incoming = node.accept_fast(ECHO)?;
+    /// while let Some((_peer, mut lane)) = incoming.recv().await {
+    ///     let mut buf = vec![0u8; 1024];
+    ///     let n = lane.read(&mut buf).await?;
+    ///     lane.write_all(&buf[..n]).await?;
+    ///     lane.close().await?; // a dropped lane reads as truncated on the other side
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn accept_fast(&self, protocol: StreamProtocol) -> Result<IncomingFast, NodeError> {
+        match &self.fast {
+            Some(f) => f.accept(&protocol),
+            None => Err(NodeError::FastLane("the fast lane is disabled".into())),
+        }
+    }
+
+    /// Opens a fast lane to `peer` for `protocol` (see [`crate::fastlane`]). `peer` must be
+    /// connected directly (not through a relay) and accept lanes for `protocol`; otherwise
+    /// this fails within the request timeout, and callers should fall back to
+    /// [`Self::stream_control`].
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId) -> Result<(), Box<dyn std::error::Error>> {
+    /// use futures::{AsyncReadExt, AsyncWriteExt};
+    /// use starling_node::StreamProtocol;
+    /// let mut lane = node.open_fast(peer, StreamProtocol::new("/example/echo/1")).await?;
+    /// lane.write_all(b"hello").await?;
+    /// lane.close().await?; // flushes, then ends our direction
+    /// let mut echo = Vec::new();
+    /// lane.read_to_end(&mut echo).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn open_fast(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<FastStream, NodeError> {
+        let Some(fast) = &self.fast else {
+            return Err(NodeError::FastLane("the fast lane is disabled".into()));
+        };
+        let ip = self
+            .call(|tx| Command::PeerIp(peer, tx))
+            .await?
+            .ok_or_else(|| NodeError::FastLane(format!("no direct connection to {peer}")))?;
+        fast.open(self.stream.clone(), peer, ip, &protocol).await
+    }
+}
+
+/// The span a node's tasks run in: `node{peer=<last 6 characters of the peer id>}`, enough to
+/// tell apart the nodes of one process (a [`LocalCluster`](crate::cluster::LocalCluster), a
+/// test). At error level so that it tags every event, whatever the filter lets through.
+fn node_span(peer: &PeerId) -> tracing::Span {
+    let id = peer.to_base58();
+    let short = &id[id.len().saturating_sub(6)..];
+    tracing::error_span!("node", peer = %short)
+}
+
+/// The configured identity, the one in the identity file (created when absent), or a fresh one.
+fn identity(cfg: &NodeConfig) -> Result<Keypair, NodeError> {
+    Ok(match (&cfg.identity, &cfg.identity_file) {
+        (Some(k), _) => k.clone(),
+        (None, Some(path)) => load_or_create_identity(path)?,
+        (None, None) => Keypair::generate_ed25519(),
+    })
+}
+
+/// The fast lane as configured: none when disabled, dial-only in client mode, else a listener
+/// on the IP of the first TCP listen address (all interfaces when there is none).
+async fn start_fast_lane(
+    cfg: &NodeConfig,
+    listen_addrs: &[Multiaddr],
+    stream: libp2p_stream::Control,
+) -> Result<Option<Arc<FastLane>>, NodeError> {
+    if !cfg.fast_lane {
+        return Ok(None);
+    }
+    if cfg.client_mode {
+        return Ok(Some(FastLane::dial_only(cfg.request_timeout)));
+    }
+    let ip = listen_addrs
+        .iter()
+        .find_map(transport::tcp_ip)
+        .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+    let lane = FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream).await?;
+    Ok(Some(lane))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Collects what a fmt subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            crate::sync::lock(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_swarm_task_and_the_fast_lane_log_inside_the_node_span() {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        // A current-thread runtime: the node's tasks run on this thread, under this subscriber.
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let cfg = NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
+        let node = Node::start(cfg).await.unwrap();
+        let id = node.peer_id().to_base58();
+        let tag = format!("node{{peer={}}}", &id[id.len() - 6..]);
+        node.shutdown().await;
+        node.closed().await;
+        tokio::task::yield_now().await;
+        let logs = String::from_utf8(crate::sync::lock(&out.0).clone()).unwrap();
+        for line in ["fast lane listening", "swarm task stopped"] {
+            assert!(
+                logs.lines().any(|l| l.contains(line) && l.contains(&tag)),
+                "no {line:?} tagged {tag} in:\n{logs}"
+            );
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! Kademlia queries in flight and the Kademlia events that answer them.
+//!
+//! The swarm task starts a query on `kad::Behaviour` and parks the caller's reply here, keyed by
+//! the query id; Kademlia events then fill in and finish it. GETs merge every record found
+//! (after validation) into one dictionary and answer once the query's last step arrives; PUTs
+//! answer with the quorum outcome; bootstraps answer when no buckets remain to refresh.
+//! Inbound PUTs (`StoreInserts::FilterBoth`) are validated and merged by our own store here too.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+
+use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
+use starling_dht::{now_ms, DhtStore, DictionaryRecord, Validator};
+use tokio::sync::oneshot;
+
+use super::PutReport;
+use crate::NodeError;
+
+/// The Kademlia behaviour of a Starling node, over our validating store.
+pub(super) type Kad = kad::Behaviour<DhtStore>;
+
+/// Where the answer to a caller's request goes.
+pub(super) type Reply<T> = oneshot::Sender<Result<T, NodeError>>;
+
+/// A GET in flight: what has been found so far.
+struct PendingGet {
+    merged: DictionaryRecord,
+    reply: Reply<Option<DictionaryRecord>>,
+}
+
+/// Every Kademlia query the swarm task has started and not yet answered.
+pub(super) struct Queries {
+    /// PUTs, with the key (for the error message) and the caller's reply.
+    puts: HashMap<QueryId, (String, Reply<PutReport>)>,
+    gets: HashMap<QueryId, PendingGet>,
+    bootstraps: HashMap<QueryId, Reply<()>>,
+    /// Checks records that GETs bring back.
+    validator: Validator,
+    /// Peers that must acknowledge a PUT (at least 1).
+    put_quorum: usize,
+}
+
+impl Queries {
+    pub(super) fn new(validator: Validator, put_quorum: usize) -> Self {
+        Queries {
+            puts: HashMap::new(),
+            gets: HashMap::new(),
+            bootstraps: HashMap::new(),
+            validator,
+            put_quorum: put_quorum.max(1),
+        }
+    }
+
+    /// Stores `record` locally and sends it to the closest peers, answering `reply` once the
+    /// quorum acknowledged it (or could not).
+    pub(super) fn put(&mut self, kad: &mut Kad, record: Record, reply: Reply<PutReport>) {
+        let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
+        let quorum = Quorum::N(NonZeroUsize::new(self.put_quorum).unwrap_or(NonZeroUsize::MIN));
+        match kad.put_record(record, quorum) {
+            Ok(id) => {
+                self.puts.insert(id, (key, reply));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(NodeError::Dht(starling_dht::DhtError::StoreFull(
+                    match e {
+                        kad::store::Error::MaxRecords => "too many records",
+                        _ => "record refused by local store",
+                    },
+                ))));
+            }
+        }
+    }
+
+    /// Sends `record` to `peers` as it is (no local store, no validation): fault injection.
+    #[cfg(feature = "testing")]
+    pub(super) fn put_to(
+        &mut self,
+        kad: &mut Kad,
+        record: Record,
+        peers: Vec<libp2p::PeerId>,
+        reply: Reply<PutReport>,
+    ) {
+        let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
+        let id = kad.put_record_to(record, peers.into_iter(), Quorum::One);
+        self.puts.insert(id, (key, reply));
+    }
+
+    /// Looks `key` up across the swarm.
+    pub(super) fn get(
+        &mut self,
+        kad: &mut Kad,
+        key: RecordKey,
+        reply: Reply<Option<DictionaryRecord>>,
+    ) {
+        let id = kad.get_record(key);
+        self.gets.insert(
+            id,
+            PendingGet {
+                merged: DictionaryRecord::default(),
+                reply,
+            },
+        );
+    }
+
+    /// Refreshes the routing table through known peers.
+    pub(super) fn bootstrap(&mut self, kad: &mut Kad, reply: Reply<()>) {
+        match kad.bootstrap() {
+            Ok(id) => {
+                self.bootstraps.insert(id, reply);
+            }
+            Err(_) => {
+                let _ = reply.send(Err(NodeError::Bootstrap {
+                    tried: 0,
+                    attempts: 1,
+                    last_error: "no known peers".into(),
+                }));
+            }
+        }
+    }
+
+    /// Handles one Kademlia event: merges inbound PUTs into our store, advances and answers
+    /// queries.
+    pub(super) fn on_event(&mut self, kad: &mut Kad, event: kad::Event) {
+        match event {
+            kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::PutRecord {
+                        source,
+                        record: Some(record),
+                        ..
+                    },
+            } => {
+                let store = kad.store_mut();
+                if let Err(e) =
+                    store.insert(record.key.as_ref(), &record.value, Some(source), now_ms())
+                {
+                    tracing::debug!(%source, "refused inbound record: {e}");
+                }
+            }
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => self.on_progress(id, result, step.last),
+            _ => {}
+        }
+    }
+
+    fn on_progress(&mut self, id: QueryId, result: QueryResult, last: bool) {
+        match result {
+            QueryResult::GetRecord(Ok(GetRecordOk::FoundRecord(peer_record))) => {
+                if let Some(pending) = self.gets.get_mut(&id) {
+                    match self.validator.validate(
+                        peer_record.record.key.as_ref(),
+                        &peer_record.record.value,
+                        now_ms(),
+                    ) {
+                        Ok((_, record)) => {
+                            pending.merged.merge(record);
+                        }
+                        Err(e) => {
+                            tracing::debug!(peer = ?peer_record.peer, "dropped invalid record from GET: {e}");
+                        }
+                    }
+                }
+                if last {
+                    self.finish_get(id);
+                }
+            }
+            QueryResult::GetRecord(_) if last => self.finish_get(id),
+            QueryResult::PutRecord(result) => {
+                if let Some((key, reply)) = self.puts.remove(&id) {
+                    let r = match result {
+                        Ok(_) => Ok(PutReport {
+                            acknowledged: self.put_quorum,
+                        }),
+                        Err(kad::PutRecordError::QuorumFailed {
+                            success, quorum, ..
+                        })
+                        | Err(kad::PutRecordError::Timeout {
+                            success, quorum, ..
+                        }) => Err(NodeError::QuorumFailed {
+                            key,
+                            acknowledged: success.len(),
+                            required: quorum.get(),
+                        }),
+                    };
+                    let _ = reply.send(r);
+                }
+            }
+            QueryResult::Bootstrap(result) => {
+                let done = match &result {
+                    Ok(ok) => ok.num_remaining == 0,
+                    Err(_) => true,
+                } || last;
+                if done {
+                    if let Some(reply) = self.bootstraps.remove(&id) {
+                        let _ = reply.send(
+                            result
+                                .map(|_| ())
+                                .map_err(|_| NodeError::Timeout("bootstrap")),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Answers a GET with what it found, expired entries removed (`None` when nothing is live).
+    fn finish_get(&mut self, id: QueryId) {
+        if let Some(mut pending) = self.gets.remove(&id) {
+            pending.merged.remove_expired(now_ms());
+            let result = (!pending.merged.is_empty()).then_some(pending.merged);
+            let _ = pending.reply.send(Ok(result));
+        }
+    }
+}

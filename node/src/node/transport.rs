@@ -1,0 +1,218 @@
+//! Building a node's swarm (transports, behaviour, swarm config), bringing its listeners up,
+//! and the small multiaddr helpers the rest of the node uses.
+//!
+//! A private swarm runs TCP + pnet + noise + yamux and nothing else: pnet covers TCP only, so
+//! a QUIC listener would let a keyless peer in ([`check_private_swarm`] refuses such configs).
+//! A public swarm runs TCP + noise + yamux and QUIC. Both add DNS and the relay client.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::core::{muxing::StreamMuxerBox, transport::Boxed, upgrade::Version};
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::SwarmEvent;
+use libp2p::{noise, tcp, yamux, Multiaddr, PeerId, Swarm, Transport};
+
+use crate::behaviour::{self, Behaviour};
+use crate::{NodeConfig, NodeError};
+
+/// How long start-up waits for listeners to report their addresses.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Refuses QUIC addresses (to listen on or to bootstrap from) in a private swarm.
+pub(super) fn check_private_swarm(cfg: &NodeConfig, listen: &[Multiaddr]) -> Result<(), NodeError> {
+    if cfg.swarm_key.is_some() {
+        if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
+            return Err(NodeError::Config(format!(
+                "{a}: QUIC cannot be used in a private swarm (the pre-shared key protects TCP only)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the swarm: the private (TCP + pnet) or public (TCP + QUIC) transport stack, DNS, the
+/// relay client and [`Behaviour`].
+pub(super) fn build_swarm(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behaviour>, NodeError> {
+    let idle = cfg.idle_connection_timeout;
+    let tr = |e: &dyn std::fmt::Display| NodeError::Transport(e.to_string());
+    match cfg.swarm_key {
+        Some(swarm_key) => {
+            let psk = swarm_key.psk();
+            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+                .with_tokio()
+                .with_other_transport(
+                    |key| -> Result<
+                        Boxed<(PeerId, StreamMuxerBox)>,
+                        Box<dyn std::error::Error + Send + Sync>,
+                    > {
+                        let noise = noise::Config::new(key)?;
+                        Ok(
+                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                                .and_then(move |socket, _| {
+                                    libp2p::pnet::PnetConfig::new(psk).handshake(socket)
+                                })
+                                .upgrade(Version::V1Lazy)
+                                .authenticate(noise)
+                                .multiplex(yamux::Config::default())
+                                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+                                .boxed(),
+                        )
+                    },
+                )
+                .map_err(|e| tr(&e))?
+                .with_dns()
+                .map_err(|e| tr(&e))?
+                .with_relay_client(noise::Config::new, yamux::Config::default)
+                .map_err(|e| tr(&e))?
+                .with_behaviour(|key, relay| {
+                    behaviour::build(key, relay, cfg)
+                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                })
+                .map_err(|e| tr(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+                .build();
+            Ok(swarm)
+        }
+        None => {
+            let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+                .with_tokio()
+                .with_tcp(
+                    tcp::Config::default().nodelay(true),
+                    noise::Config::new,
+                    yamux::Config::default,
+                )
+                .map_err(|e| tr(&e))?
+                .with_quic()
+                .with_dns()
+                .map_err(|e| tr(&e))?
+                .with_relay_client(noise::Config::new, yamux::Config::default)
+                .map_err(|e| tr(&e))?
+                .with_behaviour(|key, relay| {
+                    behaviour::build(key, relay, cfg)
+                        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                })
+                .map_err(|e| tr(&e))?
+                .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+                .build();
+            Ok(swarm)
+        }
+    }
+}
+
+/// Starts a listener on every address in `listen` and drives the swarm until each has reported
+/// its address (within [`LISTEN_TIMEOUT`]). Returns the addresses actually bound (OS-chosen
+/// ports filled in).
+pub(super) async fn start_listening(
+    swarm: &mut Swarm<Behaviour>,
+    listen: &[Multiaddr],
+) -> Result<Vec<Multiaddr>, NodeError> {
+    let mut pending_listeners = HashSet::new();
+    for addr in listen {
+        let id = swarm
+            .listen_on(addr.clone())
+            .map_err(|e| NodeError::Listen {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?;
+        pending_listeners.insert(id);
+    }
+    let mut listen_addrs = Vec::new();
+    let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
+    while !pending_listeners.is_empty() {
+        let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
+            .await
+            .map_err(|_| NodeError::Timeout("waiting for listen addresses"))?;
+        match event {
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
+                pending_listeners.remove(&listener_id);
+                listen_addrs.push(address);
+            }
+            SwarmEvent::ListenerClosed {
+                addresses, reason, ..
+            } => {
+                return Err(NodeError::Listen {
+                    addr: format!("{addresses:?}"),
+                    reason: format!("{reason:?}"),
+                })
+            }
+            SwarmEvent::ListenerError { error, .. } => {
+                return Err(NodeError::Listen {
+                    addr: format!("{listen:?}"),
+                    reason: error.to_string(),
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(listen_addrs)
+}
+
+/// Whether `addr` is a QUIC (UDP) address.
+pub(super) fn is_quic(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| matches!(p, Protocol::Udp(_) | Protocol::QuicV1 | Protocol::Quic))
+}
+
+/// The IP of a TCP listen address.
+pub(super) fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    let mut ip = None;
+    for p in addr.iter() {
+        match p {
+            Protocol::Ip4(a) => ip = Some(IpAddr::V4(a)),
+            Protocol::Ip6(a) => ip = Some(IpAddr::V6(a)),
+            Protocol::Tcp(_) => return ip,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The IP of a direct connection's remote address; `None` for relayed connections.
+pub(super) fn direct_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    if addr.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
+        return None;
+    }
+    addr.iter().find_map(|p| match p {
+        Protocol::Ip4(a) => Some(IpAddr::V4(a)),
+        Protocol::Ip6(a) => Some(IpAddr::V6(a)),
+        _ => None,
+    })
+}
+
+/// The peer id an address ends in (`.../p2p/<peer id>`), if any.
+pub(super) fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
+    addr.iter().find_map(|p| match p {
+        Protocol::P2p(id) => Some(id),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_helpers_pick_the_right_parts() {
+        let a: Multiaddr = "/ip4/10.0.0.1/tcp/4001".parse().unwrap();
+        assert_eq!(tcp_ip(&a), Some("10.0.0.1".parse().unwrap()));
+        assert!(!is_quic(&a));
+        let q: Multiaddr = "/ip4/10.0.0.1/udp/4001/quic-v1".parse().unwrap();
+        assert!(is_quic(&q));
+        assert_eq!(tcp_ip(&q), None);
+        let peer = PeerId::random();
+        let relayed: Multiaddr = format!("/ip4/10.0.0.2/tcp/1/p2p/{peer}/p2p-circuit")
+            .parse()
+            .unwrap();
+        assert_eq!(direct_ip(&relayed), None);
+        assert_eq!(direct_ip(&a), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(peer_of(&relayed), Some(peer));
+        assert_eq!(peer_of(&a), None);
+    }
+}
