@@ -115,12 +115,12 @@ impl Drop for BusyGuard<'_> {
 
 impl Averager {
     /// Starts serving the averaging protocols on `node`. One averager per node. Its tasks run
-    /// on the current tokio runtime, inside an `averager{peer}` span.
+    /// on the current tokio runtime, inside an `averager` span under the node's `node{peer}` span.
     pub async fn new(node: Node, config: AveragerConfig) -> Result<Self, AveragerError> {
         config.validate()?;
         let config = Arc::new(config);
         let router = Router::new(config.request_timeout);
-        let span = tracing::debug_span!("averager", peer = %short_id(&node));
+        let span = tracing::debug_span!(parent: node.span(), "averager");
         let tasks = {
             let _entered = span.enter();
             router.serve(&node, config.fast_lane)?
@@ -179,7 +179,7 @@ impl Averager {
         if node.is_closed() {
             return Err(NodeError::Closed.into());
         }
-        let span = tracing::debug_span!("averager", peer = %short_id(node));
+        let span = tracing::debug_span!(parent: node.span(), "averager");
         // A node that stops (shutdown, crash) ends the step at once: its streams are gone, and
         // waiting out the deadline would only hold the caller up. The tensors are written in
         // one synchronous pass at the end, so a step cut short never leaves them half-written.
@@ -463,12 +463,6 @@ impl Drop for Averager {
             t.abort();
         }
     }
-}
-
-/// The last characters of a node's peer id, for spans and logs.
-fn short_id(node: &Node) -> String {
-    let id = node.peer_id().to_string();
-    id[id.len().saturating_sub(6)..].to_string()
 }
 
 /// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.
