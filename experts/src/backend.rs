@@ -11,6 +11,7 @@ use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMa
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::lock::lock;
 use crate::schema::{ExpertSchema, TensorSpec};
 use crate::{ExpertError, Result};
 
@@ -372,11 +373,7 @@ impl Expert {
         };
         let loaded =
             candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(e.to_string()))?;
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| err("poisoned".into()))?;
+        let data = lock(self.varmap.data());
         for (name, var) in data.iter() {
             match loaded.get(name) {
                 Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
@@ -402,10 +399,7 @@ impl Expert {
 /// Re-draws every parameter from a seeded generator: weights (rank 2) uniform in
 /// `±1/sqrt(fan_in)`, linear biases zero; layer-norm scales and shifts keep their constants.
 fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|_| ExpertError::Invalid("parameter map poisoned".into()))?;
+    let data = lock(varmap.data());
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
     let mut rng = StdRng::seed_from_u64(seed);

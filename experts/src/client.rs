@@ -10,6 +10,7 @@ use starling_node::{Multiaddr, Node, PeerId, Stream};
 use tokio::time::Instant;
 
 use crate::grid::{parse_declaration, prefix_key, ExpertHost, ExpertUid};
+use crate::lock::lock;
 use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
@@ -252,7 +253,7 @@ impl ExpertClient {
     }
 
     fn take_idle(&self, peer: PeerId) -> Option<Stream> {
-        let mut idle = self.inner.idle.lock().ok()?;
+        let mut idle = lock(&self.inner.idle);
         let list = idle.get_mut(&peer)?;
         while let Some((s, since)) = list.pop() {
             if since.elapsed() < self.inner.cfg.stream_idle {
@@ -263,19 +264,16 @@ impl ExpertClient {
     }
 
     fn put_idle(&self, peer: PeerId, stream: Stream) {
-        if let Ok(mut idle) = self.inner.idle.lock() {
-            let list = idle.entry(peer).or_default();
-            if list.len() < self.inner.cfg.max_idle_streams {
-                list.push((stream, Instant::now()));
-            }
+        let mut idle = lock(&self.inner.idle);
+        let list = idle.entry(peer).or_default();
+        if list.len() < self.inner.cfg.max_idle_streams {
+            list.push((stream, Instant::now()));
         }
     }
 
     /// Forgets pooled streams to `peer` (after it failed).
     fn forget(&self, peer: PeerId) {
-        if let Ok(mut idle) = self.inner.idle.lock() {
-            idle.remove(&peer);
-        }
+        lock(&self.inner.idle).remove(&peer);
     }
 
     /// Sends one request and reads its response within `limit`. Idempotent requests retry once

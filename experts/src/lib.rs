@@ -23,6 +23,7 @@ pub mod backend;
 pub mod client;
 mod error;
 pub mod grid;
+mod lock;
 pub mod moe;
 mod schema;
 pub mod server;

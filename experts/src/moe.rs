@@ -21,6 +21,7 @@ use tracing::debug;
 
 use crate::client::{ExpertClient, RemoteExpert};
 use crate::grid::ExpertUid;
+use crate::lock::lock;
 use crate::{ExpertError, Result};
 
 /// Settings of a remote MoE layer.
@@ -162,7 +163,7 @@ impl RemoteMixtureOfExperts {
 
     /// What the last forward did.
     pub fn last_stats(&self) -> MoeStats {
-        self.last.lock().map(|s| s.clone()).unwrap_or_default()
+        lock(&self.last).clone()
     }
 
     /// The forward pass, with a typed error. `x` is `[batch, ..sample_shape]`.
@@ -261,12 +262,10 @@ impl RemoteMixtureOfExperts {
                 }
                 None => {
                     let uid = calls[i].expert.uid().to_string();
-                    if let Ok(mut banned) = self.banned.lock() {
-                        banned.insert(
-                            ban_key(&uid, &calls[i].expert.peer()),
-                            Instant::now() + self.cfg.failure_ban,
-                        );
-                    }
+                    lock(&self.banned).insert(
+                        ban_key(&uid, &calls[i].expert.peer()),
+                        Instant::now() + self.cfg.failure_ban,
+                    );
                     stats.failed.push(uid);
                 }
             }
@@ -274,7 +273,7 @@ impl RemoteMixtureOfExperts {
         for (row, n) in mask.chunks(k).enumerate() {
             let answered = n.iter().filter(|&&m| m > 0.0).count();
             if answered < self.cfg.k_min {
-                *self.last.lock().map_err(|_| ExpertError::Closed)? = stats;
+                *lock(&self.last) = stats;
                 return Err(ExpertError::NotEnoughExperts {
                     sample: row,
                     answered,
@@ -297,7 +296,7 @@ impl RemoteMixtureOfExperts {
                 last: self.last.clone(),
             }),
         };
-        *self.last.lock().map_err(|_| ExpertError::Closed)? = stats;
+        *lock(&self.last) = stats;
         let y = x.apply_op1(op)?; // [b, k, ..]
                                   // Gating weights over the chosen experts; failed or empty slots masked out.
         let device = x.device();
@@ -383,11 +382,9 @@ struct Searcher {
 
 impl Searcher {
     async fn children(&self, prefix: &[u32]) -> Hosts {
-        if let Ok(cache) = self.cache.lock() {
-            if let Some((at, hosts)) = cache.get(prefix) {
-                if at.elapsed() < self.cfg.dht_cache {
-                    return hosts.clone();
-                }
+        if let Some((at, hosts)) = lock(&self.cache).get(prefix) {
+            if at.elapsed() < self.cfg.dht_cache {
+                return hosts.clone();
             }
         }
         let hosts = match self.client.children(&self.cfg.name, prefix).await {
@@ -397,9 +394,7 @@ impl Searcher {
                 Hosts::new()
             }
         };
-        if let Ok(mut cache) = self.cache.lock() {
-            cache.insert(prefix.to_vec(), (Instant::now(), hosts.clone()));
-        }
+        lock(&self.cache).insert(prefix.to_vec(), (Instant::now(), hosts.clone()));
         hosts
     }
 
@@ -412,14 +407,11 @@ impl Searcher {
         let k = self.cfg.k_best;
         let levels = self.cfg.grid.len();
         let now = Instant::now();
-        let banned: HashSet<String> = self
-            .banned
-            .lock()
-            .map(|mut m| {
-                m.retain(|_, until| *until > now);
-                m.keys().cloned().collect()
-            })
-            .unwrap_or_default();
+        let banned: HashSet<String> = {
+            let mut m = lock(&self.banned);
+            m.retain(|_, until| *until > now);
+            m.keys().cloned().collect()
+        };
         let mut beams: Vec<Beam> = vec![vec![(vec![], 0.0, None)]; b];
         for (level, level_scores) in scores.iter().enumerate().take(levels) {
             let prefixes: HashSet<Vec<u32>> =
@@ -661,9 +653,7 @@ impl CustomOp1 for ExpertsOp {
                 }
             }
         }
-        if let Ok(mut last) = plan.last.lock() {
-            last.backward_failed = failed;
-        }
+        lock(&plan.last).backward_failed = failed;
         Ok(Some(Tensor::from_vec(grad, arg.shape(), arg.device())?))
     }
 }
