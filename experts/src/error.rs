@@ -79,5 +79,18 @@ pub enum RemoteErrorKind {
     ShuttingDown,
 }
 
+/// Frame errors on an expert stream: a frame over the limit or a body that does not decode is
+/// the peer breaking the protocol; a failed stream is I/O.
+impl From<starling_node::framing::FrameError> for ExpertError {
+    fn from(e: starling_node::framing::FrameError) -> Self {
+        use starling_node::framing::FrameError;
+        match e {
+            FrameError::Io(e) => ExpertError::Io(e),
+            FrameError::Malformed(m) => ExpertError::Protocol(m),
+            too_large @ FrameError::TooLarge { .. } => ExpertError::Protocol(too_large.to_string()),
+        }
+    }
+}
+
 /// Result alias.
 pub type Result<T, E = ExpertError> = std::result::Result<T, E>;

@@ -17,7 +17,7 @@ use super::batcher::{Kind, Task};
 use super::runtime::expert_info;
 use super::Shared;
 use crate::error::RemoteErrorKind;
-use crate::wire::{read_msg, write_msg, ReadError, Request, Response, WireTensor};
+use crate::wire::{read_msg, write_msg, FrameError, Request, Response, WireTensor};
 use crate::Result;
 
 pub(super) async fn accept_loop(
@@ -76,8 +76,8 @@ pub(super) async fn serve_stream(
         };
         let response = match req {
             Err(_) => break, // idle
-            Ok(Err(ReadError::Io(_))) => return,
-            Ok(Err(ReadError::TooLarge(n))) => {
+            Ok(Err(FrameError::Io(_))) => return,
+            Ok(Err(FrameError::TooLarge { len: n, .. })) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
                 let msg = format!(
                     "request of {n} bytes exceeds the limit of {} bytes",
@@ -95,7 +95,7 @@ pub(super) async fn serve_stream(
                 // The body was not read; the stream cannot be resynchronised.
                 break;
             }
-            Ok(Err(ReadError::Malformed(m))) => Err((RemoteErrorKind::Malformed, m)),
+            Ok(Err(FrameError::Malformed(m))) => Err((RemoteErrorKind::Malformed, m)),
             Ok(Ok(req)) => handle(&shared, req).await,
         };
         let response = match response {
