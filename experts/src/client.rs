@@ -14,7 +14,7 @@ use crate::lock::lock;
 use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
-use crate::{ExpertError, Result};
+use crate::{ExpertError, RemoteError, Result};
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -440,11 +440,9 @@ impl RemoteExpert {
 
     fn unexpected(&self, resp: Response) -> ExpertError {
         match resp {
-            Response::Error { kind, message } => ExpertError::Remote {
-                uid: self.uid.clone(),
-                kind,
-                message,
-            },
+            Response::Error { kind, message } => {
+                RemoteError { kind, message }.into_expert_error(&self.uid, self.peer)
+            }
             other => ExpertError::Protocol(format!("{}: unexpected answer {other:?}", self.uid)),
         }
     }

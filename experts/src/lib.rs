@@ -31,7 +31,7 @@ pub mod wire;
 
 pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
 pub use client::{ClientConfig, ExpertClient, RemoteExpert};
-pub use error::{ExpertError, RemoteErrorKind, Result};
+pub use error::{ExpertError, RemoteError, RemoteErrorKind, Result};
 pub use grid::{expand_uid_pattern, ExpertHost, ExpertUid};
 pub use moe::{MoeConfig, MoeStats, RemoteMixtureOfExperts};
 pub use schema::{DType, ExpertSchema, TensorSpec};

@@ -16,7 +16,7 @@ use starling_node::StreamProtocol;
 pub use starling_node::framing::{read_msg, write_msg, FrameError};
 
 use crate::backend::ExpertSpec;
-use crate::error::RemoteErrorKind;
+use crate::error::{RemoteError, RemoteErrorKind};
 use crate::schema::{DType, ExpertSchema};
 use crate::{ExpertError, Result};
 
@@ -60,13 +60,24 @@ pub enum Response {
     Info(ExpertInfo),
     /// Outputs of a forward, or input gradients of a backward.
     Tensors(Vec<WireTensor>),
-    /// The request failed; the stream stays usable unless the frame itself was bad.
+    /// The request failed: a [`RemoteError`] in its wire form (kept as named fields so the
+    /// variant reads the same in matches). The stream stays usable unless the frame itself was
+    /// bad.
     Error {
         /// Class of error.
         kind: RemoteErrorKind,
         /// Human-readable reason.
         message: String,
     },
+}
+
+impl From<RemoteError> for Response {
+    fn from(e: RemoteError) -> Response {
+        Response::Error {
+            kind: e.kind,
+            message: e.message,
+        }
+    }
 }
 
 /// What a server says about one of its experts.
@@ -199,6 +210,35 @@ mod tests {
         let err = read_msg::<_, Request>(&mut r, 1 << 20).await.unwrap_err();
         assert!(matches!(err, FrameError::Io(_)));
         assert!(matches!(ExpertError::from(err), ExpertError::Io(_)));
+    }
+
+    #[tokio::test]
+    async fn a_remote_error_round_trips_and_names_expert_server_and_cause() {
+        let sent = RemoteError::new(RemoteErrorKind::Overloaded, "9000 samples already queued");
+        let mut buf = Vec::new();
+        write_msg(&mut buf, &Response::from(sent.clone()))
+            .await
+            .unwrap();
+        let mut r = futures::io::Cursor::new(buf);
+        let got = match read_msg::<_, Response>(&mut r, 1024).await.unwrap() {
+            Response::Error { kind, message } => RemoteError { kind, message },
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got, sent);
+        let peer = starling_node::PeerId::random();
+        let e = got.into_expert_error("ffn.0.3", peer);
+        let text = e.to_string();
+        assert!(text.contains("ffn.0.3"), "{text}");
+        assert!(text.contains(&peer.to_string()), "{text}");
+        assert!(text.contains("overloaded"), "{text}");
+        assert!(text.contains("9000 samples already queued"), "{text}");
+        assert!(matches!(
+            e,
+            ExpertError::Remote {
+                kind: RemoteErrorKind::Overloaded,
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -10,10 +10,10 @@ use tokio::time::Instant;
 
 use super::runtime::Job;
 use super::ServerConfig;
-use crate::error::RemoteErrorKind;
+use crate::error::{RemoteError, RemoteErrorKind};
 
 /// What a task's submitter receives: the task's rows of the batch result, or an error.
-pub(super) type TaskResult = std::result::Result<Tensor, (RemoteErrorKind, String)>;
+pub(super) type TaskResult = std::result::Result<Tensor, RemoteError>;
 pub(super) type Reply = oneshot::Sender<TaskResult>;
 
 pub(super) struct Task {
@@ -38,12 +38,12 @@ pub(super) struct Pool {
 }
 
 impl Pool {
-    pub(super) fn submit(&self, task: Task) -> std::result::Result<(), (RemoteErrorKind, String)> {
+    pub(super) fn submit(&self, task: Task) -> std::result::Result<(), RemoteError> {
         let rows = task.rows;
         let before = self.queued_rows.fetch_add(rows, Ordering::AcqRel);
         if before + rows > self.max_queue_rows {
             self.queued_rows.fetch_sub(rows, Ordering::AcqRel);
-            return Err((
+            return Err(RemoteError::new(
                 RemoteErrorKind::Overloaded,
                 format!(
                     "{before} samples already queued (limit {})",
@@ -53,7 +53,7 @@ impl Pool {
         }
         self.tx.try_send(task).map_err(|_| {
             self.queued_rows.fetch_sub(rows, Ordering::AcqRel);
-            (RemoteErrorKind::Overloaded, "queue full".to_string())
+            RemoteError::new(RemoteErrorKind::Overloaded, "queue full")
         })
     }
 }
@@ -152,7 +152,7 @@ mod tests {
         }
         let (t, _r) = task(4);
         let err = pool.submit(t).unwrap_err();
-        assert_eq!(err.0, RemoteErrorKind::Overloaded);
+        assert_eq!(err.kind, RemoteErrorKind::Overloaded);
         assert_eq!(pool.queued_rows.load(Ordering::Acquire), 8);
         // Once the batcher takes work, room frees up.
         let taken = rx.try_recv().unwrap();

@@ -105,6 +105,15 @@ struct Hosted {
     backward: Pool,
 }
 
+impl Hosted {
+    fn pool(&self, kind: Kind) -> &Pool {
+        match kind {
+            Kind::Forward => &self.forward,
+            Kind::Backward => &self.backward,
+        }
+    }
+}
+
 /// What the server's tasks share: settings, the hosted experts' queues, the runtime's inbox.
 struct Shared {
     cfg: ServerConfig,

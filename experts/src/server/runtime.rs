@@ -13,7 +13,7 @@ use tracing::warn;
 use super::batcher::{Kind, Task};
 use super::{ServerStats, Shared};
 use crate::backend::Expert;
-use crate::error::RemoteErrorKind;
+use crate::error::{RemoteError, RemoteErrorKind};
 use crate::wire::ExpertInfo;
 use crate::{ExpertError, Result};
 
@@ -73,9 +73,9 @@ pub(super) fn run_runtime(
                     Ok(out) => {
                         let mut offset = 0;
                         for t in tasks {
-                            let part = out
-                                .narrow(0, offset, t.rows)
-                                .map_err(|e| (RemoteErrorKind::Internal, e.to_string()));
+                            let part = out.narrow(0, offset, t.rows).map_err(|e| {
+                                RemoteError::new(RemoteErrorKind::Internal, e.to_string())
+                            });
                             offset += t.rows;
                             let _ = t.reply.send(part);
                         }
@@ -83,9 +83,10 @@ pub(super) fn run_runtime(
                     Err(e) => {
                         warn!(%uid, ?kind, "batch failed: {e}");
                         for t in tasks {
-                            let _ = t
-                                .reply
-                                .send(Err((RemoteErrorKind::Internal, e.to_string())));
+                            let _ = t.reply.send(Err(RemoteError::new(
+                                RemoteErrorKind::Internal,
+                                e.to_string(),
+                            )));
                         }
                     }
                 }
