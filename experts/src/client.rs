@@ -1,11 +1,13 @@
 //! Calling experts: [`ExpertClient`] (streams, DHT lookups) and [`RemoteExpert`].
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use starling_compression::Codec;
+use starling_node::streams::{open_confirmed, Confirmed, OpenError, Retry};
 use starling_node::{Multiaddr, Node, PeerId, Stream};
 use tokio::time::Instant;
 
@@ -15,6 +17,12 @@ use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
 use crate::{ExpertError, RemoteError, Result};
+
+/// Streams [`ExpertClient`] opens to one server before it gives up on a call (each attempt
+/// that the server's accept queue dropped costs one).
+const OPEN_ATTEMPTS: u32 = 4;
+/// Pause after the first dropped attempt; it grows linearly (`Retry`'s policy).
+const OPEN_RETRY_PAUSE: Duration = Duration::from_millis(5);
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -197,59 +205,56 @@ impl ExpertClient {
         Ok(found)
     }
 
+    /// Opens a stream to `peer` that its server confirmed with `Ready` (the hello tells us the
+    /// stream was taken: under bursts libp2p-stream drops inbound streams). When the first
+    /// stream cannot be opened at all, dials `addrs` once and tries again at once. Gives up
+    /// after [`OPEN_ATTEMPTS`] or `connect_timeout`.
     async fn open(&self, peer: PeerId, addrs: &[Multiaddr]) -> Result<Stream> {
-        let cfg = &self.inner.cfg;
-        let deadline = Instant::now() + cfg.connect_timeout;
-        let mut control = self.inner.node.stream_control();
-        let mut dialed = false;
-        let mut last_err = String::from("no attempt");
-        // A new stream can be dropped by the server's accept loop under bursts; the hello tells
-        // us it was taken. Retry a few times before giving up.
-        for attempt in 0..4u32 {
-            if Instant::now() >= deadline {
-                break;
-            }
-            let opened =
-                tokio::time::timeout_at(deadline, control.open_stream(peer, EXPERTS_PROTOCOL))
-                    .await;
-            let mut stream = match opened {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    last_err = e.to_string();
-                    if !dialed {
-                        dialed = true;
-                        for a in addrs {
-                            if tokio::time::timeout_at(deadline, self.inner.node.dial(a.clone()))
-                                .await
-                                .is_ok_and(|r| r.is_ok())
-                            {
-                                break;
-                            }
-                        }
+        let node = &self.inner.node;
+        let deadline = Instant::now() + self.inner.cfg.connect_timeout;
+        let dialed = AtomicBool::new(false);
+        let open = || {
+            let mut control = node.stream_control();
+            let dialed = &dialed;
+            async move {
+                match control.open_stream(peer, EXPERTS_PROTOCOL).await {
+                    Ok(s) => Ok(s),
+                    Err(e) if dialed.swap(true, Ordering::Relaxed) => Err(e.to_string()),
+                    Err(_) => {
+                        // Not connected yet (or the connection closed): dial the declared
+                        // addresses. A failed dial is not final: libp2p may still know a way.
+                        node.connect_if_needed(peer, addrs)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        control
+                            .open_stream(peer, EXPERTS_PROTOCOL)
+                            .await
+                            .map_err(|e| e.to_string())
                     }
-                    continue;
                 }
-                Err(_) => break,
-            };
-            let hello = async {
-                write_msg(&mut stream, &Request::Hello).await?;
-                match read_msg::<_, Response>(&mut stream, 1024).await? {
-                    Response::Ready => Ok(()),
-                    other => Err(ExpertError::Protocol(format!(
-                        "expected Ready, got {other:?}"
-                    ))),
-                }
-            };
-            match tokio::time::timeout_at(deadline, hello).await {
-                Ok(Ok(())) => return Ok(stream),
-                Ok(Err(e)) => last_err = e.to_string(),
-                Err(_) => break,
             }
-            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+        };
+        let retry = Retry {
+            attempts: OPEN_ATTEMPTS,
+            pause: OPEN_RETRY_PAUSE,
+        };
+        let opened = open_confirmed(open, &Request::Hello, 1024, deadline, retry).await;
+        match opened {
+            Ok(Confirmed {
+                stream,
+                reply: Response::Ready,
+                ..
+            }) => Ok(stream),
+            Ok(Confirmed { reply, .. }) => Err(ExpertError::Protocol(format!(
+                "{peer} answered the hello with {reply:?}, expected Ready"
+            ))),
+            Err(OpenError::BadReply(e)) => Err(ExpertError::Protocol(format!(
+                "{peer} answered the hello with garbage: {e}"
+            ))),
+            Err(OpenError::Unanswered { last, .. }) => Err(ExpertError::Timeout(format!(
+                "cannot open an expert stream to {peer} ({last})"
+            ))),
         }
-        Err(ExpertError::Timeout(format!(
-            "cannot open an expert stream to {peer} ({last_err})"
-        )))
     }
 
     fn take_idle(&self, peer: PeerId) -> Option<Stream> {
