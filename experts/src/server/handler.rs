@@ -1,99 +1,128 @@
-//! Serving client streams: the accept loop, one task per stream, and the handling of each
-//! request (validation, submission to the task pool, encoding the answer).
+//! Serving client streams: admission (at most `max_streams` open at once, from accept to
+//! close), the hello read by [`starling_node::streams::serve_inbound`], then one request after
+//! another on each stream until it idles, breaks the framing or the server stops.
 
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
 
-use candle_core::{Device, Tensor};
-use futures::{AsyncWriteExt, StreamExt};
-use starling_compression::{ChunkHeader, Codec};
-use starling_node::{PeerId, Stream};
-use tokio::sync::{oneshot, watch, Semaphore};
-use tokio::task::JoinSet;
+use futures::{AsyncRead, AsyncWrite, AsyncWriteExt, StreamExt};
+use starling_node::streams::{serve_inbound, InboundLimits};
+use starling_node::PeerId;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::timeout;
 use tracing::debug;
 
-use super::batcher::{Kind, Pool, Task};
-use super::runtime::expert_info;
+use super::request::handle;
 use super::Shared;
 use crate::error::{RemoteError, RemoteErrorKind};
-use crate::schema::ExpertSchema;
-use crate::wire::{read_msg, write_msg, FrameError, Request, Response, WireTensor};
+use crate::wire::{read_msg, write_msg, FrameError, Request, Response};
 
-pub(super) async fn accept_loop(
+/// Largest hello, in bytes.
+const MAX_HELLO_BYTES: usize = 1024;
+
+/// Serves expert streams until `stop`, then waits for the stream handlers to end.
+///
+/// Handlers run on tasks of `serve_inbound`'s, which nobody joins; instead each one holds an
+/// `Arc` of `serving` while it serves (it gets it by upgrading a `Weak`, so a stream whose
+/// hello arrives after the stop finds nothing to upgrade and is dropped), and the loop waits
+/// for the last of them to let go. Every handler ends at once on the stop signal.
+pub(super) async fn accept_loop<S>(
     shared: Arc<Shared>,
-    mut incoming: starling_node::IncomingStreams,
+    incoming: impl futures::Stream<Item = (PeerId, S)> + Unpin + Send,
     mut stop: watch::Receiver<bool>,
-) {
-    let limit = Arc::new(Semaphore::new(shared.cfg.max_streams));
-    let mut handlers = JoinSet::new();
-    loop {
-        tokio::select! {
-            s = incoming.next() => {
-                let Some((peer, stream)) = s else { break };
-                let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    debug!(%peer, "too many expert streams; dropping a new one");
-                    continue;
-                };
-                let shared = shared.clone();
-                let stop = stop.clone();
-                handlers.spawn(async move {
-                    let _permit = permit;
-                    serve_stream(shared, peer, stream, stop).await;
-                });
-            }
-            Some(_) = handlers.join_next(), if !handlers.is_empty() => {}
-            _ = stop.changed() => break,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let cfg = &shared.cfg;
+    let open = Arc::new(Semaphore::new(cfg.max_streams));
+    let admitted = incoming.filter_map(move |(peer, stream)| {
+        futures::future::ready(Admitted::new(&open, peer, stream).map(|s| (peer, s)))
+    });
+    let limits = InboundLimits {
+        max_pending: cfg.max_streams,
+        first_message_timeout: cfg.handshake_timeout,
+        max_first_message: MAX_HELLO_BYTES,
+    };
+    let (all_done_tx, mut all_done) = mpsc::channel::<()>(1);
+    let serving = Arc::new(all_done_tx);
+    let handler = {
+        let (shared, stop, serving) = (shared.clone(), stop.clone(), Arc::downgrade(&serving));
+        move |peer, hello, stream| {
+            serve_stream(
+                shared.clone(),
+                peer,
+                hello,
+                stream,
+                stop.clone(),
+                serving.clone(),
+            )
         }
+    };
+    tokio::select! {
+        _ = serve_inbound(admitted, limits, handler) => {}
+        _ = stop.changed() => {}
     }
-    handlers.shutdown().await;
+    drop(serving);
+    // `None` once every handler has dropped its `Arc` (nothing is ever sent).
+    let _ = all_done.recv().await;
 }
 
-pub(super) async fn serve_stream(
+/// One client stream after its first message: answers the hello, then serves requests until
+/// the stream ends or the server stops (then the stream is dropped, as an abort would).
+async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     shared: Arc<Shared>,
     peer: PeerId,
-    mut stream: Stream,
+    hello: Request,
+    stream: Admitted<S>,
     mut stop: watch::Receiver<bool>,
+    serving: Weak<mpsc::Sender<()>>,
+) {
+    let Some(_serving) = serving.upgrade() else {
+        return; // the server is stopping
+    };
+    if !matches!(hello, Request::Hello) || *stop.borrow() {
+        return;
+    }
+    tokio::select! {
+        _ = serve_requests(&shared, peer, stream) => {}
+        _ = stop.changed() => {}
+    }
+}
+
+/// Confirms the stream with `Ready`, then answers requests one at a time. An idle stream and
+/// one that sent a frame over `max_frame_bytes` (answered with `TooLarge`: the body was not
+/// read, so the stream cannot be resynchronised) are closed; a broken one is dropped.
+async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
+    shared: &Shared,
+    peer: PeerId,
+    mut stream: Admitted<S>,
 ) {
     let cfg = &shared.cfg;
-    match timeout(
-        cfg.handshake_timeout,
-        read_msg::<_, Request>(&mut stream, 1024),
-    )
-    .await
-    {
-        Ok(Ok(Request::Hello)) => {
-            if write_msg(&mut stream, &Response::Ready).await.is_err() {
-                return;
-            }
-        }
-        _ => return,
+    if write_msg(&mut stream, &Response::Ready).await.is_err() {
+        return;
     }
     loop {
-        let req = tokio::select! {
-            r = timeout(cfg.idle_timeout, read_msg::<_, Request>(&mut stream, cfg.max_frame_bytes)) => r,
-            _ = stop.changed() => break,
-        };
-        let response = match req {
+        let next = read_msg::<_, Request>(&mut stream, cfg.max_frame_bytes);
+        let response = match timeout(cfg.idle_timeout, next).await {
             Err(_) => break, // idle
             Ok(Err(FrameError::Io(_))) => return,
-            Ok(Err(FrameError::TooLarge { len: n, .. })) => {
+            Ok(Err(FrameError::TooLarge { len, .. })) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
                 let msg = format!(
-                    "request of {n} bytes exceeds the limit of {} bytes",
+                    "request of {len} bytes exceeds the limit of {} bytes",
                     cfg.max_frame_bytes
                 );
                 debug!(%peer, "{msg}");
                 let refusal = RemoteError::new(RemoteErrorKind::TooLarge, msg);
                 let _ = write_msg(&mut stream, &Response::from(refusal)).await;
-                // The body was not read; the stream cannot be resynchronised.
                 break;
             }
             Ok(Err(FrameError::Malformed(m))) => {
                 Err(RemoteError::new(RemoteErrorKind::Malformed, m))
             }
-            Ok(Ok(req)) => handle(&shared, req).await,
+            Ok(Ok(req)) => handle(shared, req).await,
         };
         let response = match response {
             Ok(r) => {
@@ -113,256 +142,194 @@ pub(super) async fn serve_stream(
     let _ = stream.close().await;
 }
 
-/// A forward or backward request checked against the expert's schema and the server's limits,
-/// its tensors decoded: what a [`Task`] is made of.
-#[derive(Debug)]
-pub(super) struct Prepared {
-    inputs: Tensor,
-    grads: Option<Tensor>,
-    rows: usize,
-    /// The answer is encoded with the codec the request came in.
-    reply_codec: Codec,
+/// A stream that holds one of the server's `max_streams` places until it is dropped.
+struct Admitted<S> {
+    stream: S,
+    _place: OwnedSemaphorePermit,
 }
 
-/// Answers one request on a served stream.
-pub(super) async fn handle(shared: &Shared, req: Request) -> Result<Response, RemoteError> {
-    match req {
-        Request::Hello => Ok(Response::Ready),
-        Request::Info { uid } => expert_info(shared, &uid)
-            .await
-            .map(Response::Info)
-            .ok_or_else(|| unknown_expert(&uid)),
-        Request::Forward { uid, inputs } => run(shared, &uid, Kind::Forward, inputs, None).await,
-        Request::Backward {
-            uid,
-            inputs,
-            grad_outputs,
-        } => run(shared, &uid, Kind::Backward, inputs, Some(grad_outputs)).await,
-    }
-}
-
-fn unknown_expert(uid: &str) -> RemoteError {
-    RemoteError::new(
-        RemoteErrorKind::UnknownExpert,
-        format!("no expert {uid} here"),
-    )
-}
-
-/// Runs a forward or backward: checks, queues in the expert's pool, waits for the batch.
-async fn run(
-    shared: &Shared,
-    uid: &str,
-    kind: Kind,
-    inputs: Vec<WireTensor>,
-    grads: Option<Vec<WireTensor>>,
-) -> Result<Response, RemoteError> {
-    let hosted = shared.hosted.get(uid).ok_or_else(|| unknown_expert(uid))?;
-    let cfg = &shared.cfg;
-    let prepared = prepare(&hosted.schema, cfg.max_request_rows, inputs, grads)?;
-    let reply_codec = prepared.reply_codec;
-    let out = compute(hosted.pool(kind), prepared, cfg.compute_timeout).await?;
-    encode_reply(&out, reply_codec)
-}
-
-/// Checks a request's tensors (one input, and for a backward one output gradient with as many
-/// rows) against `schema` and `max_request_rows`, then decodes them. Cheap checks come first,
-/// so an oversized or misshapen request is refused before its payload is decoded.
-pub(super) fn prepare(
-    schema: &ExpertSchema,
-    max_request_rows: usize,
-    inputs: Vec<WireTensor>,
-    grads: Option<Vec<WireTensor>>,
-) -> Result<Prepared, RemoteError> {
-    let bad_schema = |m: String| RemoteError::new(RemoteErrorKind::BadSchema, m);
-    let x = single(inputs, "inputs")?;
-    let reply_codec = ChunkHeader::parse_prefix(&x.frame)
-        .map(|h| h.codec)
-        .unwrap_or(Codec::None);
-    let rows = schema
-        .input
-        .check_batch("input", &x.dims(), x.dtype)
-        .map_err(|e| bad_schema(e.to_string()))?;
-    if rows > max_request_rows {
-        return Err(RemoteError::new(
-            RemoteErrorKind::TooLarge,
-            format!("{rows} samples; this server takes at most {max_request_rows}"),
-        ));
-    }
-    let inputs = to_tensor(&x)?;
-    let grads = match grads {
-        Some(g) => {
-            let g = single(g, "output gradients")?;
-            let g_rows = schema
-                .output
-                .check_batch("output gradient", &g.dims(), g.dtype)
-                .map_err(|e| bad_schema(e.to_string()))?;
-            if g_rows != rows {
-                return Err(bad_schema(format!(
-                    "{g_rows} gradient rows for {rows} input rows"
-                )));
+impl<S> Admitted<S> {
+    /// The stream with a place, or `None` (the stream is dropped, which its opener sees as a
+    /// dropped stream and retries) when every place is taken.
+    fn new(open: &Arc<Semaphore>, peer: PeerId, stream: S) -> Option<Admitted<S>> {
+        match open.clone().try_acquire_owned() {
+            Ok(place) => Some(Admitted {
+                stream,
+                _place: place,
+            }),
+            Err(_) => {
+                debug!(%peer, "too many expert streams; dropping a new one");
+                None
             }
-            Some(to_tensor(&g)?)
         }
-        None => None,
-    };
-    Ok(Prepared {
-        inputs,
-        grads,
-        rows,
-        reply_codec,
-    })
-}
-
-/// The one tensor of a list that must hold exactly one.
-fn single(ts: Vec<WireTensor>, what: &str) -> Result<WireTensor, RemoteError> {
-    let n = ts.len();
-    match <[WireTensor; 1]>::try_from(ts) {
-        Ok([t]) => Ok(t),
-        Err(_) => Err(RemoteError::new(
-            RemoteErrorKind::BadSchema,
-            format!("{what}: expected 1 tensor, got {n}"),
-        )),
     }
 }
 
-fn to_tensor(t: &WireTensor) -> Result<Tensor, RemoteError> {
-    let malformed = |e: String| RemoteError::new(RemoteErrorKind::Malformed, e);
-    let values = t.decode().map_err(|e| malformed(e.to_string()))?;
-    Tensor::from_vec(values, t.dims(), &Device::Cpu).map_err(|e| malformed(e.to_string()))
-}
-
-/// Queues the work in `pool` and waits at most `compute_timeout` for its rows of the batch.
-async fn compute(
-    pool: &Pool,
-    p: Prepared,
-    compute_timeout: Duration,
-) -> Result<Tensor, RemoteError> {
-    let (tx, rx) = oneshot::channel();
-    pool.submit(Task {
-        inputs: p.inputs,
-        grads: p.grads,
-        rows: p.rows,
-        reply: tx,
-    })?;
-    match timeout(compute_timeout, rx).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(RemoteError::new(
-            RemoteErrorKind::ShuttingDown,
-            "the server is stopping",
-        )),
-        Err(_) => Err(RemoteError::new(
-            RemoteErrorKind::Overloaded,
-            "not computed within the compute timeout",
-        )),
+impl<S: AsyncRead + Unpin> AsyncRead for Admitted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
 
-/// The result as a response, in the codec the request used.
-fn encode_reply(out: &Tensor, codec: Codec) -> Result<Response, RemoteError> {
-    let encode = || -> crate::Result<WireTensor> {
-        let values = out.flatten_all()?.to_vec1::<f32>()?;
-        WireTensor::encode(out.dims(), &values, codec)
-    };
-    encode().map(|t| Response::Tensors(vec![t])).map_err(|e| {
-        RemoteError::new(
-            RemoteErrorKind::Internal,
-            format!("cannot encode the result: {e}"),
-        )
-    })
+impl<S: AsyncWrite + Unpin> AsyncWrite for Admitted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_close(cx)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schema::TensorSpec;
+    use std::collections::HashMap;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+    use std::time::Duration;
 
-    fn schema() -> ExpertSchema {
-        ExpertSchema {
-            input: TensorSpec::f32(&[4]),
-            output: TensorSpec::f32(&[4]),
+    use crate::lock::lock;
+    use crate::server::{ServerConfig, ServerStats};
+
+    /// A client stream: replays `input`, then stays silent (pending) forever; keeps what the
+    /// server writes; flags its drop.
+    struct Fake {
+        input: futures::io::Cursor<Vec<u8>>,
+        output: Arc<Mutex<Vec<u8>>>,
+        dropped: Arc<AtomicBool>,
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            self.dropped.store(true, Ordering::SeqCst);
         }
     }
 
-    fn wire(shape: &[usize], codec: Codec) -> WireTensor {
-        let n = shape.iter().product();
-        WireTensor::encode(shape, &vec![0.5; n], codec).unwrap()
+    impl AsyncRead for Fake {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut [u8],
+        ) -> Poll<std::io::Result<usize>> {
+            match Pin::new(&mut self.input).poll_read(cx, buf) {
+                Poll::Ready(Ok(0)) => Poll::Pending,
+                other => other,
+            }
+        }
     }
 
-    fn kind(r: Result<Prepared, RemoteError>) -> RemoteErrorKind {
-        r.unwrap_err().kind
+    impl AsyncWrite for Fake {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            lock(&self.output).extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
     }
 
-    #[test]
-    fn requests_are_checked_before_they_are_queued() {
-        let s = schema();
-        let ok = prepare(&s, 8, vec![wire(&[3, 4], Codec::Float16)], None).unwrap();
-        assert_eq!((ok.rows, ok.reply_codec), (3, Codec::Float16));
-        assert_eq!(ok.inputs.dims(), &[3, 4]);
-        assert!(ok.grads.is_none());
-        let back = prepare(
-            &s,
-            8,
-            vec![wire(&[2, 4], Codec::None)],
-            Some(vec![wire(&[2, 4], Codec::None)]),
-        )
-        .unwrap();
-        assert_eq!(back.grads.map(|g| g.dims().to_vec()), Some(vec![2, 4]));
+    fn client(requests: &[Request]) -> (Fake, Arc<Mutex<Vec<u8>>>, Arc<AtomicBool>) {
+        let mut input = Vec::new();
+        for r in requests {
+            futures::executor::block_on(write_msg(&mut input, r)).unwrap();
+        }
+        let (output, dropped) = (Arc::default(), Arc::default());
+        let fake = Fake {
+            input: futures::io::Cursor::new(input),
+            output: Arc::clone(&output),
+            dropped: Arc::clone(&dropped),
+        };
+        (fake, output, dropped)
+    }
 
-        use RemoteErrorKind::*;
-        assert_eq!(kind(prepare(&s, 8, vec![], None)), BadSchema);
-        let two = vec![wire(&[1, 4], Codec::None), wire(&[1, 4], Codec::None)];
-        assert_eq!(kind(prepare(&s, 8, two, None)), BadSchema);
-        assert_eq!(
-            kind(prepare(&s, 8, vec![wire(&[2, 5], Codec::None)], None)),
-            BadSchema
-        );
-        assert_eq!(
-            kind(prepare(&s, 8, vec![wire(&[9, 4], Codec::None)], None)),
-            TooLarge
-        );
-        let mismatched = Some(vec![wire(&[3, 4], Codec::None)]);
-        let r = prepare(&s, 8, vec![wire(&[2, 4], Codec::None)], mismatched);
-        assert_eq!(kind(r), BadSchema);
-        let mut lying = wire(&[2, 4], Codec::None);
-        lying.shape = vec![1, 4];
-        assert_eq!(kind(prepare(&s, 8, vec![lying], None)), Malformed);
+    fn responses(output: &Mutex<Vec<u8>>) -> Vec<Response> {
+        let bytes = lock(output).clone();
+        let mut r = futures::io::Cursor::new(bytes);
+        let mut out = Vec::new();
+        while let Ok(m) = futures::executor::block_on(read_msg::<_, Response>(&mut r, 1 << 20)) {
+            out.push(m);
+        }
+        out
     }
 
     #[tokio::test]
-    async fn a_full_pool_or_a_stopped_server_is_a_clear_error() {
-        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-        let pool = Pool {
-            tx,
-            queued_rows: Default::default(),
-            max_queue_rows: 2,
+    async fn streams_are_admitted_served_and_dropped_on_stop() {
+        let (runtime, _jobs) = mpsc::channel(1);
+        let shared = Arc::new(Shared {
+            cfg: ServerConfig {
+                max_streams: 1,
+                ..ServerConfig::default()
+            },
+            hosted: HashMap::new(),
+            runtime,
+            stats: Arc::new(ServerStats::default()),
+        });
+        let (incoming_tx, incoming) = futures::channel::mpsc::unbounded();
+        let (stop_tx, stop) = watch::channel(false);
+        let server = tokio::spawn(accept_loop(shared.clone(), incoming, stop));
+        let unknown = Request::Forward {
+            uid: "ffn.9".into(),
+            inputs: vec![],
         };
-        let p = prepare(&schema(), 8, vec![wire(&[3, 4], Codec::None)], None).unwrap();
-        let err = compute(&pool, p, Duration::from_secs(1)).await.unwrap_err();
-        assert_eq!(err.kind, RemoteErrorKind::Overloaded);
-        // A batcher that stops drops the tasks it holds, and with them their reply senders.
-        let stopping = tokio::spawn(async move { drop(rx.recv().await) });
-        let p = prepare(&schema(), 8, vec![wire(&[1, 4], Codec::None)], None).unwrap();
-        let err = compute(&pool, p, Duration::from_secs(5)).await.unwrap_err();
-        assert_eq!(err.kind, RemoteErrorKind::ShuttingDown, "{err}");
-        stopping.await.unwrap();
-        // Nobody takes the work: the compute timeout answers.
-        let p = prepare(&schema(), 8, vec![wire(&[1, 4], Codec::None)], None).unwrap();
-        let err = compute(&pool, p, Duration::from_millis(10))
-            .await
-            .unwrap_err();
-        assert_eq!(err.kind, RemoteErrorKind::Overloaded, "{err}");
-    }
-
-    #[test]
-    fn results_go_back_in_the_request_codec() {
-        let out = Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &Device::Cpu).unwrap();
-        match encode_reply(&out, Codec::Float16).unwrap() {
-            Response::Tensors(ts) => {
-                let h = ChunkHeader::parse_prefix(&ts[0].frame).unwrap();
-                assert_eq!(h.codec, Codec::Float16);
-                assert_eq!(ts[0].decode().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+        let (first, first_out, first_dropped) = client(&[Request::Hello, unknown]);
+        incoming_tx
+            .unbounded_send((PeerId::random(), first))
+            .unwrap();
+        let served = async {
+            while responses(&first_out).len() < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            other => panic!("{other:?}"),
-        }
+        };
+        timeout(Duration::from_secs(5), served).await.unwrap();
+        let answers = responses(&first_out);
+        assert!(matches!(answers[0], Response::Ready));
+        assert!(matches!(
+            answers[1],
+            Response::Error {
+                kind: RemoteErrorKind::UnknownExpert,
+                ..
+            }
+        ));
+        assert_eq!(shared.stats.refused.load(Ordering::Relaxed), 1);
+        // The only place is taken: a second stream is dropped unanswered.
+        let (second, second_out, second_dropped) = client(&[Request::Hello]);
+        incoming_tx
+            .unbounded_send((PeerId::random(), second))
+            .unwrap();
+        let dropped = async {
+            while !second_dropped.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        timeout(Duration::from_secs(5), dropped).await.unwrap();
+        assert!(lock(&second_out).is_empty());
+        // Stop: the idle first stream is dropped and the loop returns, without waiting for
+        // the idle timeout.
+        stop_tx.send(true).unwrap();
+        timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the accept loop ends on stop")
+            .unwrap();
+        assert!(first_dropped.load(Ordering::SeqCst));
     }
 }

@@ -9,6 +9,7 @@
 mod batcher;
 mod declare;
 mod handler;
+mod request;
 mod runtime;
 
 use std::collections::HashMap;
