@@ -17,7 +17,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Module, Shape, Tensor, D};
 use candle_nn::{linear, Linear, VarBuilder};
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, Instrument};
 
 use crate::client::{ExpertClient, RemoteExpert};
 use crate::grid::ExpertUid;
@@ -352,9 +352,12 @@ where
     F::Output: Send + 'static,
 {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    rt.spawn(async move {
-        let _ = tx.send(fut.await);
-    });
+    rt.spawn(
+        async move {
+            let _ = tx.send(fut.await);
+        }
+        .in_current_span(),
+    );
     let wait = move || rx.recv().map_err(|_| ExpertError::Closed);
     match tokio::runtime::Handle::try_current() {
         Err(_) => wait(),

@@ -38,6 +38,17 @@ pub(super) struct Pool {
 }
 
 impl Pool {
+    /// An empty queue bounded by `cfg.max_queue_rows`, and the receiving end for its batcher.
+    pub(super) fn new(cfg: &ServerConfig) -> (Pool, mpsc::Receiver<Task>) {
+        let (tx, rx) = mpsc::channel(cfg.max_queue_rows.min(65_536));
+        let pool = Pool {
+            tx,
+            queued_rows: Arc::new(AtomicUsize::new(0)),
+            max_queue_rows: cfg.max_queue_rows,
+        };
+        (pool, rx)
+    }
+
     pub(super) fn submit(&self, task: Task) -> std::result::Result<(), RemoteError> {
         let rows = task.rows;
         let before = self.queued_rows.fetch_add(rows, Ordering::AcqRel);

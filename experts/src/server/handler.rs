@@ -114,7 +114,7 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
                     "request of {len} bytes exceeds the limit of {} bytes",
                     cfg.max_frame_bytes
                 );
-                debug!(%peer, "{msg}");
+                debug!(client = %peer, "{msg}");
                 let refusal = RemoteError::new(RemoteErrorKind::TooLarge, msg);
                 let _ = write_msg(&mut stream, &Response::from(refusal)).await;
                 break;
@@ -131,7 +131,7 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
             }
             Err(e) => {
                 shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                debug!(%peer, kind = ?e.kind, "refused: {}", e.message);
+                debug!(client = %peer, kind = ?e.kind, "refused: {}", e.message);
                 Response::from(e)
             }
         };
@@ -158,7 +158,7 @@ impl<S> Admitted<S> {
                 _place: place,
             }),
             Err(_) => {
-                debug!(%peer, "too many expert streams; dropping a new one");
+                debug!(client = %peer, "too many expert streams; dropping a new one");
                 None
             }
         }

@@ -14,14 +14,14 @@ mod runtime;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
 use starling_node::Node;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tracing::info;
+use tracing::{info, Instrument};
 
 use crate::backend::Expert;
 use crate::grid::ExpertUid;
@@ -99,6 +99,44 @@ pub struct ServerStats {
     pub rows: AtomicU64,
 }
 
+/// Checks the settings and the experts (valid, distinct uids), creates the checkpoint directory
+/// and restores every expert that has a checkpoint there.
+fn restore(experts: Vec<(String, Expert)>, cfg: &ServerConfig) -> Result<HashMap<String, Expert>> {
+    if experts.is_empty() {
+        return Err(ExpertError::Invalid("no experts to serve".into()));
+    }
+    if cfg.max_batch_rows == 0
+        || cfg.max_request_rows == 0
+        || cfg.max_queue_rows < cfg.max_request_rows
+    {
+        return Err(ExpertError::Invalid(
+            "max_batch_rows and max_request_rows must be positive, max_queue_rows >= max_request_rows".into(),
+        ));
+    }
+    if let Some(dir) = &cfg.checkpoint_dir {
+        std::fs::create_dir_all(dir).map_err(|e| ExpertError::Checkpoint {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+    }
+    let mut owned = HashMap::new();
+    for (uid, mut expert) in experts {
+        ExpertUid::parse(&uid)?;
+        if let Some(dir) = &cfg.checkpoint_dir {
+            let path = checkpoint_path(dir, &uid);
+            if path.exists() {
+                expert.load(&path)?;
+                info!(%uid, path = %path.display(), "restored expert from checkpoint");
+            }
+        }
+        if owned.contains_key(&uid) {
+            return Err(ExpertError::Invalid(format!("uid {uid} given twice")));
+        }
+        owned.insert(uid, expert);
+    }
+    Ok(owned)
+}
+
 /// One hosted expert as the stream handlers see it: its schema and its two queues.
 struct Hosted {
     schema: ExpertSchema,
@@ -151,45 +189,22 @@ pub struct ExpertServer {
 impl ExpertServer {
     /// Starts serving `experts` (uid, expert) on `node`: restores each from
     /// `checkpoint_dir/<uid>.safetensors` when that file exists, starts the runtime thread and
-    /// the batching pools, accepts calls and declares the experts in the DHT.
+    /// the batching pools, accepts calls and declares the experts in the DHT. Everything the
+    /// server logs is inside a span `experts_server{peer}`.
     pub async fn start(
         node: Node,
         experts: Vec<(String, Expert)>,
         cfg: ServerConfig,
     ) -> Result<ExpertServer> {
-        if experts.is_empty() {
-            return Err(ExpertError::Invalid("no experts to serve".into()));
-        }
-        if cfg.max_batch_rows == 0
-            || cfg.max_request_rows == 0
-            || cfg.max_queue_rows < cfg.max_request_rows
-        {
-            return Err(ExpertError::Invalid(
-                "max_batch_rows and max_request_rows must be positive, max_queue_rows >= max_request_rows".into(),
-            ));
-        }
-        if let Some(dir) = &cfg.checkpoint_dir {
-            std::fs::create_dir_all(dir).map_err(|e| ExpertError::Checkpoint {
-                path: dir.display().to_string(),
-                message: e.to_string(),
-            })?;
-        }
-        let mut owned = HashMap::new();
-        let mut uids = Vec::new();
-        for (uid, mut expert) in experts {
-            ExpertUid::parse(&uid)?;
-            if let Some(dir) = &cfg.checkpoint_dir {
-                let path = checkpoint_path(dir, &uid);
-                if path.exists() {
-                    expert.load(&path)?;
-                    info!(%uid, path = %path.display(), "restored expert from checkpoint");
-                }
-            }
-            if owned.insert(uid.clone(), expert).is_some() {
-                return Err(ExpertError::Invalid(format!("uid {uid} given twice")));
-            }
-            uids.push(uid);
-        }
+        let span = tracing::info_span!("experts_server", peer = %node.peer_id());
+        // Starting only checks, loads and spawns (no await), so it can run inside the span.
+        span.in_scope(|| ExpertServer::launch(node, experts, cfg))
+    }
+
+    /// [`Self::start`], inside the server's span: every task and the runtime thread inherit it.
+    fn launch(node: Node, experts: Vec<(String, Expert)>, cfg: ServerConfig) -> Result<Self> {
+        let owned = restore(experts, &cfg)?;
+        let mut uids: Vec<String> = owned.keys().cloned().collect();
         uids.sort();
         let (stop, stop_rx) = watch::channel(false);
         let (rt_tx, rt_rx) = mpsc::channel::<Job>(4 * owned.len().max(4));
@@ -199,38 +214,40 @@ impl ExpertServer {
         for (uid, expert) in &owned {
             let uid_arc: Arc<str> = Arc::from(uid.as_str());
             let mut pool = |kind| {
-                let (tx, rx) = mpsc::channel(cfg.max_queue_rows.min(65_536));
-                let queued_rows = Arc::new(AtomicUsize::new(0));
-                tasks.push(tokio::spawn(batcher(
+                let (pool, rx) = Pool::new(&cfg);
+                let batching = batcher(
                     uid_arc.clone(),
                     kind,
                     rx,
-                    queued_rows.clone(),
+                    pool.queued_rows.clone(),
                     rt_tx.clone(),
                     cfg.clone(),
                     stop_rx.clone(),
-                )));
-                Pool {
-                    tx,
-                    queued_rows,
-                    max_queue_rows: cfg.max_queue_rows,
-                }
+                );
+                tasks.push(tokio::spawn(batching.in_current_span()));
+                pool
             };
+            let forward = pool(Kind::Forward);
+            let backward = pool(Kind::Backward);
+            let schema = expert.schema().clone();
             hosted.insert(
                 uid.clone(),
                 Hosted {
-                    schema: expert.schema().clone(),
-                    forward: pool(Kind::Forward),
-                    backward: pool(Kind::Backward),
+                    schema,
+                    forward,
+                    backward,
                 },
             );
         }
         let runtime = {
             let stats = stats.clone();
             let max_request_rows = cfg.max_request_rows;
+            let span = tracing::Span::current();
             std::thread::Builder::new()
                 .name("starling-experts-runtime".into())
-                .spawn(move || run_runtime(owned, rt_rx, stats, max_request_rows))?
+                .spawn(move || {
+                    span.in_scope(|| run_runtime(owned, rt_rx, stats, max_request_rows))
+                })?
         };
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
@@ -242,25 +259,15 @@ impl ExpertServer {
             .stream_control()
             .accept(EXPERTS_PROTOCOL)
             .map_err(|e| ExpertError::Protocol(format!("cannot accept expert calls: {e}")))?;
-        tasks.push(tokio::spawn(accept_loop(
-            shared.clone(),
-            incoming,
-            stop_rx.clone(),
-        )));
-        tasks.push(tokio::spawn(declare_loop(
-            node.clone(),
-            uids.clone(),
-            cfg.clone(),
-            stop_rx.clone(),
-        )));
+        let accepting = accept_loop(shared.clone(), incoming, stop_rx.clone());
+        tasks.push(tokio::spawn(accepting.in_current_span()));
+        let declaring = declare_loop(node.clone(), uids.clone(), cfg.clone(), stop_rx.clone());
+        tasks.push(tokio::spawn(declaring.in_current_span()));
         if let Some(dir) = cfg.checkpoint_dir.clone() {
-            tasks.push(tokio::spawn(checkpoint_loop(
-                shared.clone(),
-                dir,
-                stop_rx.clone(),
-            )));
+            let checkpointing = checkpoint_loop(shared.clone(), dir, stop_rx.clone());
+            tasks.push(tokio::spawn(checkpointing.in_current_span()));
         }
-        info!(experts = uids.len(), peer = %node.peer_id(), "expert server started");
+        info!(experts = uids.len(), "expert server started");
         Ok(ExpertServer {
             node,
             uids,
