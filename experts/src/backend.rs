@@ -109,6 +109,7 @@ impl ExpertSpec {
         }
     }
 
+    /// Refuses sizes of zero, heads that do not divide `dim` and unusable optimizer settings.
     fn validate(&self) -> Result<()> {
         if self.dim == 0 || self.hidden == 0 {
             return Err(ExpertError::Invalid(
@@ -133,6 +134,7 @@ impl ExpertSpec {
     }
 }
 
+/// The feed-forward network `Linear - GELU - Linear` (an expert, or a block's second half).
 struct Ffn {
     l1: Linear,
     l2: Linear,
@@ -152,6 +154,7 @@ struct Norm {
 }
 
 impl Norm {
+    /// Scale 1 and shift 0 over the last dimension of width `dim`.
     fn new(dim: usize, vb: VarBuilder) -> candle_core::Result<Norm> {
         Ok(Norm {
             weight: vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?,
@@ -172,6 +175,7 @@ impl Module for Norm {
     }
 }
 
+/// A pre-norm transformer block: self-attention then feed-forward, both residual.
 struct Block {
     ln1: Norm,
     qkv: Linear,
@@ -203,8 +207,11 @@ impl Module for Block {
     }
 }
 
+/// The network of an expert, by [`ExpertKind`].
 enum Net {
+    /// [`ExpertKind::Ffn`].
     Ffn(Ffn),
+    /// [`ExpertKind::Transformer`].
     Block(Block),
 }
 
@@ -343,6 +350,7 @@ impl Expert {
         Ok(grad_x)
     }
 
+    /// Checks that `x` is an f32 `[batch, ..input shape]`; returns the batch size.
     fn check_input(&self, x: &Tensor) -> Result<usize> {
         if x.dtype() != CDType::F32 {
             return Err(ExpertError::Invalid(format!("input dtype {:?}", x.dtype())));

@@ -1,4 +1,9 @@
 //! Calling experts: [`ExpertClient`] (streams, DHT lookups) and [`RemoteExpert`].
+//!
+//! A call takes a pooled stream to the server or opens one with
+//! `starling_node::streams::open_confirmed` (hello, `Ready`, retried when the server's accept
+//! queue dropped the stream), sends one request and reads one response within the call's
+//! timeout. A server's refusal becomes [`ExpertError::Remote`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,6 +62,7 @@ impl Default for ClientConfig {
     }
 }
 
+/// What every clone of an [`ExpertClient`] shares.
 struct Inner {
     node: Node,
     cfg: ClientConfig,
@@ -257,6 +263,7 @@ impl ExpertClient {
         }
     }
 
+    /// A pooled stream to `peer` that has not idled past `stream_idle`, if any.
     fn take_idle(&self, peer: PeerId) -> Option<Stream> {
         let mut idle = lock(&self.inner.idle);
         let list = idle.get_mut(&peer)?;
@@ -268,6 +275,8 @@ impl ExpertClient {
         None
     }
 
+    /// Returns a stream to the pool after a successful call (at most `max_idle_streams` per
+    /// peer; an extra one is dropped).
     fn put_idle(&self, peer: PeerId, stream: Stream) {
         let mut idle = lock(&self.inner.idle);
         let list = idle.entry(peer).or_default();
@@ -417,6 +426,7 @@ impl RemoteExpert {
         )
     }
 
+    /// `t` as f32 values in the client's codec.
     fn to_wire(&self, t: &Tensor) -> Result<WireTensor> {
         let values = t
             .flatten_all()?
@@ -425,6 +435,7 @@ impl RemoteExpert {
         WireTensor::encode(t.dims(), &values, self.client.inner.cfg.codec)
     }
 
+    /// The tensor of a forward or backward answer, which must keep the batch size.
     fn tensor_reply(&self, resp: Response, batch_dims: &[usize]) -> Result<Tensor> {
         match resp {
             Response::Tensors(ts) if ts.len() == 1 => {
@@ -443,6 +454,8 @@ impl RemoteExpert {
         }
     }
 
+    /// The error for an answer that is not the expected one: the server's [`RemoteError`],
+    /// or a protocol error.
     fn unexpected(&self, resp: Response) -> ExpertError {
         match resp {
             Response::Error { kind, message } => {

@@ -1,4 +1,5 @@
-//! Errors of the experts crate.
+//! Errors of the experts crate: [`ExpertError`] for callers, and [`RemoteError`], what a
+//! server tells a client when it refuses or fails a call.
 
 use serde::{Deserialize, Serialize};
 use starling_node::PeerId;

@@ -8,6 +8,24 @@
 //! it. Messages travel in the node's shared framing ([`starling_node::framing`], re-exported
 //! here as [`read_msg`] / [`write_msg`]): a little-endian `u32` length and that many bytes of
 //! postcard. Tensors inside are `starling_compression` frames.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use starling_compression::Codec;
+//! use starling_experts::wire::{read_msg, write_msg, Request, WireTensor};
+//! let x = WireTensor::encode(&[1, 3], &[0.5, -1.0, 2.0], Codec::None).unwrap();
+//! let mut wire = Vec::new();
+//! write_msg(&mut wire, &Request::Forward { uid: "ffn.0.3".into(), inputs: vec![x] }).await.unwrap();
+//! let mut r = futures::io::Cursor::new(wire);
+//! match read_msg::<_, Request>(&mut r, 1 << 20).await.unwrap() {
+//!     Request::Forward { uid, inputs } => {
+//!         assert_eq!(uid, "ffn.0.3");
+//!         assert_eq!(inputs[0].decode().unwrap(), vec![0.5, -1.0, 2.0]);
+//!     }
+//!     other => panic!("{other:?}"),
+//! }
+//! # });
+//! ```
 
 use serde::{Deserialize, Serialize};
 use starling_compression::{ChunkHeader, Codec, DecodeOptions, EncodeOptions};

@@ -302,6 +302,7 @@ impl RemoteMixtureOfExperts {
         stats
     }
 
+    /// A handle for beam search that owns what it needs (it runs on the tokio runtime).
     fn searcher(&self) -> Searcher {
         Searcher {
             cfg: self.cfg.clone(),
@@ -311,6 +312,7 @@ impl RemoteMixtureOfExperts {
         }
     }
 
+    /// Runs `fut` on the layer's runtime and waits for it (see [`block_on`]).
     fn block_on<F>(&self, fut: F) -> Result<F::Output>
     where
         F: std::future::Future + Send + 'static,

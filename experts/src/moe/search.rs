@@ -39,6 +39,8 @@ pub(super) struct Searcher {
 }
 
 impl Searcher {
+    /// The live children of `prefix`, from the cache when fresh enough; a failed lookup counts
+    /// as none (and is cached as such for `dht_cache`).
     async fn children(&self, prefix: &[u32]) -> Hosts {
         if let Some((at, hosts)) = lock(&self.cache).get(prefix) {
             if at.elapsed() < self.cfg.dht_cache {

@@ -14,18 +14,26 @@ use crate::error::{RemoteError, RemoteErrorKind};
 
 /// What a task's submitter receives: the task's rows of the batch result, or an error.
 pub(super) type TaskResult = std::result::Result<Tensor, RemoteError>;
+/// Where a task's result goes.
 pub(super) type Reply = oneshot::Sender<TaskResult>;
 
+/// One request's work, waiting in a pool.
 pub(super) struct Task {
+    /// `[rows, ..input shape]`.
     pub(super) inputs: Tensor,
+    /// For a backward: the output gradients, `[rows, ..output shape]`.
     pub(super) grads: Option<Tensor>,
+    /// Samples in this task.
     pub(super) rows: usize,
     pub(super) reply: Reply,
 }
 
+/// Which pass a task asks for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Kind {
+    /// Outputs for the inputs.
     Forward,
+    /// Input gradients, and an optimizer step.
     Backward,
 }
 
@@ -33,6 +41,7 @@ pub(super) enum Kind {
 #[derive(Clone)]
 pub(super) struct Pool {
     pub(super) tx: mpsc::Sender<Task>,
+    /// Samples queued and not yet taken by the batcher (the bound is on samples, not tasks).
     pub(super) queued_rows: Arc<AtomicUsize>,
     pub(super) max_queue_rows: usize,
 }
@@ -49,6 +58,8 @@ impl Pool {
         (pool, rx)
     }
 
+    /// Queues `task`, or refuses it with `Overloaded` when the queue holds `max_queue_rows`
+    /// samples (or tasks) already.
     pub(super) fn submit(&self, task: Task) -> std::result::Result<(), RemoteError> {
         let rows = task.rows;
         let before = self.queued_rows.fetch_add(rows, Ordering::AcqRel);

@@ -67,6 +67,7 @@ pub(super) async fn declare_loop(
     }
 }
 
+/// Checkpoints every expert into `dir` every `checkpoint_every` until `stop`.
 pub(super) async fn checkpoint_loop(
     shared: Arc<Shared>,
     dir: PathBuf,

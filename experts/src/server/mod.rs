@@ -5,6 +5,15 @@
 //! stream handlers ──submit──► task pool (uid, forward|backward) ──batch──► runtime thread
 //!   (one per client stream)     bounded by rows; full = Overloaded      owns every Expert
 //! ```
+//!
+//! - `handler`: admission, the hello (through `starling_node::streams::serve_inbound`) and the
+//!   request loop of each stream; `request`: checking, queueing and answering one request;
+//! - `batcher`: the per-expert queues and the tasks that group them into batches;
+//! - `runtime`: the compute thread, which owns the experts;
+//! - `declare`: DHT declarations and periodic checkpoints.
+//!
+//! Every task and the runtime thread run in the span `experts_server{peer}`; all of them stop
+//! on one `watch` signal, which [`ExpertServer::shutdown`] sends and then waits out.
 
 mod batcher;
 mod declare;
@@ -145,6 +154,7 @@ struct Hosted {
 }
 
 impl Hosted {
+    /// Its queue of `kind` tasks.
     fn pool(&self, kind: Kind) -> &Pool {
         match kind {
             Kind::Forward => &self.forward,
@@ -308,8 +318,9 @@ impl ExpertServer {
         }
     }
 
-    /// Stops accepting calls, ends every task, checkpoints (when configured) and stops the
-    /// runtime thread. The node itself keeps running; shut it down separately.
+    /// Stops accepting calls, ends every task (stream handlers drop their streams at once),
+    /// checkpoints (when configured) and stops the runtime thread after the batches already
+    /// queued for it. The node itself keeps running; shut it down separately.
     pub async fn shutdown(mut self) -> Result<()> {
         let _ = self.stop.send(true);
         for t in self.tasks.drain(..) {

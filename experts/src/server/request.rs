@@ -44,6 +44,7 @@ pub(super) async fn handle(shared: &Shared, req: Request) -> Result<Response, Re
     }
 }
 
+/// The answer for a uid this server does not host.
 fn unknown_expert(uid: &str) -> RemoteError {
     RemoteError::new(
         RemoteErrorKind::UnknownExpert,
@@ -128,6 +129,8 @@ fn single(ts: Vec<WireTensor>, what: &str) -> Result<WireTensor, RemoteError> {
     }
 }
 
+/// Decodes a checked wire tensor; a frame that disagrees with its shape or holds NaN/Inf is
+/// `Malformed`.
 fn to_tensor(t: &WireTensor) -> Result<Tensor, RemoteError> {
     let malformed = |e: String| RemoteError::new(RemoteErrorKind::Malformed, e);
     let values = t.decode().map_err(|e| malformed(e.to_string()))?;

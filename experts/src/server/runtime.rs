@@ -17,21 +17,29 @@ use crate::error::{RemoteError, RemoteErrorKind};
 use crate::wire::ExpertInfo;
 use crate::{ExpertError, Result};
 
+/// Work for the runtime thread, done in arrival order.
 pub(super) enum Job {
+    /// One batch for one expert; each task gets its rows of the result.
     Run {
         uid: Arc<str>,
         kind: Kind,
         tasks: Vec<Task>,
     },
+    /// Describe an expert.
     Info(String, oneshot::Sender<Option<ExpertInfo>>),
+    /// Checkpoint every expert into a directory.
     Save(PathBuf, oneshot::Sender<Result<()>>),
+    /// End the thread (after the jobs queued before it).
     Stop,
 }
 
+/// Where expert `uid` is checkpointed under `dir`.
 pub(super) fn checkpoint_path(dir: &std::path::Path, uid: &str) -> PathBuf {
     dir.join(format!("{uid}.safetensors"))
 }
 
+/// Asks the runtime to describe expert `uid`; `None` when it is not hosted or the runtime
+/// has stopped.
 pub(super) async fn expert_info(shared: &Shared, uid: &str) -> Option<ExpertInfo> {
     let (tx, rx) = oneshot::channel();
     shared
@@ -42,6 +50,8 @@ pub(super) async fn expert_info(shared: &Shared, uid: &str) -> Option<ExpertInfo
     rx.await.ok().flatten()
 }
 
+/// Has the runtime checkpoint every expert into `dir` (between batches, so each file is a
+/// consistent state); the last failure, if any.
 pub(super) async fn save_all(shared: &Shared, dir: PathBuf) -> Result<()> {
     let (tx, rx) = oneshot::channel();
     shared
@@ -116,6 +126,8 @@ pub(super) fn run_runtime(
     }
 }
 
+/// Runs one batch: the tasks' inputs (and, for a backward, output gradients) concatenated
+/// along the batch dimension; the result has one row per input row, in task order.
 pub(super) fn run_batch(expert: &mut Expert, kind: Kind, tasks: &[Task]) -> Result<Tensor> {
     let cat = |ts: Vec<&Tensor>| -> Result<Tensor> {
         if ts.len() == 1 {
