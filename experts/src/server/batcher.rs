@@ -228,4 +228,44 @@ mod tests {
         assert_eq!(queued.load(Ordering::Acquire), 0);
         handle.abort();
     }
+
+    #[tokio::test]
+    async fn abandoned_tasks_are_not_run_and_stop_ends_the_batcher() {
+        let cfg = ServerConfig {
+            max_batch_rows: 100,
+            max_wait: Duration::from_millis(20),
+            ..ServerConfig::default()
+        };
+        let (pool, rx) = Pool::new(&cfg);
+        let (kept, kept_reply) = task(2);
+        let (abandoned, abandoned_reply) = task(5);
+        drop(abandoned_reply); // its client went away (timed out, stream closed)
+        pool.submit(kept).unwrap();
+        pool.submit(abandoned).unwrap();
+        let (rt_tx, mut rt_rx) = mpsc::channel(10);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let handle = tokio::spawn(batcher(
+            Arc::from("e.0"),
+            Kind::Backward,
+            rx,
+            pool.queued_rows.clone(),
+            rt_tx,
+            cfg,
+            stop_rx,
+        ));
+        match rt_rx.recv().await.unwrap() {
+            Job::Run { tasks, kind, uid } => {
+                assert_eq!((&*uid, kind), ("e.0", Kind::Backward));
+                assert_eq!(tasks.iter().map(|t| t.rows).collect::<Vec<_>>(), vec![2]);
+            }
+            _ => panic!("unexpected job"),
+        }
+        assert_eq!(pool.queued_rows.load(Ordering::Acquire), 0);
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), handle)
+            .await
+            .expect("the batcher ends on stop")
+            .unwrap();
+        drop(kept_reply);
+    }
 }
