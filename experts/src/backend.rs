@@ -11,6 +11,7 @@ use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMa
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::lock::lock;
 use crate::schema::{ExpertSchema, TensorSpec};
 use crate::{ExpertError, Result};
 
@@ -108,6 +109,7 @@ impl ExpertSpec {
         }
     }
 
+    /// Refuses sizes of zero, heads that do not divide `dim` and unusable optimizer settings.
     fn validate(&self) -> Result<()> {
         if self.dim == 0 || self.hidden == 0 {
             return Err(ExpertError::Invalid(
@@ -132,6 +134,7 @@ impl ExpertSpec {
     }
 }
 
+/// The feed-forward network `Linear - GELU - Linear` (an expert, or a block's second half).
 struct Ffn {
     l1: Linear,
     l2: Linear,
@@ -151,6 +154,7 @@ struct Norm {
 }
 
 impl Norm {
+    /// Scale 1 and shift 0 over the last dimension of width `dim`.
     fn new(dim: usize, vb: VarBuilder) -> candle_core::Result<Norm> {
         Ok(Norm {
             weight: vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?,
@@ -171,6 +175,7 @@ impl Module for Norm {
     }
 }
 
+/// A pre-norm transformer block: self-attention then feed-forward, both residual.
 struct Block {
     ln1: Norm,
     qkv: Linear,
@@ -202,8 +207,11 @@ impl Module for Block {
     }
 }
 
+/// The network of an expert, by [`ExpertKind`].
 enum Net {
+    /// [`ExpertKind::Ffn`].
     Ffn(Ffn),
+    /// [`ExpertKind::Transformer`].
     Block(Block),
 }
 
@@ -342,6 +350,7 @@ impl Expert {
         Ok(grad_x)
     }
 
+    /// Checks that `x` is an f32 `[batch, ..input shape]`; returns the batch size.
     fn check_input(&self, x: &Tensor) -> Result<usize> {
         if x.dtype() != CDType::F32 {
             return Err(ExpertError::Invalid(format!("input dtype {:?}", x.dtype())));
@@ -372,11 +381,7 @@ impl Expert {
         };
         let loaded =
             candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(e.to_string()))?;
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| err("poisoned".into()))?;
+        let data = lock(self.varmap.data());
         for (name, var) in data.iter() {
             match loaded.get(name) {
                 Some(t) if t.dims() == var.dims() && t.dtype() == var.dtype() => {}
@@ -402,10 +407,7 @@ impl Expert {
 /// Re-draws every parameter from a seeded generator: weights (rank 2) uniform in
 /// `±1/sqrt(fan_in)`, linear biases zero; layer-norm scales and shifts keep their constants.
 fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|_| ExpertError::Invalid("parameter map poisoned".into()))?;
+    let data = lock(varmap.data());
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
     let mut rng = StdRng::seed_from_u64(seed);

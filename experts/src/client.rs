@@ -1,19 +1,33 @@
 //! Calling experts: [`ExpertClient`] (streams, DHT lookups) and [`RemoteExpert`].
+//!
+//! A call takes a pooled stream to the server or opens one with
+//! `starling_node::streams::open_confirmed` (hello, `Ready`, retried when the server's accept
+//! queue dropped the stream), sends one request and reads one response within the call's
+//! timeout. A server's refusal becomes [`ExpertError::Remote`].
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use starling_compression::Codec;
+use starling_node::streams::{open_confirmed, Confirmed, OpenError, Retry};
 use starling_node::{Multiaddr, Node, PeerId, Stream};
 use tokio::time::Instant;
 
 use crate::grid::{parse_declaration, prefix_key, ExpertHost, ExpertUid};
+use crate::lock::lock;
 use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
-use crate::{ExpertError, Result};
+use crate::{ExpertError, RemoteError, Result};
+
+/// Streams [`ExpertClient`] opens to one server before it gives up on a call (each attempt
+/// that the server's accept queue dropped costs one).
+const OPEN_ATTEMPTS: u32 = 4;
+/// Pause after the first dropped attempt; it grows linearly (`Retry`'s policy).
+const OPEN_RETRY_PAUSE: Duration = Duration::from_millis(5);
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -48,6 +62,7 @@ impl Default for ClientConfig {
     }
 }
 
+/// What every clone of an [`ExpertClient`] shares.
 struct Inner {
     node: Node,
     cfg: ClientConfig,
@@ -196,63 +211,61 @@ impl ExpertClient {
         Ok(found)
     }
 
+    /// Opens a stream to `peer` that its server confirmed with `Ready` (the hello tells us the
+    /// stream was taken: under bursts libp2p-stream drops inbound streams). When the first
+    /// stream cannot be opened at all, dials `addrs` once and tries again at once. Gives up
+    /// after [`OPEN_ATTEMPTS`] or `connect_timeout`.
     async fn open(&self, peer: PeerId, addrs: &[Multiaddr]) -> Result<Stream> {
-        let cfg = &self.inner.cfg;
-        let deadline = Instant::now() + cfg.connect_timeout;
-        let mut control = self.inner.node.stream_control();
-        let mut dialed = false;
-        let mut last_err = String::from("no attempt");
-        // A new stream can be dropped by the server's accept loop under bursts; the hello tells
-        // us it was taken. Retry a few times before giving up.
-        for attempt in 0..4u32 {
-            if Instant::now() >= deadline {
-                break;
-            }
-            let opened =
-                tokio::time::timeout_at(deadline, control.open_stream(peer, EXPERTS_PROTOCOL))
-                    .await;
-            let mut stream = match opened {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    last_err = e.to_string();
-                    if !dialed {
-                        dialed = true;
-                        for a in addrs {
-                            if tokio::time::timeout_at(deadline, self.inner.node.dial(a.clone()))
-                                .await
-                                .is_ok_and(|r| r.is_ok())
-                            {
-                                break;
-                            }
-                        }
+        let node = &self.inner.node;
+        let deadline = Instant::now() + self.inner.cfg.connect_timeout;
+        let dialed = AtomicBool::new(false);
+        let open = || {
+            let mut control = node.stream_control();
+            let dialed = &dialed;
+            async move {
+                match control.open_stream(peer, EXPERTS_PROTOCOL).await {
+                    Ok(s) => Ok(s),
+                    Err(e) if dialed.swap(true, Ordering::Relaxed) => Err(e.to_string()),
+                    Err(_) => {
+                        // Not connected yet (or the connection closed): dial the declared
+                        // addresses. A failed dial is not final: libp2p may still know a way.
+                        node.connect_if_needed(peer, addrs)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        control
+                            .open_stream(peer, EXPERTS_PROTOCOL)
+                            .await
+                            .map_err(|e| e.to_string())
                     }
-                    continue;
                 }
-                Err(_) => break,
-            };
-            let hello = async {
-                write_msg(&mut stream, &Request::Hello).await?;
-                match read_msg::<_, Response>(&mut stream, 1024).await? {
-                    Response::Ready => Ok(()),
-                    other => Err(ExpertError::Protocol(format!(
-                        "expected Ready, got {other:?}"
-                    ))),
-                }
-            };
-            match tokio::time::timeout_at(deadline, hello).await {
-                Ok(Ok(())) => return Ok(stream),
-                Ok(Err(e)) => last_err = e.to_string(),
-                Err(_) => break,
             }
-            tokio::time::sleep(Duration::from_millis(5 << attempt)).await;
+        };
+        let retry = Retry {
+            attempts: OPEN_ATTEMPTS,
+            pause: OPEN_RETRY_PAUSE,
+        };
+        let opened = open_confirmed(open, &Request::Hello, 1024, deadline, retry).await;
+        match opened {
+            Ok(Confirmed {
+                stream,
+                reply: Response::Ready,
+                ..
+            }) => Ok(stream),
+            Ok(Confirmed { reply, .. }) => Err(ExpertError::Protocol(format!(
+                "{peer} answered the hello with {reply:?}, expected Ready"
+            ))),
+            Err(OpenError::BadReply(e)) => Err(ExpertError::Protocol(format!(
+                "{peer} answered the hello with garbage: {e}"
+            ))),
+            Err(OpenError::Unanswered { last, .. }) => Err(ExpertError::Timeout(format!(
+                "cannot open an expert stream to {peer} ({last})"
+            ))),
         }
-        Err(ExpertError::Timeout(format!(
-            "cannot open an expert stream to {peer} ({last_err})"
-        )))
     }
 
+    /// A pooled stream to `peer` that has not idled past `stream_idle`, if any.
     fn take_idle(&self, peer: PeerId) -> Option<Stream> {
-        let mut idle = self.inner.idle.lock().ok()?;
+        let mut idle = lock(&self.inner.idle);
         let list = idle.get_mut(&peer)?;
         while let Some((s, since)) = list.pop() {
             if since.elapsed() < self.inner.cfg.stream_idle {
@@ -262,20 +275,19 @@ impl ExpertClient {
         None
     }
 
+    /// Returns a stream to the pool after a successful call (at most `max_idle_streams` per
+    /// peer; an extra one is dropped).
     fn put_idle(&self, peer: PeerId, stream: Stream) {
-        if let Ok(mut idle) = self.inner.idle.lock() {
-            let list = idle.entry(peer).or_default();
-            if list.len() < self.inner.cfg.max_idle_streams {
-                list.push((stream, Instant::now()));
-            }
+        let mut idle = lock(&self.inner.idle);
+        let list = idle.entry(peer).or_default();
+        if list.len() < self.inner.cfg.max_idle_streams {
+            list.push((stream, Instant::now()));
         }
     }
 
     /// Forgets pooled streams to `peer` (after it failed).
     fn forget(&self, peer: PeerId) {
-        if let Ok(mut idle) = self.inner.idle.lock() {
-            idle.remove(&peer);
-        }
+        lock(&self.inner.idle).remove(&peer);
     }
 
     /// Sends one request and reads its response within `limit`. Idempotent requests retry once
@@ -414,6 +426,7 @@ impl RemoteExpert {
         )
     }
 
+    /// `t` as f32 values in the client's codec.
     fn to_wire(&self, t: &Tensor) -> Result<WireTensor> {
         let values = t
             .flatten_all()?
@@ -422,6 +435,7 @@ impl RemoteExpert {
         WireTensor::encode(t.dims(), &values, self.client.inner.cfg.codec)
     }
 
+    /// The tensor of a forward or backward answer, which must keep the batch size.
     fn tensor_reply(&self, resp: Response, batch_dims: &[usize]) -> Result<Tensor> {
         match resp {
             Response::Tensors(ts) if ts.len() == 1 => {
@@ -440,13 +454,13 @@ impl RemoteExpert {
         }
     }
 
+    /// The error for an answer that is not the expected one: the server's [`RemoteError`],
+    /// or a protocol error.
     fn unexpected(&self, resp: Response) -> ExpertError {
         match resp {
-            Response::Error { kind, message } => ExpertError::Remote {
-                uid: self.uid.clone(),
-                kind,
-                message,
-            },
+            Response::Error { kind, message } => {
+                RemoteError { kind, message }.into_expert_error(&self.uid, self.peer)
+            }
             other => ExpertError::Protocol(format!("{}: unexpected answer {other:?}", self.uid)),
         }
     }

@@ -1,6 +1,8 @@
-//! Errors of the experts crate.
+//! Errors of the experts crate: [`ExpertError`] for callers, and [`RemoteError`], what a
+//! server tells a client when it refuses or fails a call.
 
 use serde::{Deserialize, Serialize};
+use starling_node::PeerId;
 use thiserror::Error;
 
 /// What went wrong, on the server or the client side.
@@ -21,11 +23,14 @@ pub enum ExpertError {
     /// The peer broke the protocol (malformed or oversized frame, unexpected message).
     #[error("protocol error: {0}")]
     Protocol(String),
-    /// The remote expert answered with an error.
-    #[error("expert {uid} refused: {kind:?}: {message}")]
+    /// The server hosting the expert answered the call with an error ([`RemoteError`]).
+    #[error("expert {uid} on {peer}: {kind}: {message}")]
     Remote {
         /// The expert called.
         uid: String,
+        /// The server that answered (its `PeerId`, printed; a `PeerId` itself would make every
+        /// `Result` of this crate twice as large).
+        peer: String,
         /// The class of error.
         kind: RemoteErrorKind,
         /// What the server said.
@@ -60,6 +65,47 @@ pub enum ExpertError {
     Closed,
 }
 
+/// An error a server reports to a client: its class and the server's explanation. It travels
+/// as [`Response::Error`](crate::wire::Response::Error); the client turns it into
+/// [`ExpertError::Remote`], which also names the expert and the server.
+///
+/// ```
+/// use starling_experts::{ExpertError, RemoteError, RemoteErrorKind};
+/// let peer = starling_node::PeerId::random();
+/// let e = RemoteError::new(RemoteErrorKind::Overloaded, "4096 samples already queued");
+/// let e = e.into_expert_error("ffn.0.3", peer);
+/// assert!(matches!(e, ExpertError::Remote { kind: RemoteErrorKind::Overloaded, .. }));
+/// assert!(e.to_string().starts_with("expert ffn.0.3 on "));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{kind}: {message}")]
+pub struct RemoteError {
+    /// The class of error.
+    pub kind: RemoteErrorKind,
+    /// What the server says about it.
+    pub message: String,
+}
+
+impl RemoteError {
+    /// An error of class `kind`.
+    pub fn new(kind: RemoteErrorKind, message: impl Into<String>) -> RemoteError {
+        RemoteError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The error as the caller of expert `uid` on server `peer` sees it.
+    pub fn into_expert_error(self, uid: &str, peer: PeerId) -> ExpertError {
+        ExpertError::Remote {
+            uid: uid.to_string(),
+            peer: peer.to_string(),
+            kind: self.kind,
+            message: self.message,
+        }
+    }
+}
+
 /// The classes of error a server reports to a client. Sent on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RemoteErrorKind {
@@ -77,6 +123,33 @@ pub enum RemoteErrorKind {
     Internal,
     /// The server is shutting down.
     ShuttingDown,
+}
+
+impl std::fmt::Display for RemoteErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RemoteErrorKind::UnknownExpert => "no such expert on that server",
+            RemoteErrorKind::BadSchema => "the request does not fit the expert's schema",
+            RemoteErrorKind::TooLarge => "the request is larger than the server accepts",
+            RemoteErrorKind::Malformed => "the request could not be decoded",
+            RemoteErrorKind::Overloaded => "the server is overloaded (retry later or elsewhere)",
+            RemoteErrorKind::Internal => "the computation failed on the server",
+            RemoteErrorKind::ShuttingDown => "the server is shutting down",
+        })
+    }
+}
+
+/// Frame errors on an expert stream: a frame over the limit or a body that does not decode is
+/// the peer breaking the protocol; a failed stream is I/O.
+impl From<starling_node::framing::FrameError> for ExpertError {
+    fn from(e: starling_node::framing::FrameError) -> Self {
+        use starling_node::framing::FrameError;
+        match e {
+            FrameError::Io(e) => ExpertError::Io(e),
+            FrameError::Malformed(m) => ExpertError::Protocol(m),
+            too_large @ FrameError::TooLarge { .. } => ExpertError::Protocol(too_large.to_string()),
+        }
+    }
 }
 
 /// Result alias.

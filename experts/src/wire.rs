@@ -5,16 +5,36 @@
 //! accept loop is busy; the handshake tells the client its stream was taken, so a request is
 //! never sent into a stream nobody reads, and a backward is never applied twice). The stream
 //! then carries any number of request/response pairs, one at a time, until either side closes
-//! it. A frame is a little-endian `u32` length and that many bytes of postcard; tensors inside
-//! are `starling_compression` frames.
+//! it. Messages travel in the node's shared framing ([`starling_node::framing`], re-exported
+//! here as [`read_msg`] / [`write_msg`]): a little-endian `u32` length and that many bytes of
+//! postcard. Tensors inside are `starling_compression` frames.
+//!
+//! ```
+//! # futures::executor::block_on(async {
+//! use starling_compression::Codec;
+//! use starling_experts::wire::{read_msg, write_msg, Request, WireTensor};
+//! let x = WireTensor::encode(&[1, 3], &[0.5, -1.0, 2.0], Codec::None).unwrap();
+//! let mut wire = Vec::new();
+//! write_msg(&mut wire, &Request::Forward { uid: "ffn.0.3".into(), inputs: vec![x] }).await.unwrap();
+//! let mut r = futures::io::Cursor::new(wire);
+//! match read_msg::<_, Request>(&mut r, 1 << 20).await.unwrap() {
+//!     Request::Forward { uid, inputs } => {
+//!         assert_eq!(uid, "ffn.0.3");
+//!         assert_eq!(inputs[0].decode().unwrap(), vec![0.5, -1.0, 2.0]);
+//!     }
+//!     other => panic!("{other:?}"),
+//! }
+//! # });
+//! ```
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{Deserialize, Serialize};
 use starling_compression::{ChunkHeader, Codec, DecodeOptions, EncodeOptions};
 use starling_node::StreamProtocol;
 
+pub use starling_node::framing::{read_msg, write_msg, FrameError};
+
 use crate::backend::ExpertSpec;
-use crate::error::RemoteErrorKind;
+use crate::error::{RemoteError, RemoteErrorKind};
 use crate::schema::{DType, ExpertSchema};
 use crate::{ExpertError, Result};
 
@@ -58,13 +78,24 @@ pub enum Response {
     Info(ExpertInfo),
     /// Outputs of a forward, or input gradients of a backward.
     Tensors(Vec<WireTensor>),
-    /// The request failed; the stream stays usable unless the frame itself was bad.
+    /// The request failed: a [`RemoteError`] in its wire form (kept as named fields so the
+    /// variant reads the same in matches). The stream stays usable unless the frame itself was
+    /// bad.
     Error {
         /// Class of error.
         kind: RemoteErrorKind,
         /// Human-readable reason.
         message: String,
     },
+}
+
+impl From<RemoteError> for Response {
+    fn from(e: RemoteError) -> Response {
+        Response::Error {
+            kind: e.kind,
+            message: e.message,
+        }
+    }
 }
 
 /// What a server says about one of its experts.
@@ -145,57 +176,6 @@ impl WireTensor {
     }
 }
 
-/// Writes one frame.
-pub async fn write_msg<S: AsyncWrite + Unpin, M: Serialize>(s: &mut S, msg: &M) -> Result<usize> {
-    let body = postcard::to_stdvec(msg).map_err(|e| ExpertError::Protocol(e.to_string()))?;
-    let len = u32::try_from(body.len())
-        .map_err(|_| ExpertError::Protocol("message larger than 4 GiB".into()))?;
-    s.write_all(&len.to_le_bytes()).await?;
-    s.write_all(&body).await?;
-    s.flush().await?;
-    Ok(body.len() + 4)
-}
-
-/// Why reading a frame failed.
-#[derive(Debug)]
-pub enum ReadError {
-    /// The frame's length exceeds the limit; the stream cannot be resynchronised.
-    TooLarge(usize),
-    /// The bytes are not a valid message; the stream is still in sync.
-    Malformed(String),
-    /// The stream failed or ended.
-    Io(std::io::Error),
-}
-
-impl From<ReadError> for ExpertError {
-    fn from(e: ReadError) -> Self {
-        match e {
-            ReadError::TooLarge(n) => {
-                ExpertError::Protocol(format!("frame of {n} bytes is over the limit"))
-            }
-            ReadError::Malformed(m) => ExpertError::Protocol(m),
-            ReadError::Io(e) => ExpertError::Io(e),
-        }
-    }
-}
-
-/// Reads one frame of at most `max_bytes`, refusing a larger one before allocating.
-pub async fn read_msg<S: AsyncRead + Unpin, M: DeserializeOwned>(
-    s: &mut S,
-    max_bytes: usize,
-) -> Result<M, ReadError> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).await.map_err(ReadError::Io)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > max_bytes {
-        return Err(ReadError::TooLarge(len));
-    }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body).await.map_err(ReadError::Io)?;
-    postcard::from_bytes(&body)
-        .map_err(|e| ReadError::Malformed(format!("undecodable message: {e}")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,23 +205,57 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // The bytes on the wire: a little-endian u32 length, then the postcard body.
+        let body = postcard::to_stdvec(&Request::Info { uid: "e.1".into() }).unwrap();
+        let mut framed = Vec::new();
+        write_msg(&mut framed, &Request::Info { uid: "e.1".into() })
+            .await
+            .unwrap();
+        assert_eq!(framed[..4], (body.len() as u32).to_le_bytes());
+        assert_eq!(framed[4..], body[..]);
         // Over the limit: refused from the length prefix alone.
         let mut r = futures::io::Cursor::new(buf.clone());
-        assert!(matches!(
-            read_msg::<_, Request>(&mut r, 8).await,
-            Err(ReadError::TooLarge(_))
-        ));
+        let err = read_msg::<_, Request>(&mut r, 8).await.unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge { max: 8, .. }));
+        assert!(matches!(ExpertError::from(err), ExpertError::Protocol(_)));
         // Garbage of a valid length: malformed, not a panic.
         let mut r = futures::io::Cursor::new(vec![3, 0, 0, 0, 0xff, 0xff, 0xff]);
-        assert!(matches!(
-            read_msg::<_, Request>(&mut r, 64).await,
-            Err(ReadError::Malformed(_))
-        ));
+        let err = read_msg::<_, Request>(&mut r, 64).await.unwrap_err();
+        assert!(matches!(err, FrameError::Malformed(_)));
+        assert!(matches!(ExpertError::from(err), ExpertError::Protocol(_)));
         // Truncated.
         let mut r = futures::io::Cursor::new(buf[..buf.len() - 3].to_vec());
+        let err = read_msg::<_, Request>(&mut r, 1 << 20).await.unwrap_err();
+        assert!(matches!(err, FrameError::Io(_)));
+        assert!(matches!(ExpertError::from(err), ExpertError::Io(_)));
+    }
+
+    #[tokio::test]
+    async fn a_remote_error_round_trips_and_names_expert_server_and_cause() {
+        let sent = RemoteError::new(RemoteErrorKind::Overloaded, "9000 samples already queued");
+        let mut buf = Vec::new();
+        write_msg(&mut buf, &Response::from(sent.clone()))
+            .await
+            .unwrap();
+        let mut r = futures::io::Cursor::new(buf);
+        let got = match read_msg::<_, Response>(&mut r, 1024).await.unwrap() {
+            Response::Error { kind, message } => RemoteError { kind, message },
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got, sent);
+        let peer = starling_node::PeerId::random();
+        let e = got.into_expert_error("ffn.0.3", peer);
+        let text = e.to_string();
+        assert!(text.contains("ffn.0.3"), "{text}");
+        assert!(text.contains(&peer.to_string()), "{text}");
+        assert!(text.contains("overloaded"), "{text}");
+        assert!(text.contains("9000 samples already queued"), "{text}");
         assert!(matches!(
-            read_msg::<_, Request>(&mut r, 1 << 20).await,
-            Err(ReadError::Io(_))
+            e,
+            ExpertError::Remote {
+                kind: RemoteErrorKind::Overloaded,
+                ..
+            }
         ));
     }
 
