@@ -126,7 +126,7 @@
 //! # Internals
 //!
 //! Dependencies inside the crate point one way: `averager` → {`matchmaking`, `allreduce`} →
-//! {`router`, `transport`, `wire`, `pool`}, with `allreduce` split into `plan`, `send`,
+//! {`group`, `router`, `transport`, `wire`, `pool`}, with `allreduce` split into `plan`, `send`,
 //! `reduce` (the no-I/O `PartReducer`) and `repair`. Fault-injection hooks (`Fault`,
 //! `AveragerConfig::fault`) exist only with the `testing` feature.
 
@@ -135,6 +135,7 @@ mod averager;
 mod bandwidth;
 mod config;
 mod error;
+mod group;
 mod matchmaking;
 pub mod partition;
 mod pool;

@@ -10,16 +10,17 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use starling_dht::now_ms;
-use starling_node::{Multiaddr, NodeError, PeerId};
+use starling_node::{NodeError, PeerId};
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 use tracing::Instrument;
 
 use crate::config::{AveragerConfig, AveragingMode, Fault};
+use crate::group::{Group, Member};
 use crate::router::{IncomingJoin, Router};
 use crate::transport::Transport;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberIdx, MemberInfo, RejectReason,
+    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
     MATCHMAKING_PROTOCOL,
 };
 use crate::AveragerError;
@@ -37,56 +38,7 @@ pub(crate) struct Matchmaker {
     pub transport: Transport,
 }
 
-/// A member of a formed group, its peer id and addresses parsed once.
-#[derive(Debug, Clone)]
-pub(crate) struct Member {
-    pub peer: PeerId,
-    /// Addresses it can be dialed at (those that parse; empty for clients).
-    pub addrs: Vec<Multiaddr>,
-    pub mode: AveragingMode,
-    /// Declared bandwidth, bytes per second.
-    pub bandwidth: f64,
-}
-
-impl Member {
-    /// Parses a member as the wire gives it; a malformed peer id is an error (the group is
-    /// refused), never a made-up peer.
-    pub fn parse(info: &MemberInfo) -> Result<Self, String> {
-        let peer =
-            PeerId::from_bytes(&info.peer_id).map_err(|e| format!("invalid peer id: {e}"))?;
-        Ok(Member {
-            peer,
-            addrs: info.addrs.iter().filter_map(|a| a.parse().ok()).collect(),
-            mode: info.mode,
-            bandwidth: info.bandwidth,
-        })
-    }
-}
-
-/// A formed group.
-#[derive(Debug, Clone)]
-pub(crate) struct Group {
-    pub round_id: u64,
-    /// Every member in span order; the leader is first.
-    pub members: Vec<Member>,
-    pub my_index: MemberIdx,
-}
-
-impl Group {
-    fn new(round_id: u64, infos: &[MemberInfo], my_index: usize) -> Result<Self, String> {
-        let members = infos
-            .iter()
-            .enumerate()
-            .map(|(i, m)| Member::parse(m).map_err(|e| format!("member {i}: {e}")))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Group {
-            round_id,
-            members,
-            my_index: MemberIdx::of(my_index),
-        })
-    }
-}
-
+/// Why asking a leader to take us did not end in a group.
 enum FollowError {
     /// Try this leader again shortly.
     Busy,

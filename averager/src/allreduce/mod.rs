@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::config::{AveragerConfig, AveragingMode, Fault};
-use crate::matchmaking::Group;
+use crate::group::Group;
 use crate::partition::spans;
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::{Registration, Router};
