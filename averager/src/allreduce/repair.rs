@@ -11,6 +11,7 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, Instant};
+use tracing::Instrument;
 
 use super::plan::{repair_plan, transfer_estimate};
 use super::reduce::{reduce_span, ReduceJob, Reduced};
@@ -237,9 +238,10 @@ impl Repair {
         let refuse = |mut inc: IncomingSender, why: &str| {
             let t = round.config().request_timeout;
             let msg = ReduceMsg::Excluded(why.to_string());
-            tokio::spawn(async move {
+            let answer = async move {
                 let _ = timeout(t, write_control(&mut inc.stream, &msg)).await;
-            });
+            };
+            tokio::spawn(answer.in_current_span());
         };
         if !self.sessions.contains_key(&failed) {
             let me = round.me;
