@@ -203,8 +203,7 @@ pub enum Control<M> {
 pub enum Frame<M> {
     /// A control message.
     Control(M),
-    /// A data chunk (compression wire format), left in the caller's buffer after its tag:
-    /// `&buf[1..]`.
+    /// A data chunk (compression wire format), left at the start of the caller's buffer.
     Data,
 }
 
@@ -222,7 +221,7 @@ pub async fn write_data<S: AsyncWrite + Unpin>(
     s: &mut S,
     chunk: &[u8],
 ) -> Result<usize, AveragerError> {
-    Ok(framing::write_frame(s, &[&[TAG_DATA], chunk]).await?)
+    Ok(framing::write_tagged_frame(s, TAG_DATA, &[chunk]).await?)
 }
 
 /// The data frames of a span: uncompressed chunks go out straight from the values (header from
@@ -329,26 +328,26 @@ pub(crate) async fn write_chunk<S: AsyncWrite + Unpin>(
 
 /// Reads one frame into a reusable buffer (which only grows, so a stream of chunks allocates
 /// and zeroes its buffer once), refusing anything longer than `max_frame_bytes` before
-/// allocating. A data chunk is left in `buf[1..]`. Returns the frame and the bytes read.
+/// allocating. A data chunk is left in `buf`, from its start (aligned for the codecs' fast
+/// paths). Returns the frame and the bytes read.
 pub async fn read_frame_into<S: AsyncRead + Unpin, M: DeserializeOwned>(
     s: &mut S,
     max_frame_bytes: usize,
     buf: &mut Vec<u8>,
 ) -> Result<(Frame<M>, usize), AveragerError> {
-    let n = framing::read_frame_into(s, max_frame_bytes, buf).await?;
-    let frame = match buf.first() {
-        Some(&TAG_CONTROL) => {
+    let (tag, n) = framing::read_tagged_frame_into(s, max_frame_bytes, buf).await?;
+    let frame = match tag {
+        TAG_CONTROL => {
             if buf.len() > MAX_CONTROL_BYTES {
                 return Err(AveragerError::Protocol(format!(
                     "control message of {} bytes (limit {MAX_CONTROL_BYTES})",
                     buf.len()
                 )));
             }
-            Frame::Control(framing::decode_msg(&buf[1..])?)
+            Frame::Control(framing::decode_msg(buf)?)
         }
-        Some(&TAG_DATA) => Frame::Data,
-        Some(t) => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
-        None => return Err(AveragerError::Protocol("empty frame".into())),
+        TAG_DATA => Frame::Data,
+        t => return Err(AveragerError::Protocol(format!("unknown frame tag {t}"))),
     };
     Ok((frame, n))
 }
@@ -382,7 +381,7 @@ mod tests {
             .await
             .unwrap()
         {
-            (Frame::Data, 8) => assert_eq!(&chunk[1..], &[1, 2, 3]),
+            (Frame::Data, 8) => assert_eq!(chunk, [1, 2, 3]),
             _ => panic!("expected a data frame of 8 bytes"),
         }
         // Oversized length prefix: refused before allocation.

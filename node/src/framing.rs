@@ -102,6 +102,56 @@ pub async fn read_frame_into<R: AsyncRead + Unpin>(
     Ok(len + LENGTH_BYTES)
 }
 
+/// Writes one frame whose body is a one-byte `tag` followed by the concatenation of `body`
+/// (for protocols that mix message and data frames on one stream). Returns the bytes written.
+pub async fn write_tagged_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    tag: u8,
+    body: &[&[u8]],
+) -> Result<usize, FrameError> {
+    let body_len = 1 + body.iter().map(|b| b.len()).sum::<usize>();
+    let len = u32::try_from(body_len).map_err(|_| FrameError::TooLarge {
+        len: body_len,
+        max: u32::MAX as usize,
+    })?;
+    let mut head = [0u8; LENGTH_BYTES + 1];
+    head[..LENGTH_BYTES].copy_from_slice(&len.to_le_bytes());
+    head[LENGTH_BYTES] = tag;
+    w.write_all(&head).await?;
+    for piece in body {
+        w.write_all(piece).await?;
+    }
+    Ok(body_len + LENGTH_BYTES)
+}
+
+/// Reads a frame written by [`write_tagged_frame`]: returns its tag and leaves the rest of the
+/// body in `buf`, starting at `buf[0]` (so payloads keep the alignment of the buffer, which
+/// the codecs' fast paths want). The whole body, tag included, is at most `max` bytes; an empty
+/// body is malformed. Returns the tag and the bytes read, length word included.
+pub async fn read_tagged_frame_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(u8, usize), FrameError> {
+    let mut head = [0u8; LENGTH_BYTES];
+    r.read_exact(&mut head).await?;
+    let len = u32::from_le_bytes(head) as usize;
+    if len > max {
+        return Err(FrameError::TooLarge { len, max });
+    }
+    if len == 0 {
+        return Err(FrameError::Malformed("empty frame: no tag".into()));
+    }
+    let mut tag = [0u8; 1];
+    r.read_exact(&mut tag).await?;
+    if buf.len() < len - 1 {
+        buf.resize(len - 1, 0);
+    }
+    buf.truncate(len - 1);
+    r.read_exact(buf).await?;
+    Ok((tag[0], len + LENGTH_BYTES))
+}
+
 /// Encodes `msg` with postcard into one frame and flushes: a message is always something the
 /// peer waits for, and buffered streams (the fast lane) hold writes back until flushed.
 /// Returns the bytes written.
@@ -172,6 +222,30 @@ mod tests {
             assert!(matches!(
                 read_frame_into(&mut r, 5, &mut buf).await,
                 Err(FrameError::Io(_))
+            ));
+        });
+    }
+
+    #[test]
+    fn tagged_frames_keep_the_payload_at_the_start_of_the_buffer() {
+        block_on(async {
+            let mut wire = Vec::new();
+            let n = write_tagged_frame(&mut wire, 7, &[b"ab", b"cd"]).await.unwrap();
+            assert_eq!(n, 9);
+            assert_eq!(&wire[..5], &[5, 0, 0, 0, 7]);
+            let mut r = Cursor::new(wire);
+            let mut buf = Vec::new();
+            assert_eq!(read_tagged_frame_into(&mut r, 5, &mut buf).await.unwrap(), (7, 9));
+            assert_eq!(buf, b"abcd");
+            let mut r = Cursor::new(vec![0, 0, 0, 0]);
+            assert!(matches!(
+                read_tagged_frame_into(&mut r, 5, &mut buf).await,
+                Err(FrameError::Malformed(_))
+            ));
+            let mut r = Cursor::new(vec![6, 0, 0, 0, 1]);
+            assert!(matches!(
+                read_tagged_frame_into(&mut r, 5, &mut buf).await,
+                Err(FrameError::TooLarge { len: 6, max: 5 })
             ));
         });
     }

@@ -423,8 +423,7 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
             .fetch_add(n as u64, Ordering::Relaxed);
         match frame {
             Frame::Data => {
-                let chunk = &chunk[1..];
-                let header = match ChunkHeader::parse(chunk) {
+                let header = match ChunkHeader::parse(&chunk) {
                     Ok(h) => h,
                     Err(e) => break e.to_string(),
                 };
@@ -437,7 +436,7 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
                     break "chunk out of order or out of range".to_string();
                 }
                 let at = prefix;
-                let decoded = decoder.decode_into(chunk, &mut lock(&staging)[at..at + count]);
+                let decoded = decoder.decode_into(&chunk, &mut lock(&staging)[at..at + count]);
                 if let Err(e) = decoded {
                     break e.to_string();
                 }

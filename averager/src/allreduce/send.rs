@@ -239,8 +239,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                 let Some((part, got)) = current.as_mut() else {
                     return Err(SendFail::reducer("delta chunk outside a part"));
                 };
-                let chunk = &chunk[1..];
-                let h = ChunkHeader::parse(chunk).map_err(|e| SendFail::reducer(e.to_string()))?;
+                let h = ChunkHeader::parse(&chunk).map_err(|e| SendFail::reducer(e.to_string()))?;
                 let (at, count) = (h.offset, h.count);
                 let in_place = h.total == part.len() as u64
                     && at == *got as u64
@@ -253,7 +252,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                 let at = *got;
                 let dst = part.start + at;
                 decoder
-                    .decode_into(chunk, &mut delta[dst..dst + count])
+                    .decode_into(&chunk, &mut delta[dst..dst + count])
                     .map_err(|e| SendFail::reducer(e.to_string()))?;
                 *got += count;
             }
