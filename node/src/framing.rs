@@ -230,12 +230,17 @@ mod tests {
     fn tagged_frames_keep_the_payload_at_the_start_of_the_buffer() {
         block_on(async {
             let mut wire = Vec::new();
-            let n = write_tagged_frame(&mut wire, 7, &[b"ab", b"cd"]).await.unwrap();
+            let n = write_tagged_frame(&mut wire, 7, &[b"ab", b"cd"])
+                .await
+                .unwrap();
             assert_eq!(n, 9);
             assert_eq!(&wire[..5], &[5, 0, 0, 0, 7]);
             let mut r = Cursor::new(wire);
             let mut buf = Vec::new();
-            assert_eq!(read_tagged_frame_into(&mut r, 5, &mut buf).await.unwrap(), (7, 9));
+            assert_eq!(
+                read_tagged_frame_into(&mut r, 5, &mut buf).await.unwrap(),
+                (7, 9)
+            );
             assert_eq!(buf, b"abcd");
             let mut r = Cursor::new(vec![0, 0, 0, 0]);
             assert!(matches!(
