@@ -1,7 +1,14 @@
 //! Four peers train one linear model together. Each holds its own shard of noisy data
 //! (`y = X w* + noise`), takes local SGD steps, and every 10 steps averages its parameters with
-//! the others through `Averager::step`, weighted by how many samples it has. The averaged model
-//! approaches `w*` faster than any peer alone.
+//! the others, weighted by how many samples it has. The averaged model approaches `w*` faster
+//! than any peer alone.
+//!
+//! Each peer's training loop is a plain synchronous loop on its own thread: the model compute
+//! runs there, and it averages with the blocking [`Averager::step_blocking`]. The network (the
+//! nodes and the averagers' tasks) runs on a multi-threaded tokio runtime of its own. Compute
+//! stays off the runtime's worker threads because there it would starve the tasks that move the
+//! averaging data (measured in the averager crate: it tripled round times); with `async` code,
+//! the same rule means `tokio::task::spawn_blocking` for each compute step.
 //!
 //! `cargo run --release -p starling-examples --example collaborative_regression`
 
@@ -65,55 +72,56 @@ fn distance(a: &[f32], b: &[f32]) -> f32 {
         .sqrt()
 }
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// One peer's training loop, on its own thread: local SGD steps, and every `AVERAGE_EVERY` steps
+/// a blocking averaging step weighted by the shard's size. Next to it, the same peer trains a
+/// model alone for comparison. Peer 0 reports each averaging round.
+fn train(p: usize, averager: &Averager, shard: &Shard, truth: &[f32]) {
+    let mut model = vec![0.0f32; DIM];
+    let mut alone = vec![0.0f32; DIM];
+    for step in 1..=STEPS {
+        sgd_step(&mut model, shard);
+        sgd_step(&mut alone, shard);
+        if step % AVERAGE_EVERY == 0 {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            match averager.step_blocking(&mut [&mut model[..]], shard.y.len() as f32, deadline) {
+                Ok(report) if p == 0 => println!(
+                    "step {step:3}: averaged with {} peers in {:.1} ms; distance to w*: together {:.3}, peer 0 alone {:.3}",
+                    report.group.len(),
+                    report.allreduce_time.as_secs_f64() * 1e3,
+                    distance(&model, truth),
+                    distance(&alone, truth),
+                ),
+                Ok(_) => {}
+                Err(e) => eprintln!("peer {p}: no averaging this time ({e}); training goes on"),
+            }
+        }
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let truth = normal(DIM, 7);
     // Small, unequal shards: each alone overfits its noise.
     let shards: Vec<Shard> = (0..PEERS).map(|p| shard(p, 40 + 20 * p, &truth)).collect();
-    let cluster = LocalCluster::start(PEERS, NodeConfig::default()).await?;
+    // The network's threads; the training loops below run on threads of their own.
+    let rt = tokio::runtime::Runtime::new()?;
+    let cluster = rt.block_on(LocalCluster::start(PEERS, NodeConfig::default()))?;
     let mut averagers = Vec::new();
     for node in &cluster.nodes {
         let mut cfg = AveragerConfig::new("collaborative-regression");
         cfg.target_group_size = PEERS;
-        averagers.push(Averager::new(node.clone(), cfg).await?);
+        averagers.push(rt.block_on(Averager::new(node.clone(), cfg))?);
     }
-    let mut models: Vec<Vec<f32>> = vec![vec![0.0; DIM]; PEERS];
-    let mut alone: Vec<Vec<f32>> = vec![vec![0.0; DIM]; PEERS];
-    for step in 1..=STEPS {
-        for p in 0..PEERS {
-            sgd_step(&mut models[p], &shards[p]);
-            sgd_step(&mut alone[p], &shards[p]);
+    std::thread::scope(|s| {
+        for (p, (averager, shard)) in averagers.iter().zip(&shards).enumerate() {
+            let truth = &truth;
+            s.spawn(move || train(p, averager, shard, truth));
         }
-        if step % AVERAGE_EVERY == 0 {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            let rounds =
-                averagers.iter().zip(models.iter_mut()).zip(&shards).map(
-                    |((a, w), s)| async move {
-                        a.step(&mut [&mut w[..]], s.y.len() as f32, deadline).await
-                    },
-                );
-            for (p, r) in futures::future::join_all(rounds)
-                .await
-                .into_iter()
-                .enumerate()
-            {
-                match r {
-                    Ok(report) if p == 0 => println!(
-                        "step {step:3}: averaged with {} peers in {:.1} ms; distance to w*: together {:.3}, peer 0 alone {:.3}",
-                        report.group.len(),
-                        report.allreduce_time.as_secs_f64() * 1e3,
-                        distance(&models[0], &truth),
-                        distance(&alone[0], &truth),
-                    ),
-                    Ok(_) => {}
-                    Err(e) => eprintln!("peer {p}: no averaging this time ({e}); training goes on"),
-                }
-            }
+    });
+    rt.block_on(async {
+        for a in averagers {
+            a.shutdown().await;
         }
-    }
-    for a in averagers {
-        a.shutdown().await;
-    }
-    cluster.shutdown().await;
+        cluster.shutdown().await;
+    });
     Ok(())
 }

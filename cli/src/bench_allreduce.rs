@@ -9,7 +9,8 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use starling_averager::{Averager, AveragerConfig};
 use starling_compression::{bench::relative_error, synthetic::normal};
-use starling_node::{cluster::LocalCluster, Multiaddr, Node, NodeConfig};
+use starling_node::{Multiaddr, Node, NodeConfig};
+use starling_tests::{AveragingSwarm, WeightedMean};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Args, Debug, Clone)]
@@ -97,18 +98,18 @@ struct AllreduceBench {
     incomplete_rounds: usize,
 }
 
+/// Peer `index`'s data: the same in every mode and every process.
 fn peer_data(index: usize, size: usize) -> Vec<f32> {
     normal(size, 1_000 + index as u64)
 }
 
+/// The exact mean of every peer's data (in f64, one peer's data in memory at a time).
 fn exact_mean(peers: usize, size: usize) -> Vec<f32> {
-    let mut sum = vec![0.0f64; size];
+    let mut mean = WeightedMean::default();
     for p in 0..peers {
-        for (s, x) in sum.iter_mut().zip(peer_data(p, size)) {
-            *s += f64::from(x);
-        }
+        mean.add(&[peer_data(p, size)], 1.0);
     }
-    sum.into_iter().map(|s| (s / peers as f64) as f32).collect()
+    mean.finish().remove(0)
 }
 
 fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
@@ -260,21 +261,17 @@ pub async fn run(args: AllreduceArgs) -> Result<()> {
 async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
     let cfg = averager_config(args)?;
     let mean = exact_mean(args.peers, args.size);
-    let cluster = LocalCluster::start(args.peers, NodeConfig::default()).await?;
-    let mut averagers = Vec::new();
-    for n in &cluster.nodes {
-        averagers.push(Averager::new(n.clone(), cfg.clone()).await?);
-    }
-    let futs = averagers
+    let swarm = AveragingSwarm::start(args.peers, NodeConfig::default(), |_| cfg.clone()).await?;
+    // Each peer runs its own loop of rounds (as a worker process does), not `step_all`: a peer
+    // that finishes a round checks its result and starts the next one on its own time.
+    let futs = swarm
+        .averagers()
         .iter()
         .enumerate()
         .map(|(i, a)| worker_rounds(a, i, args, &mean));
-    let per_peer: Vec<Vec<RoundSample>> = futures::future::try_join_all(futs).await?;
-    for a in averagers {
-        a.shutdown().await;
-    }
-    cluster.shutdown().await;
-    Ok(summarize(args, per_peer))
+    let per_peer = futures::future::try_join_all(futs).await;
+    swarm.shutdown().await;
+    Ok(summarize(args, per_peer?))
 }
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {

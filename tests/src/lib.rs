@@ -1,7 +1,23 @@
 //! Multi-peer integration tests for Starling: whole swarms on 127.0.0.1. The tests live in
-//! `tests/tests/`; this library holds their shared helpers.
+//! `tests/tests/`; this library holds their shared helpers, which the `starling bench allreduce`
+//! benchmark uses too:
+//!
+//! - [`AveragingSwarm`]: N averagers on a [`LocalCluster`](starling_node::cluster::LocalCluster),
+//!   stepped concurrently; [`RoundCheck`] checks every peer's result span by span against the
+//!   exact weighted mean of the contributors its report names.
+//! - [`exact_weighted_mean`] and [`WeightedMean`]: the reference mean, in f64.
+//! - [`normal_tensors`] (and [`normal_vec`]): deterministic data from
+//!   [`starling_compression::synthetic`].
+//! - [`bounded`], [`init_tracing`], [`rel_error`]: every test is time-bounded, logs through
+//!   `RUST_LOG`, and measures errors the same way.
 
 use std::time::Duration;
+
+mod swarm;
+
+pub use swarm::{
+    exact_weighted_mean, normal_tensors, AveragingSwarm, RoundCheck, WeightedMean, EXACT,
+};
 
 /// Installs a `tracing` subscriber honouring `RUST_LOG` (once per test binary).
 pub fn init_tracing() {
@@ -22,17 +38,10 @@ pub async fn bounded<F: std::future::Future>(limit: Duration, fut: F) -> F::Outp
     }
 }
 
-/// Deterministic random normal samples (Box-Muller over a seeded generator).
+/// `n` deterministic samples of N(0, 1): [`starling_compression::synthetic::normal`], the one
+/// generator of the workspace's tests and benchmarks.
 pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| {
-            let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
-            let u2: f64 = rng.gen();
-            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-        })
-        .collect()
+    starling_compression::synthetic::normal(n, seed)
 }
 
 /// `||a - b|| / ||b||` in f64 (`b` is the reference).

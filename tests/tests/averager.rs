@@ -4,7 +4,10 @@ use std::time::{Duration, Instant};
 
 use starling_averager::{Averager, AveragerConfig, AveragingMode, RoundReport, SpanOutcome};
 use starling_node::{cluster::LocalCluster, Node, NodeConfig};
-use starling_tests::{bounded, init_tracing, normal_vec, rel_error};
+use starling_tests::{
+    bounded, exact_weighted_mean, init_tracing, normal_tensors, normal_vec, rel_error,
+    AveragingSwarm, RoundCheck,
+};
 
 const SIZES: [usize; 3] = [1, 1000, 3_000_000];
 
@@ -23,30 +26,7 @@ fn avg_cfg(prefix: &str, codec: &str, group: usize) -> AveragerConfig {
 
 /// Each peer's tensors: random normal, different per peer.
 fn peer_tensors(peer: usize) -> Vec<Vec<f32>> {
-    SIZES
-        .iter()
-        .enumerate()
-        .map(|(t, n)| normal_vec(*n, (peer * 10 + t) as u64 + 1))
-        .collect()
-}
-
-/// The exact weighted mean of every peer's tensors, in f64.
-fn exact_mean(all: &[Vec<Vec<f32>>], weights: &[f32]) -> Vec<Vec<f32>> {
-    let w: f64 = weights.iter().map(|w| f64::from(*w)).sum();
-    (0..SIZES.len())
-        .map(|t| {
-            (0..SIZES[t])
-                .map(|k| {
-                    let s: f64 = all
-                        .iter()
-                        .zip(weights)
-                        .map(|(p, wi)| f64::from(p[t][k]) * f64::from(*wi))
-                        .sum();
-                    (s / w) as f32
-                })
-                .collect()
-        })
-        .collect()
+    normal_tensors(&SIZES, (peer * 10) as u64 + 1)
 }
 
 /// `||x - mean|| / ||mean||`: the size of the delta a codec encodes, relative to the mean.
@@ -54,22 +34,15 @@ fn delta_scale(x: &[f32], mean: &[f32]) -> f64 {
     rel_error(x, mean).max(1e-12)
 }
 
+/// One round on every peer of `swarm`; every step must succeed.
 async fn run_round(
-    averagers: &[Averager],
+    swarm: &AveragingSwarm,
     tensors: &mut [Vec<Vec<f32>>],
     weights: &[f32],
 ) -> Vec<RoundReport> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let futs =
-        averagers
-            .iter()
-            .zip(tensors.iter_mut())
-            .zip(weights)
-            .map(|((a, t), w)| async move {
-                let mut views: Vec<&mut [f32]> = t.iter_mut().map(|v| &mut v[..]).collect();
-                a.step(&mut views, *w, deadline).await
-            });
-    futures::future::join_all(futs)
+    swarm
+        .step_all(tensors, weights, deadline)
         .await
         .into_iter()
         .map(|r| r.expect("round succeeds"))
@@ -79,25 +52,25 @@ async fn run_round(
 /// Four peers average once; peer `no_lane`, if any, refuses fast lanes, so the others reach it
 /// (and it reaches them) over libp2p streams.
 async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
-    let cluster = LocalCluster::start(4, node_cfg()).await.unwrap();
-    let mut averagers = Vec::new();
-    for (i, n) in cluster.nodes.iter().enumerate() {
+    let swarm = AveragingSwarm::start(4, node_cfg(), |i| {
         let mut cfg = avg_cfg("exact", codec, 4);
         cfg.fast_lane = no_lane != Some(i);
-        averagers.push(Averager::new(n.clone(), cfg).await.unwrap());
-    }
+        cfg
+    })
+    .await
+    .unwrap();
     let mut tensors: Vec<Vec<Vec<f32>>> = (0..4).map(peer_tensors).collect();
     let weights = [1.0f32, 2.0, 0.5, 3.5];
-    let expected = exact_mean(&tensors, &weights);
+    let expected = exact_weighted_mean(&tensors, &weights);
     let originals = tensors.clone();
-    let reports = run_round(&averagers, &mut tensors, &weights).await;
+    let reports = run_round(&swarm, &mut tensors, &weights).await;
     for (p, report) in reports.iter().enumerate() {
         assert_eq!(report.group.len(), 4, "peer {p} was in a group of 4");
         assert!(report.failed_peers.is_empty());
         assert_eq!(report.averaged_fraction(), 1.0);
         // Every span sent to a lane-capable reducer went over a fast lane; the rest over libp2p.
         let me = report.group[report.my_index];
-        let lane_less = no_lane.map(|i| cluster.nodes[i].peer_id());
+        let lane_less = no_lane.map(|i| swarm.nodes()[i].peer_id());
         let mut reducers: Vec<_> = report.spans.iter().map(|s| s.reducer).collect();
         reducers.dedup();
         let fast_capable = reducers
@@ -134,10 +107,7 @@ async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
             assert!(err < bound, "{codec}: peer {p} rel error {err} >= {bound}");
         }
     }
-    for a in averagers {
-        a.shutdown().await;
-    }
-    cluster.shutdown().await;
+    swarm.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,30 +136,27 @@ async fn four_peers_average_within_codec_bounds() {
 async fn client_mode_peer_averages_without_listening() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
-        let cluster = LocalCluster::start(3, node_cfg()).await.unwrap();
-        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        // Every averager is configured as a `Node`: the one on the client-mode node takes part
+        // as a `Client` by itself, since nobody could reach it to reduce.
+        let cfg = || {
+            let c = avg_cfg("client", "none", 4);
+            assert_eq!(c.mode, AveragingMode::Node);
+            c
+        };
+        let mut swarm = AveragingSwarm::start(3, node_cfg(), |_| cfg())
+            .await
+            .unwrap();
+        let boot = swarm.nodes()[0].listen_addrs().await.unwrap()[0].clone();
         let client = Node::start(node_cfg().client(true).bootstrap_from(boot))
             .await
             .unwrap();
         assert!(client.listen_addrs().await.unwrap().is_empty());
-        let mut nodes = cluster.nodes.clone();
-        nodes.push(client.clone());
-        let mut averagers = Vec::new();
-        // Every averager is configured as a `Node`: the one on the client-mode node takes part
-        // as a `Client` by itself, since nobody could reach it to reduce.
-        for n in &nodes {
-            let c = avg_cfg("client", "none", 4);
-            assert_eq!(c.mode, AveragingMode::Node);
-            averagers.push(Averager::new(n.clone(), c).await.unwrap());
-        }
-        let mut tensors: Vec<Vec<Vec<f32>>> = (0..4)
-            .map(|p| vec![normal_vec(10_000, p as u64 + 7)])
-            .collect();
+        swarm.add_peer(client.clone(), cfg()).await.unwrap();
+        let mut tensors: Vec<Vec<Vec<f32>>> =
+            (0..4).map(|p| normal_tensors(&[10_000], p + 7)).collect();
         let weights = [1.0f32; 4];
-        let expected: Vec<f32> = (0..10_000)
-            .map(|k| tensors.iter().map(|t| t[0][k]).sum::<f32>() / 4.0)
-            .collect();
-        let reports = run_round(&averagers, &mut tensors, &weights).await;
+        let expected = exact_weighted_mean(&tensors, &weights).remove(0);
+        let reports = run_round(&swarm, &mut tensors, &weights).await;
         let client_report = &reports[3];
         assert_eq!(client_report.group.len(), 4);
         // The client reduced nothing: every span it reports belongs to another peer.
@@ -200,11 +167,7 @@ async fn client_mode_peer_averages_without_listening() {
         for t in &tensors {
             assert!(rel_error(&t[0], &expected) < 1e-6, "{reports:#?}");
         }
-        for a in averagers {
-            a.shutdown().await;
-        }
-        client.shutdown().await;
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }
@@ -219,17 +182,18 @@ async fn grid_rounds_mix_information_across_groups() {
     bounded(Duration::from_secs(300), async {
         const N: usize = 8;
         const LEN: usize = 2000;
-        let cluster = LocalCluster::start(N, node_cfg()).await.unwrap();
-        let ids: Vec<_> = cluster.nodes.iter().map(Node::peer_id).collect();
-        let mut averagers = Vec::new();
-        for n in &cluster.nodes {
+        let swarm = AveragingSwarm::start(N, node_cfg(), |_| {
             let mut c = avg_cfg("grid", "none", 4);
             c.group_bits = 1;
             c.matchmaking_time = Duration::from_secs(5);
-            averagers.push(Averager::new(n.clone(), c).await.unwrap());
-        }
+            c
+        })
+        .await
+        .unwrap();
         let weights: Vec<f32> = (0..N).map(|p| 1.0 + p as f32 * 0.25).collect();
-        let mut values: Vec<Vec<f32>> = (0..N).map(|p| normal_vec(LEN, 500 + p as u64)).collect();
+        let mut values: Vec<Vec<Vec<f32>>> = (0..N)
+            .map(|p| normal_tensors(&[LEN], 500 + p as u64))
+            .collect();
         let mut origins: Vec<std::collections::HashSet<usize>> =
             (0..N).map(|p| [p].into_iter().collect()).collect();
         let mut rounds = 0;
@@ -237,17 +201,16 @@ async fn grid_rounds_mix_information_across_groups() {
             rounds += 1;
             let before = values.clone();
             let deadline = Instant::now() + Duration::from_secs(30);
-            let steps =
-                averagers.iter().zip(values.iter_mut()).zip(&weights).map(
-                    |((a, v), w)| async move { a.step(&mut [&mut v[..]], *w, deadline).await },
-                );
             let started = Instant::now();
-            let reports = futures::future::join_all(steps).await;
+            let reports = swarm.step_all(&mut values, &weights, deadline).await;
             eprintln!(
                 "grid round {rounds}: {:.2} s, {} of {N} peers found a group",
                 started.elapsed().as_secs_f64(),
                 reports.iter().filter(|r| r.is_ok()).count()
             );
+            // Each span holds the exact weighted mean of the current values of the contributors
+            // its report names; kept-local spans are unchanged.
+            let check = RoundCheck::new(swarm.peer_ids(), &before, &weights);
             let mut next = origins.clone();
             for (p, report) in reports.iter().enumerate() {
                 // A peer left without a group (its key had no partner) keeps its values.
@@ -258,38 +221,12 @@ async fn grid_rounds_mix_information_across_groups() {
                     );
                     continue;
                 };
-                for span in &report.spans {
-                    let r = span.range.clone();
-                    let Some(contributors) = span.outcome.contributors() else {
-                        assert_eq!(
-                            values[p][r.clone()],
-                            before[p][r],
-                            "kept-local span changed"
-                        );
-                        continue;
-                    };
-                    let members: Vec<usize> = contributors
-                        .iter()
-                        .map(|c| ids.iter().position(|i| i == c).unwrap())
-                        .collect();
-                    let total: f64 = members.iter().map(|&m| f64::from(weights[m])).sum();
-                    let expected: Vec<f32> = r
-                        .clone()
-                        .map(|k| {
-                            (members
-                                .iter()
-                                .map(|&m| f64::from(weights[m]) * f64::from(before[m][k]))
-                                .sum::<f64>()
-                                / total) as f32
-                        })
-                        .collect();
-                    let err = rel_error(&values[p][r.clone()], &expected);
-                    assert!(
-                        err < 1e-6,
-                        "round {rounds}, peer {p}, span {r:?}: rel. error {err}"
-                    );
-                    for m in members {
-                        let o = origins[m].clone();
+                if let Err(e) = check.check_spans(p, report, &values[p]) {
+                    panic!("round {rounds}: {e}");
+                }
+                for contributors in report.spans.iter().filter_map(|s| s.outcome.contributors()) {
+                    for c in contributors {
+                        let o = origins[check.index_of(c)].clone();
                         next[p].extend(o);
                     }
                 }
@@ -300,10 +237,7 @@ async fn grid_rounds_mix_information_across_groups() {
             origins.iter().all(|o| o.len() == N),
             "after {rounds} rounds some peer has not heard from everyone: {origins:?}"
         );
-        for a in averagers {
-            a.shutdown().await;
-        }
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }

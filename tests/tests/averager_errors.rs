@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use starling_averager::{Averager, AveragerConfig, AveragerError, Fault};
 use starling_node::{cluster::LocalCluster, NodeConfig, NodeError};
-use starling_tests::{bounded, init_tracing, normal_vec, rel_error};
+use starling_tests::{
+    bounded, exact_weighted_mean, init_tracing, normal_tensors, normal_vec, rel_error,
+    AveragingSwarm,
+};
 
 fn node_cfg() -> NodeConfig {
     NodeConfig::default().with_request_timeout(Duration::from_secs(5))
@@ -29,18 +32,15 @@ fn far() -> Instant {
 async fn a_schema_mismatch_names_both_schemas() {
     init_tracing();
     bounded(Duration::from_secs(60), async {
-        let cluster = LocalCluster::start(2, node_cfg()).await.unwrap();
-        let a = Averager::new(cluster.nodes[0].clone(), avg_cfg("mismatch"))
+        let swarm = AveragingSwarm::start(2, node_cfg(), |_| avg_cfg("mismatch"))
             .await
             .unwrap();
-        let b = Averager::new(cluster.nodes[1].clone(), avg_cfg("mismatch"))
-            .await
-            .unwrap();
-        let mut x = normal_vec(1000, 1);
-        let mut y = normal_vec(2000, 2);
-        let (mut vx, mut vy) = ([&mut x[..]], [&mut y[..]]);
-        let (ra, rb) = tokio::join!(a.step(&mut vx, 1.0, far()), b.step(&mut vy, 1.0, far()));
-        for (r, mine, theirs) in [(ra, "1000", "2000"), (rb, "2000", "1000")] {
+        let mut data = vec![normal_tensors(&[1000], 1), normal_tensors(&[2000], 2)];
+        let reports = swarm.step_all(&mut data, &[1.0, 1.0], far()).await;
+        for (r, (mine, theirs)) in reports
+            .into_iter()
+            .zip([("1000", "2000"), ("2000", "1000")])
+        {
             match r {
                 Err(e @ AveragerError::SchemaMismatch { .. }) => {
                     let msg = e.to_string();
@@ -50,9 +50,7 @@ async fn a_schema_mismatch_names_both_schemas() {
                 other => panic!("expected SchemaMismatch, got {other:?}"),
             }
         }
-        a.shutdown().await;
-        b.shutdown().await;
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }
@@ -164,15 +162,18 @@ async fn a_dead_own_node_ends_the_step_at_once() {
 async fn a_peer_whose_node_dies_mid_round_gets_closed() {
     init_tracing();
     bounded(Duration::from_secs(60), async {
-        let cluster = LocalCluster::start(2, node_cfg()).await.unwrap();
-        let mut crashing = avg_cfg("midround");
-        crashing.fault = Some(Fault::BeforeSending);
-        let a = Averager::new(cluster.nodes[0].clone(), avg_cfg("midround"))
-            .await
-            .unwrap();
-        let b = Averager::new(cluster.nodes[1].clone(), crashing)
-            .await
-            .unwrap();
+        let swarm = AveragingSwarm::start(2, node_cfg(), |i| {
+            let mut c = avg_cfg("midround");
+            if i == 1 {
+                c.fault = Some(Fault::BeforeSending);
+            }
+            c
+        })
+        .await
+        .unwrap();
+        let [a, b] = swarm.averagers() else {
+            unreachable!("two peers")
+        };
         let mut x = normal_vec(10_000, 6);
         let mut y = normal_vec(10_000, 7);
         let deadline = Instant::now() + Duration::from_secs(40);
@@ -195,9 +196,7 @@ async fn a_peer_whose_node_dies_mid_round_gets_closed() {
         if let Ok(r) = ra {
             assert_eq!(r.averaged_fraction(), 0.0);
         }
-        a.shutdown().await;
-        b.shutdown().await;
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }
@@ -212,28 +211,23 @@ fn step_blocking_averages_from_plain_threads() {
         .enable_all()
         .build()
         .unwrap();
-    let cluster = rt.block_on(LocalCluster::start(2, node_cfg())).unwrap();
-    let averagers: Vec<Averager> = cluster
-        .nodes
-        .iter()
-        .map(|n| {
-            rt.block_on(Averager::new(n.clone(), avg_cfg("blocking")))
-                .unwrap()
-        })
-        .collect();
-    let data: Vec<Vec<f32>> = (0..2).map(|i| normal_vec(50_000, 10 + i)).collect();
+    let swarm = rt
+        .block_on(AveragingSwarm::start(2, node_cfg(), |_| {
+            avg_cfg("blocking")
+        }))
+        .unwrap();
+    let data: Vec<Vec<Vec<f32>>> = (0..2).map(|i| normal_tensors(&[50_000], 10 + i)).collect();
     let weights = [1.0f32, 3.0];
-    let exact: Vec<f32> = (0..data[0].len())
-        .map(|k| ((f64::from(data[0][k]) * 1.0 + f64::from(data[1][k]) * 3.0) / 4.0) as f32)
-        .collect();
+    let exact = exact_weighted_mean(&data, &weights).remove(0);
     let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let handles: Vec<_> = averagers
+        let handles: Vec<_> = swarm
+            .averagers()
             .iter()
             .zip(&data)
             .zip(weights)
             .map(|((a, d), w)| {
                 s.spawn(move || {
-                    let mut t = d.clone();
+                    let mut t = d[0].clone();
                     let deadline = Instant::now() + Duration::from_secs(60);
                     let report = a.step_blocking(&mut [&mut t[..]], w, deadline).unwrap();
                     assert_eq!(report.averaged_fraction(), 1.0);
@@ -246,8 +240,5 @@ fn step_blocking_averages_from_plain_threads() {
     for r in &results {
         assert!(rel_error(r, &exact) < 1e-6, "{}", rel_error(r, &exact));
     }
-    for a in averagers {
-        rt.block_on(a.shutdown());
-    }
-    rt.block_on(cluster.shutdown());
+    rt.block_on(swarm.shutdown());
 }

@@ -1,11 +1,14 @@
 //! Averaging when peers crash, stall or belong to other runs.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use starling_averager::{Averager, AveragerConfig, AveragerError, Fault, RoundReport, SpanOutcome};
-use starling_node::{cluster::LocalCluster, Node, NodeConfig, PeerId};
-use starling_tests::{bounded, init_tracing, normal_vec, rel_error};
+use starling_averager::{AveragerConfig, AveragerError, Fault, RoundReport, SpanOutcome};
+use starling_node::{NodeConfig, PeerId};
+use starling_tests::{
+    bounded, exact_weighted_mean, init_tracing, normal_tensors, normal_vec, rel_error,
+    AveragingSwarm, RoundCheck,
+};
 
 const LEN: usize = 200_000;
 
@@ -27,21 +30,21 @@ fn avg_cfg(prefix: &str, group: usize) -> AveragerConfig {
 
 struct Run {
     ids: Vec<PeerId>,
-    originals: Vec<Vec<f32>>,
-    weights: Vec<f32>,
-    results: Vec<Vec<f32>>,
+    /// Every peer's values before the round, and weight.
+    check: RoundCheck,
+    results: Vec<Vec<Vec<f32>>>,
     reports: Vec<Result<RoundReport, AveragerError>>,
 }
 
-/// Starts `n` peers (peer `i` with `faults[i]`), runs one step on all of them concurrently, and
-/// returns everything needed to check the outcome.
+/// Starts `n` peers (peer `i` with `faults[i]`), runs one step on all of them concurrently, shuts
+/// them down, and returns everything needed to check the outcome.
 async fn run(
     prefix: &str,
     n: usize,
     group: usize,
     faults: &[Option<Fault>],
     sizes: &[usize],
-) -> (Run, LocalCluster) {
+) -> Run {
     run_with(prefix, n, group, faults, sizes, |_| {}).await
 }
 
@@ -53,100 +56,43 @@ async fn run_with(
     faults: &[Option<Fault>],
     sizes: &[usize],
     configure: impl Fn(&mut AveragerConfig),
-) -> (Run, LocalCluster) {
-    let cluster = LocalCluster::start(n, node_cfg()).await.unwrap();
-    let ids: Vec<PeerId> = cluster.nodes.iter().map(Node::peer_id).collect();
-    let mut averagers = Vec::new();
-    for (i, node) in cluster.nodes.iter().enumerate() {
+) -> Run {
+    let swarm = AveragingSwarm::start(n, node_cfg(), |i| {
         let mut c = avg_cfg(prefix, group);
         c.fault = faults.get(i).copied().flatten();
         configure(&mut c);
-        averagers.push(Averager::new(node.clone(), c).await.unwrap());
-    }
-    let originals: Vec<Vec<f32>> = (0..n)
-        .map(|i| normal_vec(sizes[i % sizes.len()], 100 + i as u64))
+        c
+    })
+    .await
+    .unwrap();
+    let originals: Vec<Vec<Vec<f32>>> = (0..n)
+        .map(|i| normal_tensors(&[sizes[i % sizes.len()]], 100 + i as u64))
         .collect();
     let weights: Vec<f32> = (0..n).map(|i| 1.0 + i as f32 * 0.5).collect();
     let mut results = originals.clone();
     let deadline = Instant::now() + Duration::from_secs(40);
-    let futs = averagers
-        .iter()
-        .zip(results.iter_mut())
-        .zip(&weights)
-        .map(|((a, t), w)| async move { a.step(&mut [&mut t[..]], *w, deadline).await });
-    let reports = futures::future::join_all(futs).await;
-    for a in averagers {
-        a.shutdown().await;
+    let reports = swarm.step_all(&mut results, &weights, deadline).await;
+    let ids = swarm.peer_ids();
+    swarm.shutdown().await;
+    Run {
+        check: RoundCheck::new(ids.clone(), &originals, &weights),
+        ids,
+        results,
+        reports,
     }
-    (
-        Run {
-            ids,
-            originals,
-            weights,
-            results,
-            reports,
-        },
-        cluster,
-    )
 }
 
 impl Run {
-    fn index(&self) -> HashMap<PeerId, usize> {
-        self.ids.iter().enumerate().map(|(i, p)| (*p, i)).collect()
-    }
-
     /// Every span of every listed peer holds exactly the weighted mean of the contributors its
     /// report names, or its original values where the report says they were kept.
     fn check_spans(&self, peers: &[usize]) {
-        let index = self.index();
         for &p in peers {
             let report = self.reports[p]
                 .as_ref()
                 .unwrap_or_else(|e| panic!("peer {p} step failed: {e}"));
-            for span in &report.spans {
-                let r = span.range.clone();
-                let got = &self.results[p][r.clone()];
-                match &span.outcome {
-                    SpanOutcome::Averaged { contributors }
-                    | SpanOutcome::Redelegated { contributors, .. } => {
-                        let w: f64 = contributors
-                            .iter()
-                            .map(|c| f64::from(self.weights[index[c]]))
-                            .sum();
-                        let expected: Vec<f32> = r
-                            .clone()
-                            .map(|k| {
-                                let s: f64 = contributors
-                                    .iter()
-                                    .map(|c| {
-                                        f64::from(self.originals[index[c]][k])
-                                            * f64::from(self.weights[index[c]])
-                                    })
-                                    .sum();
-                                (s / w) as f32
-                            })
-                            .collect();
-                        let err = rel_error(got, &expected);
-                        assert!(
-                            err < 1e-6,
-                            "peer {p} span {r:?}: rel error {err} against its contributors' mean"
-                        );
-                    }
-                    SpanOutcome::KeptLocal { reason } => {
-                        assert_eq!(
-                            got,
-                            &self.originals[p][r.clone()],
-                            "peer {p} span {r:?} kept local ({reason})"
-                        );
-                    }
-                }
+            if let Err(e) = self.check.check_spans(p, report, &self.results[p]) {
+                panic!("{e}");
             }
-            let covered: usize = report.spans.iter().map(|s| s.range.len()).sum();
-            assert_eq!(
-                covered,
-                self.originals[p].len(),
-                "the report covers every element"
-            );
         }
     }
 }
@@ -157,7 +103,7 @@ async fn eight_peers_form_two_groups_of_four() {
     bounded(Duration::from_secs(120), async {
         // A long window: full groups start as soon as they fill, and under load (8 peers on 2
         // cores) no leader closes its window before its followers found it.
-        let (run, cluster) = run_with("two-groups", 8, 4, &[], &[LEN], |c| {
+        let run = run_with("two-groups", 8, 4, &[], &[LEN], |c| {
             c.matchmaking_time = Duration::from_secs(15)
         })
         .await;
@@ -178,7 +124,6 @@ async fn eight_peers_form_two_groups_of_four() {
             "the groups are disjoint"
         );
         run.check_spans(&(0..8).collect::<Vec<_>>());
-        cluster.shutdown().await;
     })
     .await;
 }
@@ -188,10 +133,10 @@ async fn peers_with_different_schemas_never_group() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         // Peers 0 and 2 hold 1000 elements, peers 1 and 3 hold 2000.
-        let (run, cluster) = run("schemas", 4, 4, &[], &[1000, 2000]).await;
+        let run = run("schemas", 4, 4, &[], &[1000, 2000]).await;
         for (i, r) in run.reports.iter().enumerate() {
             let r = r.as_ref().expect("each pair averages");
-            let mut members: Vec<usize> = r.group.iter().map(|p| run.index()[p]).collect();
+            let mut members: Vec<usize> = r.group.iter().map(|p| run.check.index_of(p)).collect();
             members.sort();
             let expected = if i % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
             assert_eq!(
@@ -200,7 +145,6 @@ async fn peers_with_different_schemas_never_group() {
             );
         }
         run.check_spans(&[0, 1, 2, 3]);
-        cluster.shutdown().await;
     })
     .await;
 }
@@ -220,7 +164,7 @@ async fn survivors_finish_with(
     let victim = 2;
     let mut faults = vec![None; 4];
     faults[victim] = Some(fault);
-    let (run, cluster) = run_with(prefix, 4, 4, &faults, &[LEN], configure).await;
+    let run = run_with(prefix, 4, 4, &faults, &[LEN], configure).await;
     let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
     run.check_spans(&survivors);
     let victim_id = run.ids[victim];
@@ -243,7 +187,6 @@ async fn survivors_finish_with(
             }
         }
     }
-    cluster.shutdown().await;
     run
 }
 
@@ -394,17 +337,18 @@ async fn leader_killed_during_matchmaking_followers_regroup() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         // Peer 0 declares first and leads; it crashes once it has accepted two followers.
-        let cluster = LocalCluster::start(4, node_cfg()).await.unwrap();
-        let mut averagers = Vec::new();
-        for (i, node) in cluster.nodes.iter().enumerate() {
+        let swarm = AveragingSwarm::start(4, node_cfg(), |i| {
             let mut c = avg_cfg("leader-dies", 4);
             if i == 0 {
                 c.fault = Some(Fault::LeaderAfterFollowers(2));
             }
-            averagers.push(Averager::new(node.clone(), c).await.unwrap());
-        }
+            c
+        })
+        .await
+        .unwrap();
+        let averagers = swarm.averagers();
         let deadline = Instant::now() + Duration::from_secs(40);
-        let mut data: Vec<Vec<f32>> = (0..4).map(|i| normal_vec(1000, i as u64)).collect();
+        let mut data: Vec<Vec<f32>> = (0..4).map(|i| normal_vec(1000, i)).collect();
         let originals = data.clone();
         let (first, rest) = data.split_at_mut(1);
         let leader = async {
@@ -422,7 +366,7 @@ async fn leader_killed_during_matchmaking_followers_regroup() {
         };
         let (leader_result, follower_results) = tokio::join!(leader, followers);
         assert!(leader_result.is_err(), "the leader crashed");
-        let dead = cluster.nodes[0].peer_id();
+        let dead = swarm.nodes()[0].peer_id();
         for (i, r) in follower_results.iter().enumerate() {
             let r = r.as_ref().expect("followers regroup and average");
             assert!(Instant::now() < deadline);
@@ -432,16 +376,13 @@ async fn leader_killed_during_matchmaking_followers_regroup() {
             );
             assert_eq!(r.group.len(), 3);
         }
-        let expected: Vec<f32> = (0..1000)
-            .map(|k| (originals[1][k] + originals[2][k] + originals[3][k]) / 3.0)
-            .collect();
+        let followers: Vec<Vec<Vec<f32>>> =
+            originals[1..].iter().map(|o| vec![o.clone()]).collect();
+        let expected = exact_weighted_mean(&followers, &[1.0; 3]).remove(0);
         for t in &data[1..] {
             assert!(rel_error(t, &expected) < 1e-6);
         }
-        for a in averagers {
-            a.shutdown().await;
-        }
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }

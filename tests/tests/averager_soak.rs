@@ -2,9 +2,11 @@
 
 use std::time::{Duration, Instant};
 
-use starling_averager::{Averager, AveragerConfig};
-use starling_node::{cluster::LocalCluster, NodeConfig};
-use starling_tests::{bounded, init_tracing, normal_vec, rel_error};
+use starling_averager::AveragerConfig;
+use starling_node::NodeConfig;
+use starling_tests::{
+    bounded, exact_weighted_mean, init_tracing, normal_tensors, rel_error, AveragingSwarm,
+};
 
 /// Resident memory of this process, in bytes (Linux).
 fn rss_bytes() -> usize {
@@ -25,18 +27,17 @@ const RSS_GROWTH_BOUND: usize = 24 << 20;
 async fn two_hundred_rounds_without_growth() {
     init_tracing();
     bounded(Duration::from_secs(600), async {
-        let cluster = LocalCluster::start(4, NodeConfig::default()).await.unwrap();
-        let mut averagers = Vec::new();
-        for n in &cluster.nodes {
+        let swarm = AveragingSwarm::start(4, NodeConfig::default(), |_| {
             let mut c = AveragerConfig::new("soak");
             c.target_group_size = 4;
             c.min_group_size = 4;
-            averagers.push(Averager::new(n.clone(), c).await.unwrap());
-        }
-        let originals: Vec<Vec<f32>> = (0..4).map(|i| normal_vec(10_000, i)).collect();
-        let mean: Vec<f32> = (0..10_000)
-            .map(|k| originals.iter().map(|o| o[k]).sum::<f32>() / 4.0)
-            .collect();
+            c
+        })
+        .await
+        .unwrap();
+        let originals: Vec<Vec<Vec<f32>>> = (0..4).map(|i| normal_tensors(&[10_000], i)).collect();
+        let weights = [1.0f32; 4];
+        let mean = exact_weighted_mean(&originals, &weights);
         let metrics = tokio::runtime::Handle::current().metrics();
         let mut baseline = None;
         for round in 0..200 {
@@ -46,18 +47,18 @@ async fn two_hundred_rounds_without_growth() {
             }
             let mut data = originals.clone();
             let deadline = Instant::now() + Duration::from_secs(30);
-            let futs = averagers
-                .iter()
-                .zip(data.iter_mut())
-                .map(|(a, d)| async move { a.step(&mut [&mut d[..]], 1.0, deadline).await });
-            let reports: Vec<_> = futures::future::join_all(futs)
+            let reports: Vec<_> = swarm
+                .step_all(&mut data, &weights, deadline)
                 .await
                 .into_iter()
                 .map(|r| r.unwrap_or_else(|e| panic!("round {round}: {e}")))
                 .collect();
             for (r, d) in reports.iter().zip(&data) {
                 assert_eq!(r.group.len(), 4, "round {round}");
-                assert!(rel_error(d, &mean) < 1e-6, "round {round}: {reports:#?}");
+                assert!(
+                    rel_error(&d[0], &mean[0]) < 1e-6,
+                    "round {round}: {reports:#?}"
+                );
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -71,10 +72,7 @@ async fn two_hundred_rounds_without_growth() {
             tasks1 <= tasks0 + 4,
             "alive tasks grew from {tasks0} to {tasks1}"
         );
-        for a in averagers {
-            a.shutdown().await;
-        }
-        cluster.shutdown().await;
+        swarm.shutdown().await;
     })
     .await;
 }
