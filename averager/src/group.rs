@@ -23,6 +23,11 @@ impl Member {
     pub fn parse(info: &MemberInfo) -> Result<Self, String> {
         let peer =
             PeerId::from_bytes(&info.peer_id).map_err(|e| format!("invalid peer id: {e}"))?;
+        // Every member computes the span split from these: a NaN or negative rate would give
+        // every peer a garbage plan.
+        if !(info.bandwidth.is_finite() && info.bandwidth > 0.0) {
+            return Err(format!("invalid bandwidth {}", info.bandwidth));
+        }
         Ok(Member {
             peer,
             addrs: info.addrs.iter().filter_map(|a| a.parse().ok()).collect(),
@@ -80,5 +85,11 @@ mod tests {
         assert_eq!(g.members[0].addrs.len(), 1);
         let err = Group::new(7, &[info(a.to_bytes()), info(vec![1, 2, 3])], 0).unwrap_err();
         assert!(err.contains("member 1"), "{err}");
+        for bad in [f64::NAN, f64::INFINITY, -1.0, 0.0] {
+            let mut rogue = info(b.to_bytes());
+            rogue.bandwidth = bad;
+            let err = Group::new(7, &[info(a.to_bytes()), rogue], 0).unwrap_err();
+            assert!(err.contains("bandwidth"), "{err}");
+        }
     }
 }

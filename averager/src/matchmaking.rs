@@ -167,7 +167,10 @@ async fn run_window(
             }
             Some(mut join) = rx.recv() => {
                 saw_others = true;
-                let reply = if me.mode == AveragingMode::Client {
+                let reply = if let Err(why) = Member::parse(&join.info) {
+                    tracing::debug!(from = %short(&join.info.peer_id), "refused an invalid join request: {why}");
+                    Some(RejectReason::Invalid)
+                } else if me.mode == AveragingMode::Client {
                     Some(RejectReason::NotLeading)
                 } else if rank(join.window_end, &join.info.peer_id) <= my_rank {
                     Some(RejectReason::Stale)
@@ -233,6 +236,7 @@ async fn run_window(
                     .into_iter()
                     .map(|(_, d, _)| d)
                     .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
+                    .filter(|d| Member::parse(&d.info).is_ok())
                     .filter(|d| rank(d.window_end, &d.info.peer_id) < my_rank)
                     .filter(|d| !refused.contains(&d.info.peer_id))
                     .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
@@ -351,8 +355,11 @@ async fn follow_inner(
         other => return Err(FollowError::Refused(format!("{other:?}"))),
     }
     // Wait for the leader's decision, at most until its window closes (plus slack).
-    let wait_ms = leader.window_end.saturating_sub(now_ms());
-    let until = Instant::now() + Duration::from_millis(wait_ms) + cfg.request_timeout;
+    // The leader's window end comes from the network: bounded, so a lie cannot hold us (or
+    // overflow the clock) past two of our own windows.
+    let wait = Duration::from_millis(leader.window_end.saturating_sub(now_ms()))
+        .min(cfg.matchmaking_time * 2);
+    let until = Instant::now() + wait + cfg.request_timeout;
     let decision: MatchMsg = timeout_at(until, read_control(&mut stream))
         .await
         .map_err(|_| FollowError::Refused("leader did not begin in time".into()))?

@@ -93,6 +93,9 @@ pub enum RejectReason {
     /// The follower ranked this peer by an old declaration; under the current one the follower
     /// is ahead. Read the group key again.
     Stale,
+    /// The join request describes the follower impossibly (a peer id that does not parse, a
+    /// bandwidth that is not a positive finite number).
+    Invalid,
 }
 
 /// All-reduce control messages.
