@@ -315,3 +315,66 @@ async fn nan_or_infinite_input_is_refused_before_anything_is_sent() {
     })
     .await;
 }
+
+/// An `Aux` peer in a real 4-peer round reduces a span (it has bandwidth to give) but
+/// contributes no weight: the three others hold the exact weighted mean of their own data
+/// only, every span's contributors exclude the Aux peer, and its own tensors stay as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aux_peer_reduces_a_span_and_contributes_no_weight() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        const AUX: usize = 3;
+        let swarm = AveragingSwarm::start(4, node_cfg(), |i| {
+            let mut c = avg_cfg("aux", "none", 4);
+            if i == AUX {
+                c.mode = AveragingMode::Aux;
+            }
+            c
+        })
+        .await
+        .unwrap();
+        let mut data: Vec<Vec<Vec<f32>>> = (0..4)
+            .map(|i| normal_tensors(&[1000, 200_000], 40 + i as u64))
+            .collect();
+        let before = data.clone();
+        let weights = [1.0, 2.0, 3.0, 50.0]; // the Aux peer's weight must not count
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let reports: Vec<RoundReport> = swarm
+            .step_all(&mut data, &weights, deadline)
+            .await
+            .into_iter()
+            .map(|r| r.expect("round succeeds"))
+            .collect();
+        let ids = swarm.peer_ids();
+        let expected = exact_weighted_mean(&before[..AUX], &weights[..AUX]);
+        for (i, r) in reports.iter().enumerate() {
+            assert_eq!(r.group.len(), 4, "peer {i} grouped with everyone");
+            assert_eq!(r.averaged_fraction(), 1.0, "peer {i}: {:?}", r.spans);
+            for s in &r.spans {
+                let c = s.outcome.contributors().expect("averaged");
+                assert!(!c.contains(&ids[AUX]), "the Aux peer's data is in {s:?}");
+            }
+            if i == AUX {
+                assert_eq!(data[i], before[i], "the Aux peer's tensors are left alone");
+            } else {
+                for (t, e) in data[i].iter().zip(&expected) {
+                    assert!(rel_error(t, e) < 1e-6, "peer {i}: {}", rel_error(t, e));
+                }
+            }
+        }
+        // The Aux peer reduced a span of its own, for everyone.
+        let aux_span: usize = reports[0]
+            .spans
+            .iter()
+            .filter(|s| s.reducer == ids[AUX])
+            .map(|s| s.range.len())
+            .sum();
+        assert!(
+            aux_span > 0,
+            "the Aux peer reduced nothing: {:?}",
+            reports[0].spans
+        );
+        swarm.shutdown().await;
+    })
+    .await;
+}

@@ -368,7 +368,9 @@ async fn leader_killed_during_matchmaking_followers_regroup() {
         assert!(leader_result.is_err(), "the leader crashed");
         let dead = swarm.nodes()[0].peer_id();
         for (i, r) in follower_results.iter().enumerate() {
-            let r = r.as_ref().expect("followers regroup and average");
+            let r = r
+                .as_ref()
+                .unwrap_or_else(|e| panic!("follower {i} did not regroup and average: {e}"));
             assert!(Instant::now() < deadline);
             assert!(
                 !r.group.contains(&dead),
