@@ -98,6 +98,40 @@ pub enum Fault {
     WhileReturning(usize),
     /// As leader, after accepting this many followers and before the round begins.
     LeaderAfterFollowers(usize),
+    /// Breaks the all-reduce protocol in the way given: a rogue member whose malformed
+    /// messages honest peers must refuse without corrupting a span or panicking.
+    Rogue(Rogue),
+}
+
+/// How a rogue member breaks the all-reduce protocol (with the `testing` feature). Sender-side
+/// lies are in its hello and data to every reducer; reducer-side lies are in the first part of
+/// the result it returns to each sender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
+pub enum Rogue {
+    /// Sender: its hello names a span this many elements longer than the real one.
+    HelloLength(u64),
+    /// Sender: its hello names the round id xor this mask (an unknown round).
+    HelloRound(u64),
+    /// Sender: its first chunk claims this element offset.
+    ChunkOffset(u64),
+    /// Sender: its first chunk arrives twice.
+    DuplicateChunk,
+    /// Sender: `SendDone` right after its first chunk.
+    EarlyDone,
+    /// Reducer: its first `Result` names this part (offset within the span, length).
+    ResultRange {
+        /// Claimed start.
+        start: u64,
+        /// Claimed length.
+        len: u64,
+    },
+    /// Reducer: its first `Result` also lists this member index.
+    Contributor(u32),
+    /// Reducer: its first part's result arrives twice.
+    DuplicateResult,
+    /// Reducer: its first delta chunk claims this element offset.
+    DeltaOffset(u64),
 }
 
 impl AveragerConfig {

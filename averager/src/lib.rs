@@ -146,8 +146,8 @@ mod transport;
 pub mod wire;
 
 pub use averager::Averager;
-#[cfg(feature = "testing")]
-pub use config::Fault;
 pub use config::{AveragerConfig, AveragingMode};
+#[cfg(feature = "testing")]
+pub use config::{Fault, Rogue};
 pub use error::AveragerError;
 pub use report::{RoundReport, SpanOutcome, SpanReport};

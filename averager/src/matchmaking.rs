@@ -206,8 +206,12 @@ async fn run_window(
                 attempt = None;
                 match result {
                     Ok(Some(group)) => return Ok(Window::Group(group)),
+                    // Disbanded: a leader that disbands to join an earlier peer, whose join
+                    // then fails, leads again; refusing it for the rest of the window left its
+                    // ex-followers and it unable to find each other (requests only go to
+                    // earlier peers). Ask again after a short pause instead.
                     Ok(None) => {
-                        refused.insert(leader);
+                        busy.insert(leader, Instant::now() + BUSY_BACKOFF);
                     }
                     Err(FollowError::Busy) => {
                         busy.insert(leader, Instant::now() + BUSY_BACKOFF);

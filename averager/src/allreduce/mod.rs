@@ -14,6 +14,7 @@ mod part;
 mod plan;
 mod reduce;
 mod repair;
+mod rogue;
 mod send;
 
 use std::collections::{BTreeSet, HashSet};

@@ -15,13 +15,14 @@ use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use super::part::{delta_into, Input, PartReducer};
 use super::send::decode_options;
-use super::{Round, Segment, Task};
-use crate::config::{AveragingMode, Fault};
+use super::{rogue, Round, Segment, Task};
+use crate::config::{AveragingMode, Fault, Rogue};
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
 use crate::sync::lock;
 use crate::wire::{
-    read_frame_into, write_chunk, write_control, Frame, MemberIdx, ReduceMsg, SpanChunks,
+    read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
+    SpanChunks,
 };
 use crate::AveragerError;
 
@@ -466,6 +467,8 @@ async fn write_results<W: futures::AsyncWrite + Unpin>(
 ) -> bool {
     let cfg = &round.env.config;
     let mut sent = 0usize;
+    // Fault injection: a rogue reducer lies in the first part it returns.
+    let mut rogue = rogue::of(cfg);
     let result = async {
         while let Some(out) = parts.recv().await {
             match out {
@@ -474,15 +477,34 @@ async fn write_results<W: futures::AsyncWrite + Unpin>(
                     contributors,
                     delta,
                 } => {
-                    let head = ReduceMsg::Result {
+                    let mut head = ReduceMsg::Result {
                         start: start as u64,
                         len: delta.len() as u64,
                         contributors: contributors.to_vec(),
                     };
-                    sent += write_control(&mut wr, &head).await?;
-                    let mut chunks = SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes)?;
-                    while let Some(chunk) = chunks.next_chunk() {
-                        sent += write_chunk(&mut wr, &chunk?).await?;
+                    let lie = rogue.take();
+                    if let Some(r) = lie {
+                        rogue::lie_in_result(&mut head, r);
+                    }
+                    let times = if lie == Some(Rogue::DuplicateResult) {
+                        2
+                    } else {
+                        1
+                    };
+                    for _ in 0..times {
+                        sent += write_control(&mut wr, &head).await?;
+                        let mut chunks = SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes)?;
+                        let mut first = true;
+                        while let Some(chunk) = chunks.next_chunk() {
+                            let chunk = chunk?;
+                            sent += match lie {
+                                Some(Rogue::DeltaOffset(off)) if first => {
+                                    write_data(&mut wr, &rogue::with_offset(&chunk, off)?).await?
+                                }
+                                _ => write_chunk(&mut wr, &chunk).await?,
+                            };
+                            first = false;
+                        }
                     }
                     // The sender may be waiting for exactly this part.
                     futures::AsyncWriteExt::flush(&mut wr).await?;

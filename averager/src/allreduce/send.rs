@@ -10,15 +10,16 @@ use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::{Round, Segment};
-use crate::config::Fault;
+use super::{rogue, Round, Segment};
+use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
 use crate::sync::lock;
 use crate::transport::Lane;
 use crate::wire::{
-    read_frame_into, write_chunk, write_control, ChunkOut, Control, Frame, MemberIdx, ReduceMsg,
-    SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
+    read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control, Frame, MemberIdx,
+    ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
+use crate::AveragerError;
 
 /// Streams shorter than this say too little about bandwidth to be measured.
 const MIN_MEASURED_BYTES: usize = 256 * 1024;
@@ -94,7 +95,7 @@ pub(super) async fn send_span(
     };
     let work = async {
         let t0 = Instant::now();
-        let hello = match kind {
+        let mut hello = match kind {
             SendKind::Span => ReduceMsg::Hello {
                 round_id: round.round_id,
                 sender: round.me,
@@ -111,6 +112,9 @@ pub(super) async fn send_span(
                 len: range.len() as u64,
             },
         };
+        if let Some(r) = rogue::of(cfg) {
+            rogue::lie_in_hello(&mut hello, r);
+        }
         let (stream, hello_bytes) = open_with_hello(round, j, &hello, ack_wait).await?;
         if stream.is_fast() {
             round.counters.fast.fetch_add(1, Ordering::Relaxed);
@@ -176,12 +180,18 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
     let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
         .map_err(|e| SendFail::other(e.to_string()))?;
     let mut index = 0;
+    let rogue = rogue::of(cfg).filter(|_| phase1);
     while let Some(chunk) = chunks.next_chunk() {
         if phase1 && round.crash_if(Fault::AfterSentChunks(index)).await {
             return Err(SendFail::other("fault injected: crashed while sending"));
         }
         index += 1;
         let chunk = chunk.map_err(|e| SendFail::other(e.to_string()))?;
+        if let (Some(r), 1) = (rogue, index) {
+            if rogue_chunk(wr, &chunk, r).await? {
+                break;
+            }
+        }
         if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_deref_mut(), &chunk) {
             let header = ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
             // Our own encoder's header: in range by construction.
@@ -201,6 +211,31 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
         .await
         .map_err(|e| SendFail::reducer(e.to_string()))?;
     Ok(sent)
+}
+
+/// Fault injection: writes the rogue version of a sender's first chunk (after which the honest
+/// one follows, or, for `EarlyDone`, `SendDone`: returns true to stop sending).
+async fn rogue_chunk<W: futures::AsyncWrite + Unpin>(
+    wr: &mut W,
+    chunk: &ChunkOut<'_>,
+    r: Rogue,
+) -> Result<bool, SendFail> {
+    let fail = |e: AveragerError| SendFail::other(e.to_string());
+    match r {
+        Rogue::ChunkOffset(off) => {
+            let frame = rogue::with_offset(chunk, off).map_err(fail)?;
+            write_data(wr, &frame).await.map_err(fail)?;
+        }
+        Rogue::DuplicateChunk => {
+            write_chunk(wr, chunk).await.map_err(fail)?;
+        }
+        Rogue::EarlyDone => {
+            write_chunk(wr, chunk).await.map_err(fail)?;
+            return Ok(true);
+        }
+        _ => {}
+    }
+    Ok(false)
 }
 
 /// Reads a reducer's answers to a span of `len` elements: for each part, `Result` (its range and
