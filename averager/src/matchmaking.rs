@@ -74,7 +74,8 @@ pub(crate) async fn find_group(
             info: me.clone(),
             window_end: window_end_ms,
         };
-        let subkey = node.peer_id().to_string();
+        // Under our owner marker: signed by the node, so nobody else can overwrite it.
+        let subkey = node.owner_marker();
         match timeout(
             cfg.request_timeout,
             node.store(group_key, &subkey, &declaration, window_end_ms),
@@ -229,16 +230,13 @@ async fn run_window(
             // group disbands and everyone joins that peer, so groups grow instead of splitting
             // when declarations reach peers at different times.
             _ = refresh.tick(), if attempt.is_none() && followers.len() + 1 < cfg.target_group_size => {
-                let entries = match timeout(cfg.request_timeout, node.get::<Declaration>(group_key)).await {
-                    Ok(Ok(entries)) => entries,
-                    Ok(Err(NodeError::Closed)) => return Err(NodeError::Closed.into()),
-                    _ => continue,
+                let Some(entries) = read_declarations(node, group_key, cfg.request_timeout).await? else {
+                    continue;
                 };
-                saw_others |= entries.iter().any(|(_, d, _)| d.info.peer_id != me.peer_id);
+                saw_others |= entries.iter().any(|d| d.info.peer_id != me.peer_id);
                 let now = Instant::now();
                 let best = entries
                     .into_iter()
-                    .map(|(_, d, _)| d)
                     .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
                     .filter(|d| Member::parse(&d.info).is_ok())
                     .filter(|d| rank(d.window_end, &d.info.peer_id) < my_rank)
@@ -255,6 +253,44 @@ async fn run_window(
             }
         }
     }
+}
+
+/// The declarations under `group_key` written by the peers they declare; `None` when the
+/// lookup failed or timed out (try again at the next refresh).
+async fn read_declarations(
+    node: &starling_node::Node,
+    group_key: &str,
+    limit: Duration,
+) -> Result<Option<Vec<Declaration>>, AveragerError> {
+    let entries = match timeout(limit, node.get::<Declaration>(group_key)).await {
+        Ok(Ok(entries)) => entries,
+        Ok(Err(NodeError::Closed)) => return Err(NodeError::Closed.into()),
+        _ => return Ok(None),
+    };
+    let total = entries.len();
+    let genuine: Vec<Declaration> = entries
+        .into_iter()
+        .filter(|(subkey, d, _)| declared_by_its_peer(group_key, subkey, d))
+        .map(|(_, d, _)| d)
+        .collect();
+    if genuine.len() < total {
+        tracing::debug!(
+            ignored = total - genuine.len(),
+            "ignoring declarations under {group_key} not written under the declared peer's owner marker"
+        );
+    }
+    Ok(Some(genuine))
+}
+
+/// Whether a declaration read under `(group_key, subkey)` was written by the peer it declares:
+/// the sub-key is an owner marker (the DHT only holds it with that owner's valid signature)
+/// whose key is the identity of `declaration.info.peer_id`.
+fn declared_by_its_peer(group_key: &str, subkey: &str, declaration: &Declaration) -> bool {
+    let Ok(Some(owner)) = starling_dht::required_owner(group_key, subkey) else {
+        return false;
+    };
+    let declared = PeerId::from_bytes(&declaration.info.peer_id).ok();
+    declared.is_some() && starling_node::peer_id_of_owner(&owner) == declared
 }
 
 /// Tells every follower to search again, and lets them go.
@@ -386,5 +422,57 @@ async fn follow_inner(
         }
         MatchMsg::Disband => Ok(None),
         other => Err(FollowError::Refused(format!("unexpected {other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_node::{owner_key_of, Keypair};
+
+    fn declaration(peer: &PeerId) -> Declaration {
+        Declaration {
+            info: MemberInfo {
+                peer_id: peer.to_bytes(),
+                mode: AveragingMode::Node,
+                bandwidth: 1.0,
+                addrs: Vec::new(),
+            },
+            window_end: 0,
+        }
+    }
+
+    #[test]
+    fn only_declarations_under_the_declared_peers_marker_count() {
+        let alice = Keypair::generate_ed25519();
+        let mallory = Keypair::generate_ed25519();
+        let alice_id = alice.public().to_peer_id();
+        let alice_marker = owner_key_of(&alice).unwrap().marker();
+        let mallory_marker = owner_key_of(&mallory).unwrap().marker();
+        let key = "run.averager.00.0";
+        assert!(declared_by_its_peer(
+            key,
+            &alice_marker,
+            &declaration(&alice_id)
+        ));
+        // Mallory declaring alice (or alice's declaration under a plain sub-key) is ignored.
+        assert!(!declared_by_its_peer(
+            key,
+            &mallory_marker,
+            &declaration(&alice_id)
+        ));
+        assert!(!declared_by_its_peer(
+            key,
+            &alice_id.to_string(),
+            &declaration(&alice_id)
+        ));
+        assert!(!declared_by_its_peer(
+            key,
+            "[owner:zz]",
+            &declaration(&alice_id)
+        ));
+        let mut garbled = declaration(&alice_id);
+        garbled.info.peer_id = vec![0xff; 3];
+        assert!(!declared_by_its_peer(key, &alice_marker, &garbled));
     }
 }

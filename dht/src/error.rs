@@ -47,9 +47,21 @@ pub enum DhtError {
     /// A key is not valid UTF-8.
     #[error("key is not valid UTF-8")]
     KeyNotUtf8,
-    /// The store refuses more data (records, bytes, or keys for this writer).
+    /// The store as a whole refuses more data (records or bytes).
     #[error("store is full: {0}")]
     StoreFull(&'static str),
+    /// A remote writer would hold more than its quota in this store (see the per-writer limits
+    /// of [`crate::DhtLimits`]). Its other entries stay; it may write again once some of what
+    /// it holds expires or is replaced.
+    #[error("writer is over its quota: its {what} would be {actual} > limit {limit}")]
+    OverQuota {
+        /// The quantity over its limit: `"bytes"`, `"keys"` or `"sub-keys under this key"`.
+        what: &'static str,
+        /// What the writer would hold with this record.
+        actual: usize,
+        /// The configured limit.
+        limit: usize,
+    },
     /// A typed value could not be encoded or decoded.
     #[error("value codec error: {0}")]
     Codec(String),

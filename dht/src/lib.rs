@@ -13,12 +13,15 @@
 //! - [`Validator`] checks every inbound record against [`DhtLimits`] (sizes, counts, expiration
 //!   horizon with a clock-skew tolerance) before anything is stored.
 //! - [`DhtStore`]: a bounded `libp2p::kad::store::RecordStore` that validates and merges instead of
-//!   overwriting. The node runs Kademlia with `StoreInserts::FilterBoth` and hands inbound PUTs to
+//!   overwriting, and charges each remote writer for the entries it sent (bytes, keys, sub-keys
+//!   per key: [`WriterUsage`]), so no single peer can fill the store or squat a key. The node
+//!   runs Kademlia with `StoreInserts::FilterBoth` and hands inbound PUTs to
 //!   [`DhtStore::insert`] itself, so nothing reaches the store unvalidated.
 //! - Typed values: [`encode_value`] / [`decode_value`] (postcard) for `serde` types.
 //!
 //! Departures from plain Kademlia: a PUT never overwrites a whole record, it merges; records are
-//! bounded in size, count, total bytes and per-writer keys; provider records are not used.
+//! bounded in size, count and total bytes, and per remote writer in bytes, keys and sub-keys per
+//! key; provider records are not used.
 //!
 //! ```
 //! use starling_dht::{DictionaryRecord, Entry, now_ms};
@@ -32,6 +35,7 @@
 
 mod error;
 pub mod owner;
+mod quota;
 mod record;
 mod store;
 mod time;
@@ -40,6 +44,7 @@ mod validate;
 pub use ed25519_dalek::VerifyingKey;
 pub use error::DhtError;
 pub use owner::{owner_marker, required_owner, OwnerKey};
+pub use quota::WriterUsage;
 pub use record::{decode_value, encode_value, DictionaryRecord, Entry, RECORD_FORMAT_VERSION};
 pub use store::{DhtStore, InsertOutcome, StoreStats};
 pub use time::{now_ms, DhtTime};

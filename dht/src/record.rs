@@ -31,12 +31,29 @@ impl Entry {
         }
     }
 
+    /// The entry's encoded size in bytes: exactly what it adds to [`DictionaryRecord::encode`]'s
+    /// output (postcard: length-prefixed sub-key and value, varint expiration, optional
+    /// length-prefixed signature). Stores charge writers this size.
+    pub fn encoded_len(&self) -> usize {
+        let bytes = |n: usize| varint_len(n as u64) + n;
+        bytes(self.subkey.len())
+            + bytes(self.value.len())
+            + varint_len(self.expiration)
+            + 1
+            + self.signature.as_ref().map_or(0, |s| bytes(s.len()))
+    }
+
     /// Total ordering used when two entries for one sub-key meet: the later expiration wins; on a
     /// tie the larger (value, signature) wins, so every replica picks the same one.
     fn beats(&self, other: &Entry) -> bool {
         (self.expiration, &self.value, &self.signature)
             > (other.expiration, &other.value, &other.signature)
     }
+}
+
+/// Bytes of `x` as a postcard varint (7 bits per byte).
+fn varint_len(x: u64) -> usize {
+    (64 - x.leading_zeros() as usize).div_ceil(7).max(1)
 }
 
 #[derive(Serialize, Deserialize)]
@@ -117,6 +134,18 @@ impl DictionaryRecord {
     /// The latest expiration of any entry.
     pub fn max_expiration(&self) -> Option<DhtTime> {
         self.entries.values().map(|e| e.expiration).max()
+    }
+
+    /// The length of [`Self::encode`]'s output, computed without encoding: a version byte, the
+    /// entry count as a varint, and every entry's [`Entry::encoded_len`].
+    pub fn encoded_len(&self) -> usize {
+        1 + varint_len(self.entries.len() as u64)
+            + self.entries.values().map(Entry::encoded_len).sum::<usize>()
+    }
+
+    /// Consumes the record, yielding its entries in sub-key order.
+    pub(crate) fn into_entries(self) -> impl Iterator<Item = Entry> {
+        self.entries.into_values()
     }
 
     /// Encodes the record for the wire (postcard, prefixed by [`RECORD_FORMAT_VERSION`]).
@@ -241,6 +270,40 @@ mod tests {
         ));
         // A huge claimed length must not allocate or panic.
         assert!(DictionaryRecord::decode(&[1, 0xff, 0xff, 0xff, 0xff, 0x0f]).is_err());
+    }
+
+    #[test]
+    fn encoded_len_matches_encoding() {
+        assert_eq!(DictionaryRecord::default().encoded_len(), 2);
+        let mut r = DictionaryRecord::default();
+        for (i, (sub_len, value_len, expiration)) in [
+            (0, 0, 0u64),
+            (1, 127, 127),
+            (127, 128, 128),
+            (128, 16_383, u64::MAX),
+            (300, 16_384, 1_700_000_000_000),
+            (5, 70_000, 1 << 35),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut e = Entry::new(
+                "s".repeat(sub_len) + &i.to_string(),
+                vec![7; value_len],
+                expiration,
+            );
+            assert_eq!(e.encoded_len(), postcard::to_stdvec(&e).unwrap().len());
+            if i % 2 == 1 {
+                e.signature = Some(vec![1; 64]);
+                assert_eq!(e.encoded_len(), postcard::to_stdvec(&e).unwrap().len());
+            }
+            r.insert(e);
+            assert_eq!(r.encoded_len(), r.encode().len());
+        }
+        for i in 0..200 {
+            r.insert(Entry::new(format!("k{i}"), vec![], 1));
+        }
+        assert_eq!(r.encoded_len(), r.encode().len());
     }
 
     #[test]

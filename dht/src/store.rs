@@ -1,19 +1,35 @@
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use libp2p::kad::store::{self, RecordStore};
 use libp2p::kad::{ProviderRecord, Record, RecordKey};
 use libp2p::PeerId;
 
+use crate::quota::{self, Ledger, Share, WriterUsage};
 use crate::{now_ms, DhtError, DhtLimits, DhtTime, DictionaryRecord, Validator};
 
 struct Stored {
     record: DictionaryRecord,
-    /// Encoded size of `record`, counted against `max_total_bytes`.
+    /// Encoded size of `record` ([`DictionaryRecord::encoded_len`]), counted against
+    /// `max_total_bytes`.
     bytes: usize,
-    /// Remote peers that contributed entries to this key.
-    writers: HashSet<PeerId>,
+    /// The remote peer whose PUT put each held entry there, by sub-key; local entries are absent.
+    writers: HashMap<String, PeerId>,
+    /// Each remote writer's share of this key, derived from `record` and `writers`.
+    shares: HashMap<PeerId, Share>,
+}
+
+impl Stored {
+    fn new(record: DictionaryRecord, mut writers: HashMap<String, PeerId>) -> Self {
+        writers.retain(|subkey, _| record.get(subkey).is_some());
+        Stored {
+            bytes: record.encoded_len(),
+            shares: quota::shares(&record, &writers),
+            record,
+            writers,
+        }
+    }
 }
 
 /// What [`DhtStore::insert`] did with a valid record.
@@ -40,6 +56,11 @@ pub struct StoreStats {
 
 /// A bounded Kademlia record store that validates and merges dictionary records.
 ///
+/// Bounds: never more than [`DhtLimits::max_total_bytes`] encoded bytes in all (local writes
+/// included); each remote writer is charged for the entries it sent that are still held and
+/// refused past its quota of bytes, keys and sub-keys per key (see [`DhtLimits`] for the limits
+/// and the total bound they give, and [`DhtStore::writer_usage`]).
+///
 /// ```
 /// use starling_dht::{DhtStore, DictionaryRecord, Entry, InsertOutcome, now_ms};
 /// let mut store = DhtStore::default();
@@ -55,7 +76,7 @@ pub struct DhtStore {
     validator: Validator,
     records: HashMap<Vec<u8>, Stored>,
     total_bytes: usize,
-    per_writer: HashMap<PeerId, usize>,
+    ledger: Ledger,
     rejected: u64,
 }
 
@@ -72,7 +93,7 @@ impl DhtStore {
             validator: Validator::new(limits),
             records: HashMap::new(),
             total_bytes: 0,
-            per_writer: HashMap::new(),
+            ledger: Ledger::default(),
             rejected: 0,
         }
     }
@@ -83,8 +104,10 @@ impl DhtStore {
     }
 
     /// Validates the raw record `value` under `key` and merges it into what is held. `writer` is
-    /// the remote peer that sent it (`None` for local writes), counted against
-    /// [`DhtLimits::max_keys_per_writer`]. On error nothing changes.
+    /// the remote peer that sent it (`None` for local writes); a remote writer is charged for the
+    /// entries of its record that are taken and refused with [`DhtError::OverQuota`] past the
+    /// per-writer limits of [`DhtLimits`]. Every refusal counts in [`StoreStats::rejected`]. On
+    /// error nothing changes.
     pub fn insert(
         &mut self,
         key: &[u8],
@@ -118,9 +141,21 @@ impl DhtStore {
             }
         }
         let existing = self.records.get(key);
-        let mut merged = existing.map(|s| s.record.clone()).unwrap_or_default();
+        let (mut merged, mut writers) = existing
+            .map(|s| (s.record.clone(), s.writers.clone()))
+            .unwrap_or_default();
         merged.remove_expired(now);
-        let taken = merged.merge(incoming);
+        let mut taken = 0;
+        for entry in incoming.into_entries() {
+            let subkey = entry.subkey.clone();
+            if merged.insert(entry) {
+                taken += 1;
+                match writer {
+                    Some(w) => writers.insert(subkey, w),
+                    None => writers.remove(&subkey),
+                };
+            }
+        }
         if taken == 0 && existing.is_some() {
             return Ok(InsertOutcome::Unchanged);
         }
@@ -131,41 +166,43 @@ impl DhtStore {
                 limit: limits.max_subkeys_per_key,
             });
         }
-        let bytes = merged.encode().len();
-        if bytes > limits.max_record_bytes {
+        let stored = Stored::new(merged, writers);
+        if stored.bytes > limits.max_record_bytes {
             return Err(DhtError::TooLarge {
                 what: "merged record",
-                actual: bytes,
+                actual: stored.bytes,
                 limit: limits.max_record_bytes,
             });
         }
         let old_bytes = existing.map_or(0, |s| s.bytes);
-        if self.total_bytes - old_bytes + bytes > limits.max_total_bytes {
+        if self.total_bytes - old_bytes + stored.bytes > limits.max_total_bytes {
             return Err(DhtError::StoreFull("too many bytes"));
         }
-        let new_writer = match (writer, existing) {
-            (Some(w), Some(s)) => !s.writers.contains(&w),
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        if let (true, Some(w)) = (new_writer, writer) {
-            if self.per_writer.get(&w).copied().unwrap_or(0) >= limits.max_keys_per_writer {
-                return Err(DhtError::StoreFull("writer has too many keys here"));
-            }
-            *self.per_writer.entry(w).or_default() += 1;
+        if let Some(w) = writer {
+            let old = existing.and_then(|s| s.shares.get(&w)).copied();
+            let new = stored.shares.get(&w).copied();
+            self.ledger
+                .check(w, old.unwrap_or_default(), new.unwrap_or_default(), &limits)?;
         }
-        let stored = self.records.entry(key.to_vec()).or_insert_with(|| Stored {
-            record: DictionaryRecord::default(),
-            bytes: 0,
-            writers: HashSet::new(),
-        });
-        if let (true, Some(w)) = (new_writer, writer) {
-            stored.writers.insert(w);
-        }
-        stored.record = merged;
-        stored.bytes = bytes;
-        self.total_bytes = self.total_bytes - old_bytes + bytes;
+        self.replace(key, Some(stored));
         Ok(InsertOutcome::Updated)
+    }
+
+    /// Puts `new` (or nothing) under `key`, moving the byte total and every writer's charge
+    /// from what was there to `new`. The one place accounting changes.
+    fn replace(&mut self, key: &[u8], new: Option<Stored>) {
+        let old = match new {
+            Some(stored) => self.records.insert(key.to_vec(), stored),
+            None => self.records.remove(key),
+        };
+        let none = HashMap::new();
+        let new = self.records.get(key);
+        self.total_bytes =
+            self.total_bytes - old.as_ref().map_or(0, |s| s.bytes) + new.map_or(0, |s| s.bytes);
+        self.ledger.apply(
+            old.as_ref().map_or(&none, |s| &s.shares),
+            new.map_or(&none, |s| &s.shares),
+        );
     }
 
     /// The live entries under `key`, if any.
@@ -176,41 +213,63 @@ impl DhtStore {
         (!record.is_empty()).then_some(record)
     }
 
-    /// Drops expired entries and keys left empty; returns how many keys were dropped.
+    /// Drops expired entries and keys left empty, releasing their writers' quota; returns how
+    /// many keys were dropped.
     pub fn remove_expired(&mut self, now: DhtTime) -> usize {
-        let keys: Vec<Vec<u8>> = self
+        let stale: Vec<Vec<u8>> = self
             .records
             .iter()
-            .filter(|(_, s)| s.record.max_expiration().is_none_or(|e| e <= now))
+            .filter(|(_, s)| s.record.entries().any(|e| e.expiration <= now))
             .map(|(k, _)| k.clone())
             .collect();
-        for k in &keys {
-            self.remove_key(k);
-        }
-        for stored in self.records.values_mut() {
-            let before = stored.record.len();
-            stored.record.remove_expired(now);
-            if stored.record.len() != before {
-                let bytes = stored.record.encode().len();
-                self.total_bytes = self.total_bytes - stored.bytes + bytes;
-                stored.bytes = bytes;
+        let mut dropped = 0;
+        for key in stale {
+            let Some(stored) = self.records.get(&key) else {
+                continue;
+            };
+            let mut record = stored.record.clone();
+            record.remove_expired(now);
+            if record.is_empty() {
+                self.replace(&key, None);
+                dropped += 1;
+            } else {
+                let writers = stored.writers.clone();
+                self.replace(&key, Some(Stored::new(record, writers)));
             }
         }
-        keys.len()
+        dropped
     }
 
-    fn remove_key(&mut self, key: &[u8]) {
-        if let Some(stored) = self.records.remove(key) {
-            self.total_bytes -= stored.bytes;
-            for w in stored.writers {
-                if let Some(n) = self.per_writer.get_mut(&w) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.per_writer.remove(&w);
-                    }
-                }
+    /// What the remote peer `writer` holds here, as charged against its quota.
+    pub fn writer_usage(&self, writer: &PeerId) -> WriterUsage {
+        self.ledger.usage(writer)
+    }
+
+    /// Recomputes every total from the records themselves and checks the running ones match.
+    #[cfg(test)]
+    pub(crate) fn check_accounting(&self) {
+        let mut total = 0;
+        let mut usage: HashMap<PeerId, WriterUsage> = HashMap::new();
+        for stored in self.records.values() {
+            assert_eq!(stored.bytes, stored.record.encode().len());
+            assert!(stored
+                .writers
+                .keys()
+                .all(|s| stored.record.get(s).is_some()));
+            total += stored.bytes;
+            for (w, share) in quota::shares(&stored.record, &stored.writers) {
+                assert_eq!(stored.shares.get(&w), Some(&share));
+                let u = usage.entry(w).or_default();
+                u.keys += 1;
+                u.bytes += share.bytes;
             }
+            assert_eq!(
+                stored.shares.len(),
+                quota::shares(&stored.record, &stored.writers).len()
+            );
         }
+        assert_eq!(self.total_bytes, total);
+        assert_eq!(self.ledger.all(), &usage);
     }
 
     /// Current counters.
@@ -249,13 +308,15 @@ impl RecordStore for DhtStore {
     fn put(&mut self, r: Record) -> store::Result<()> {
         match self.insert(r.key.as_ref(), &r.value, None, now_ms()) {
             Ok(_) => Ok(()),
-            Err(DhtError::StoreFull(_)) => Err(store::Error::MaxRecords),
+            Err(DhtError::StoreFull(_) | DhtError::OverQuota { .. }) => {
+                Err(store::Error::MaxRecords)
+            }
             Err(_) => Err(store::Error::ValueTooLarge),
         }
     }
 
     fn remove(&mut self, k: &RecordKey) {
-        self.remove_key(k.as_ref());
+        self.replace(k.as_ref(), None);
     }
 
     fn records(&self) -> Self::RecordsIter<'_> {
@@ -399,7 +460,7 @@ mod tests {
         s.remove(&RecordKey::new(b"k"));
         assert!(matches!(
             s.insert(b"k4", &rec(&[("a", b"1", NOW + 10)]), Some(peer), NOW),
-            Err(DhtError::StoreFull(_))
+            Err(DhtError::OverQuota { what: "keys", .. })
         ));
         let far = NOW + 48 * 3600 * 1000;
         assert!(matches!(

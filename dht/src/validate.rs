@@ -4,6 +4,18 @@ use crate::{owner::verify_entry, DhtError, DhtTime, DictionaryRecord};
 
 /// Bounds on what a peer accepts and holds. Every field is a hard limit checked before a record
 /// is stored; the defaults suit matchmaking and expert declarations.
+///
+/// The per-writer limits (`max_keys_per_writer`, `max_bytes_per_writer`,
+/// `max_subkeys_per_writer_per_key`) apply to remote writers, each charged for the entries it
+/// sent that are still held (see [`crate::DhtStore`]); the local node's own writes are bounded
+/// only by the store-wide limits.
+///
+/// **Total bound.** A store never holds more than `max_total_bytes` encoded bytes, local writes
+/// included: every insert that would pass it is refused. Within that, `W` remote writers hold at
+/// most `W * max_bytes_per_writer` bytes of entries (plus a record header of 1 + varint(count)
+/// bytes per key, at most `max_keys_per_writer` keys each), so filling a store with the defaults
+/// takes at least 32 distinct peers, and one writer never holds more than
+/// `max_subkeys_per_writer_per_key` of a key's `max_subkeys_per_key` sub-keys.
 #[derive(Debug, Clone)]
 pub struct DhtLimits {
     /// Longest key, in bytes.
@@ -21,8 +33,17 @@ pub struct DhtLimits {
     pub max_records: usize,
     /// Most bytes (encoded records) held by one store.
     pub max_total_bytes: usize,
-    /// Most keys one remote writer may have contributed to among those held.
+    /// Most keys under which one remote writer may hold entries.
     pub max_keys_per_writer: usize,
+    /// Most bytes one remote writer may hold across the store, in encoded bytes of its entries
+    /// ([`crate::Entry::encoded_len`], the bytes they add to their records). At least
+    /// `max_record_bytes`, so one writer can always fill one record.
+    pub max_bytes_per_writer: usize,
+    /// Most sub-keys one remote writer may hold under a single key, so no writer can squat a
+    /// key's `max_subkeys_per_key` slots. Owner-signed entries count too (owner keys are free
+    /// to mint). An expert server declares one sub-key per expert of a grid row under that
+    /// row's prefix key, so this also caps how many experts of one row a server can host.
+    pub max_subkeys_per_writer_per_key: usize,
     /// Longest accepted time-to-live: entries expiring later than `now + max_ttl + clock_skew`
     /// are refused.
     pub max_ttl: Duration,
@@ -41,6 +62,11 @@ impl Default for DhtLimits {
             max_records: 16 * 1024,
             max_total_bytes: 256 * 1024 * 1024,
             max_keys_per_writer: 4096,
+            // 1/32 of the store: 32 records of the largest size, thousands of declarations.
+            max_bytes_per_writer: 8 * 1024 * 1024,
+            // 1/8 of a key: honest writers put one sub-key per key (matchmaking, progress) or
+            // one per hosted expert of a grid row.
+            max_subkeys_per_writer_per_key: 128,
             max_ttl: Duration::from_secs(24 * 3600),
             clock_skew: Duration::from_secs(30),
         }
