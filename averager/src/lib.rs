@@ -43,7 +43,9 @@
 //!
 //! - **searching**: declared; reads the key and asks the earliest-declared peer ahead of it
 //!   (never a client, never one that refused for good) to take it. Requests only go to peers
-//!   declared *earlier*, so they never form a cycle and the earliest peer ends up leading.
+//!   declared *earlier*, so they never form a cycle and the earliest peer ends up leading. A
+//!   client never leads, so it asks the earliest leader whatever its own rank, and leaders
+//!   take clients whatever theirs.
 //! - **requesting / following**: a join request is in flight, or was accepted and the peer waits
 //!   for the leader's `Begin` (until the leader's window end plus `request_timeout`). A
 //!   refusal, a `Disband`, a timeout or a dead leader send it back to searching; after a refusal

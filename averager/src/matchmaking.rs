@@ -173,7 +173,10 @@ async fn run_window(
                     Some(RejectReason::Invalid)
                 } else if me.mode == AveragingMode::Client {
                     Some(RejectReason::NotLeading)
-                } else if rank(join.window_end, &join.info.peer_id) <= my_rank {
+                } else if join.info.mode != AveragingMode::Client
+                    && rank(join.window_end, &join.info.peer_id) <= my_rank
+                {
+                    // (A client never leads, so it may join whatever its rank.)
                     Some(RejectReason::Stale)
                 } else if attempt.is_some() && following.load(Ordering::Acquire) {
                     Some(RejectReason::NotLeading)
@@ -239,7 +242,9 @@ async fn run_window(
                     .into_iter()
                     .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
                     .filter(|d| Member::parse(&d.info).is_ok())
-                    .filter(|d| rank(d.window_end, &d.info.peer_id) < my_rank)
+                    // Only earlier peers, so requests never form a cycle; a client never leads,
+                    // so it asks the earliest leader whatever its own rank.
+                    .filter(|d| me.mode == AveragingMode::Client || rank(d.window_end, &d.info.peer_id) < my_rank)
                     .filter(|d| !refused.contains(&d.info.peer_id))
                     .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
                     .min_by(|a, b| rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id)));

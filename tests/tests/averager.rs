@@ -45,7 +45,8 @@ async fn run_round(
         .step_all(tensors, weights, deadline)
         .await
         .into_iter()
-        .map(|r| r.expect("round succeeds"))
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|e| panic!("peer {i}'s round failed: {e}")))
         .collect()
 }
 
