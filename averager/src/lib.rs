@@ -80,9 +80,11 @@
 //! every present sender has delivered a part, and every expected sender has shown up (or the
 //! no-show time passed), it computes that part's weighted mean and streams back to each
 //! contributor its *delta* `mean - received`, while the following parts are still arriving, so
-//! the return traffic overlaps the send traffic on the same full-duplex stream. Deltas rather
-//! than values keep quantization error from compounding: a sender adds the delta to what the
-//! reducer decoded of its values, which lands exactly on the mean.
+//! the return traffic overlaps the send traffic on the same full-duplex stream. With a lossy
+//! codec, deltas rather than values keep quantization error from compounding: a sender adds the
+//! delta to what the reducer decoded of its values, which lands exactly on the mean. With the
+//! exact codec `none` the reducer returns the mean itself, so every member of a completed round
+//! holds **bit-identical** values (what a shared optimizer step needs).
 //!
 //! A sender that stalls past `sender_timeout` or breaks the protocol is left out of the parts
 //! not finished yet. Every part's `Result` names exactly the members whose data is in its mean,

@@ -122,7 +122,8 @@ pub enum ReduceMsg {
     SendDone,
     /// Reducer to sender: the part `start..start + len` of the span (offsets within the span)
     /// was averaged over these members; the sender's delta chunks for it follow (offsets within
-    /// the part). Parts come in order and cover the span before `ResultDone`.
+    /// the part; with the exact codec `none`, the part's mean itself, so every member ends with
+    /// the same bits). Parts come in order and cover the span before `ResultDone`.
     Result {
         /// First element of the part, counted from the start of the span.
         start: u64,

@@ -63,7 +63,8 @@ enum Inbound {
 
 /// What a sender's writer task sends back.
 enum Outbound {
-    /// A finished part: its offset in the range, contributors and this sender's delta.
+    /// A finished part: its offset in the range, contributors and this sender's delta (with
+    /// the exact codec `none`, the part's mean itself).
     Part {
         start: usize,
         contributors: Arc<Vec<MemberIdx>>,
@@ -167,6 +168,7 @@ impl Reduction {
     async fn finish_ready_parts(&mut self) -> bool {
         let round = self.round.clone();
         let cfg = round.config();
+        let exact = cfg.codec == starling_compression::Codec::None;
         while self.job.expected.is_empty() {
             let Some(part) = self.parts.ready(self.senders.values().map(|s| s.prefix)) else {
                 break;
@@ -194,11 +196,17 @@ impl Reduction {
                     continue;
                 }
                 let mut delta = round.env.pool.take_dirty(part.len());
-                delta_into(
-                    &mut delta,
-                    &self.values[part.clone()],
-                    &lock(&s.staging)[part.clone()],
-                );
+                if exact {
+                    // An exact codec carries the mean itself: every member then holds the
+                    // same bits (a delta added to each sender's own values would not).
+                    delta.copy_from_slice(&self.values[part.clone()]);
+                } else {
+                    delta_into(
+                        &mut delta,
+                        &self.values[part.clone()],
+                        &lock(&s.staging)[part.clone()],
+                    );
+                }
                 let msg = Outbound::Part {
                     start: part.start,
                     contributors: contributors.clone(),

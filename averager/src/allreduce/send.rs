@@ -145,14 +145,15 @@ pub(super) async fn send_span(
         let _ = futures::AsyncWriteExt::close(&mut wr).await;
         drop(rd);
         tracing::debug!(reducer = j.0, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
-        // Turn the delta into the new values: (what the reducer saw of us) + delta.
+        // With a lossy codec, turn the delta into the new values: (what the reducer saw of us)
+        // + delta. The exact codec `none` (no `as_sent` copy) carries the mean itself, so every
+        // member holds the same bits.
         let mut result = delta;
-        match as_sent {
-            Some(base) => result
+        if let Some(base) = as_sent {
+            result
                 .iter_mut()
                 .zip(base.iter())
-                .for_each(|(d, b)| *d += b),
-            None => result.iter_mut().zip(part).for_each(|(d, b)| *d += b),
+                .for_each(|(d, b)| *d += b);
         }
         let segments = segments
             .into_iter()
