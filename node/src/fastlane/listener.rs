@@ -20,7 +20,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use tracing::Instrument;
 
 use super::gate::{Gate, Ticket};
-use super::handshake::{HELLO, MAX_HANDSHAKE_MSG, MAX_LANE_ADDRS, READY};
+use super::handshake::{Keys, HELLO, MAX_HANDSHAKE_MSG, MAX_LANE_ADDRS, READY};
 use super::record::{open_greeting, seal_greeting, GREETING};
 use super::{FastLane, FASTLANE_PROTOCOL};
 use crate::framing::{read_msg, write_msg};
@@ -154,12 +154,12 @@ pub(super) async fn serve_connections(lane: Weak<FastLane>, listener: TcpListene
         };
         let Some(lane) = lane.upgrade() else { return };
         let Some(ticket) = lane.ticket_for(from.ip()) else {
-            tracing::trace!(%from, "fast lane connection dropped: too many unauthenticated");
+            tracing::trace!(%from, "fast lane connection reset: too many unauthenticated");
+            let _ = tcp.set_zero_linger(); // no TIME_WAIT left behind
             continue;
         };
         let handshake = async move {
-            let _ticket = ticket;
-            if let Err(e) = lane.admit(tcp).await {
+            if let Err(e) = lane.admit(tcp, Some(ticket)).await {
                 tracing::debug!(%from, "fast lane refused: {e}");
             }
         }
@@ -185,17 +185,44 @@ impl FastLane {
     }
 
     /// Authenticates one inbound TCP connection within [`HANDSHAKE_DEADLINE`] and routes it to
-    /// its protocol's handler.
-    pub(super) async fn admit(&self, tcp: TcpStream) -> io::Result<()> {
+    /// its protocol's handler; `ticket`, its place among unauthenticated connections, is given
+    /// back as soon as it has proven its offer. A connection refused is reset, not closed, so
+    /// that a flood leaves no `TIME_WAIT` sockets behind on the lane port.
+    pub(super) async fn admit(
+        &self,
+        mut tcp: TcpStream,
+        ticket: Option<Ticket<IpAddr>>,
+    ) -> io::Result<()> {
         let deadline = Instant::now() + HANDSHAKE_DEADLINE;
-        timeout_at(deadline, self.prove(tcp))
+        let proven = timeout_at(deadline, self.prove(&mut tcp, ticket))
             .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no token and hello in time"))?
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no token and hello in time",
+                ))
+            });
+        match proven {
+            Ok((peer, keys, place)) => {
+                let lane = self.lane(tcp, &keys, false)?;
+                place.send((peer, lane));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = tcp.set_zero_linger();
+                Err(e)
+            }
+        }
     }
 
     /// The token, then the hello sealed with the offer's key, exactly [`GREETING`] bytes; then
-    /// a place in the handler's queue, and only then READY.
-    async fn prove(&self, mut tcp: TcpStream) -> io::Result<()> {
+    /// a place in the handler's queue, and only then READY. Returns the peer, the lane's keys
+    /// and the place.
+    async fn prove(
+        &self,
+        tcp: &mut TcpStream,
+        ticket: Option<Ticket<IpAddr>>,
+    ) -> io::Result<(PeerId, Keys, Place)> {
         tcp.set_nodelay(true)?;
         let mut token = [0u8; 16];
         tcp.read_exact(&mut token).await?;
@@ -218,6 +245,9 @@ impl FastLane {
                 "token used",
             ));
         }
+        // Its offer is gone, so its IP expects one lane less: its place must go too, or the
+        // next dialer from that IP would find the room kept for it taken.
+        drop(ticket);
         let route = lock(&self.routes).get(&protocol).cloned();
         let Some(route) = route else {
             return Err(io::Error::other("handler gone"));
@@ -227,11 +257,12 @@ impl FastLane {
             .try_reserve_owned()
             .map_err(|_| io::Error::other("handler queue full"))?;
         tcp.write_all(&seal_greeting(&keys[32..], READY)?).await?;
-        let lane = self.lane(tcp, &keys, false)?;
-        place.send((peer, lane));
-        Ok(())
+        Ok((peer, keys, place))
     }
 }
+
+/// A reserved place in a handler's queue of inbound lanes.
+type Place = tokio::sync::mpsc::OwnedPermit<(PeerId, super::FastStream)>;
 
 #[cfg(test)]
 mod tests {

@@ -135,7 +135,7 @@ async fn a_connection_gets_one_short_deadline_for_its_token_and_hello() {
         let (mut dialer, accepted) = socket_pair().await;
         dialer.write_all(&sent).await.unwrap();
         let start = Instant::now();
-        let e = lane.admit(accepted).await.unwrap_err();
+        let e = lane.admit(accepted, None).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
         assert!(start.elapsed() >= HANDSHAKE_DEADLINE);
     }
@@ -154,7 +154,7 @@ async fn a_hello_of_the_wrong_size_or_key_is_refused_without_waiting_for_more() 
         let (mut dialer, accepted) = socket_pair().await;
         dialer.write_all(&token).await.unwrap();
         dialer.write_all(&hello).await.unwrap();
-        let e = lane.admit(accepted).await.unwrap_err();
+        let e = lane.admit(accepted, None).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
     }
     // A failed proof does not burn the offer: its real dialer still gets the lane.
@@ -184,7 +184,13 @@ async fn no_ready_without_a_place_in_the_handlers_queue() {
     // The queue's one place is taken: the second dialer is told so (no READY), rather than
     // handed a lane that the listener then drops.
     let e = dialer.connect(addr, &t2, &k2).await.unwrap_err();
-    assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+    assert!(
+        matches!(
+            e.kind(),
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+        ),
+        "{e}"
+    );
     assert!(incoming.recv().await.is_some());
     assert!(incoming.try_recv().is_err(), "exactly one lane was routed");
 }
