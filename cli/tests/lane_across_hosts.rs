@@ -54,7 +54,6 @@ fn averaging_between_hosts_with_default_addresses_uses_the_fast_lane_only() {
         assert!(w.0.wait().unwrap().success(), "worker {i} failed");
         assert_eq!(lines.len(), ROUNDS + 1, "worker {i} printed {lines:?}");
         for l in &lines {
-            eprintln!("DEBUG worker {i}: {l}");
             assert_eq!(field(l, "group") as usize, PEERS, "worker {i}: {l}");
             let transfers = field(l, "transfers");
             assert!(transfers >= 1.0, "worker {i} sent no span: {l}");
