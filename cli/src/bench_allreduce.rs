@@ -296,6 +296,9 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
                 &boot_addr.to_string(),
                 "--index",
                 &i.to_string(),
+                // One machine: loopback only, as before.
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
             ])
             .args([
                 "--peers",
@@ -345,21 +348,19 @@ pub struct WorkerArgs {
     /// This worker's index (selects its data).
     #[arg(long)]
     index: usize,
-    /// Address to listen on.
-    #[arg(long, default_value = "/ip4/127.0.0.1/tcp/0")]
-    listen: Multiaddr,
+    /// Address to listen on. Default: the node's (TCP and QUIC on all interfaces), as a
+    /// `starling node` on another machine would.
+    #[arg(long)]
+    listen: Option<Multiaddr>,
 }
 
 /// One peer of `bench allreduce --procs`: prints one JSON line per round.
 pub async fn worker(args: WorkerArgs) -> Result<()> {
     let cfg = averager_config(&args.common)?;
     let started = Instant::now();
-    let node = Node::start(
-        NodeConfig::default()
-            .listen_on(args.listen.clone())
-            .bootstrap_from(args.bootstrap.clone()),
-    )
-    .await?;
+    let mut node_cfg = NodeConfig::default().bootstrap_from(args.bootstrap.clone());
+    node_cfg.listen.extend(args.listen.clone());
+    let node = Node::start(node_cfg).await?;
     let averager = Averager::new(node.clone(), cfg).await?;
     let mean = exact_mean(args.common.peers, args.common.size);
     tracing::info!(

@@ -67,8 +67,9 @@ pub struct JoinArgs {
     /// Timeout for each dial and DHT query, in seconds.
     #[arg(long, default_value_t = 10.0)]
     timeout: f64,
-    /// TCP port of the fast lane (direct encrypted connections for bulk averaging data; peers
-    /// that cannot reach it fall back to libp2p streams). 0: chosen by the OS.
+    /// TCP port of the fast lane (direct encrypted connections for bulk averaging data), on the
+    /// same IPs as libp2p's listen addresses; open it in firewalls as well (peers that cannot
+    /// reach it fall back to libp2p streams, at about half the speed). 0: chosen by the OS.
     #[arg(long, value_name = "PORT", default_value_t = 0)]
     fast_lane_port: u16,
     /// Run without the fast lane: every transfer uses libp2p streams.
@@ -108,10 +109,11 @@ fn init_swarm(out: &std::path::Path) -> Result<()> {
     );
     println!("Copy this file to every machine of the swarm over a trusted channel, then:");
     println!(
-        "  first machine:  starling node --swarm {} --listen /ip4/0.0.0.0/tcp/4001",
+        "  first machine:  starling node --swarm {} --listen /ip4/0.0.0.0/tcp/4001 --fast-lane-port 4002",
         out.display()
     );
     println!("  other machines: starling node --swarm {} --bootstrap /ip4/<first machine's IP>/tcp/4001/p2p/<its peer id>", out.display());
+    println!("Open both TCP ports (libp2p's and the fast lane's, printed at start) in firewalls.");
     println!("Peers without this key cannot connect.");
     Ok(())
 }

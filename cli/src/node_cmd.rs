@@ -1,3 +1,4 @@
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -36,7 +37,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
         Some(fp) => println!("private swarm (key fingerprint {fp}): TCP only"),
         None => println!("public swarm"),
     }
-    let addrs = node.listen_addrs().await?;
+    let addrs = reachable_first(node.listen_addrs().await?);
     if addrs.is_empty() {
         println!("client mode: not listening");
     }
@@ -44,7 +45,10 @@ pub async fn run(args: NodeArgs) -> Result<()> {
         println!("listening on {a}");
     }
     if let Some(port) = node.fast_lane_port() {
-        println!("fast lane on TCP port {port} (open it in firewalls for full averaging speed)");
+        println!(
+            "fast lane on TCP port {port} ({}; open it in firewalls for full averaging speed)",
+            lane_where(&node.fast_lane_addrs())
+        );
     }
     let mut tick = tokio::time::interval(Duration::from_secs(args.status_interval.max(1)));
     tick.tick().await;
@@ -70,6 +74,32 @@ pub async fn run(args: NodeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Listen addresses with loopback ones last: the first printed is one that other machines can
+/// dial (what users copy, and what scripts take), where there is one.
+fn reachable_first(mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
+    // `/ip4/<ip>/...` or `/ip6/<ip>/...`
+    let loopback = |a: &Multiaddr| {
+        let text = a.to_string();
+        let mut parts = text.split('/').skip(1);
+        matches!(parts.next(), Some("ip4" | "ip6"))
+            && parts
+                .next()
+                .and_then(|ip| ip.parse::<IpAddr>().ok())
+                .is_some_and(|ip| ip.is_loopback())
+    };
+    addrs.sort_by_key(loopback); // stable: TCP before QUIC stays
+    addrs
+}
+
+/// Where the fast lane listens, in words.
+fn lane_where(addrs: &[SocketAddr]) -> String {
+    if addrs.iter().any(|a| a.ip().is_unspecified()) {
+        return "all interfaces".into();
+    }
+    let ips: Vec<String> = addrs.iter().map(|a| a.ip().to_string()).collect();
+    ips.join(", ")
+}
+
 #[cfg(unix)]
 pub async fn terminate() {
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -83,4 +113,37 @@ pub async fn terminate() {
 #[cfg(not(unix))]
 pub async fn terminate() {
     futures::future::pending::<()>().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dialable_addresses_are_printed_before_loopback_ones() {
+        let a = |s: &str| s.parse::<Multiaddr>().unwrap();
+        let sorted = reachable_first(vec![
+            a("/ip4/127.0.0.1/tcp/1"),
+            a("/ip4/10.0.0.2/tcp/1"),
+            a("/ip6/::1/tcp/1"),
+            a("/ip4/127.0.0.1/udp/2/quic-v1"),
+            a("/ip4/10.0.0.2/udp/2/quic-v1"),
+        ]);
+        assert_eq!(
+            sorted,
+            vec![
+                a("/ip4/10.0.0.2/tcp/1"),
+                a("/ip4/10.0.0.2/udp/2/quic-v1"),
+                a("/ip4/127.0.0.1/tcp/1"),
+                a("/ip6/::1/tcp/1"),
+                a("/ip4/127.0.0.1/udp/2/quic-v1"),
+            ]
+        );
+        let s = |v: &str| v.parse::<SocketAddr>().unwrap();
+        assert_eq!(lane_where(&[s("0.0.0.0:5")]), "all interfaces");
+        assert_eq!(
+            lane_where(&[s("10.0.0.2:5"), s("[::1]:5")]),
+            "10.0.0.2, ::1"
+        );
+    }
 }

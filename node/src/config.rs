@@ -60,8 +60,8 @@ pub struct NodeConfig {
     /// Run the fast lane (see [`crate::fastlane`]): a TCP listener for direct encrypted bulk
     /// connections, and dialing other peers' lanes. Client-mode nodes only dial.
     pub fast_lane: bool,
-    /// The fast lane's TCP port (0: chosen by the OS). It listens on the IP address of the first
-    /// TCP listen address.
+    /// The fast lane's TCP port (0: chosen by the OS). It listens on every IP of the TCP listen
+    /// addresses (all interfaces for `0.0.0.0`, the default), on this one port where it can.
     pub fast_lane_port: u16,
 }
 

@@ -6,6 +6,11 @@
 //! Each direction has its own key and a counter nonce that starts at 0, so a replayed,
 //! reordered or dropped record fails authentication, and an end without the close record
 //! reads as truncation.
+//!
+//! Record 0 of each direction is the lane's greeting ([`seal_greeting`], [`open_greeting`]):
+//! exactly [`GREETING`] bytes, read into a buffer of that size, so a listener allocates a
+//! stream's buffers only once the dialer has proven its keys. A [`FastStream`] starts at
+//! record 1.
 
 use std::io;
 use std::ops::Range;
@@ -31,6 +36,9 @@ const TAG: usize = 16;
 /// Set in a record's length word for the (empty) record that ends a stream.
 const CLOSE_BIT: u32 = 1 << 31;
 
+/// Bytes of a greeting record: a length word, 16 bytes of ciphertext, the tag.
+pub(super) const GREETING: usize = HEAD + 16 + TAG;
+
 /// Held by both halves of a lane: a second handle on its socket, through which
 /// [`FastLane::stop`](super::FastLane::stop) shuts the connection down (what a killed node's
 /// connections do).
@@ -53,6 +61,31 @@ fn key(bytes: &[u8]) -> io::Result<LessSafeKey> {
 /// An `InvalidData` error: the peer sent something no honest peer sends.
 fn bad(what: &'static str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// A direction's greeting (its record 0) carrying `msg`, sealed with `key` (32 bytes).
+pub(super) fn seal_greeting(key_bytes: &[u8], msg: &[u8; 16]) -> io::Result<[u8; GREETING]> {
+    let mut buf = Vec::with_capacity(GREETING);
+    buf.extend_from_slice(&[0u8; HEAD]);
+    buf.extend_from_slice(msg);
+    seal_record(&key(key_bytes)?, 0, &mut buf, false)?;
+    buf.try_into()
+        .map_err(|_| io::Error::other("greeting of the wrong size"))
+}
+
+/// Opens a direction's greeting: it must announce exactly 16 bytes and pass authentication
+/// with `key` as record 0.
+pub(super) fn open_greeting(key_bytes: &[u8], record: &[u8; GREETING]) -> io::Result<[u8; 16]> {
+    let mut rec = *record;
+    let (head, body) = rec.split_at_mut(HEAD);
+    let head: [u8; HEAD] = head.try_into().map_err(|_| bad("short greeting"))?;
+    if u32::from_le_bytes(head) != 16 {
+        return Err(bad("fast lane greeting of the wrong size"));
+    }
+    let plain = key(key_bytes)?
+        .open_in_place(nonce(0), Aad::from(head), body)
+        .map_err(|_| bad("fast lane greeting failed authentication"))?;
+    plain.try_into().map_err(|_| bad("short greeting"))
 }
 
 /// An authenticated, encrypted, full-duplex byte stream to one peer (see [`crate::fastlane`]).
@@ -88,12 +121,14 @@ impl std::fmt::Debug for FastStream {
 }
 
 impl FastStream {
-    /// A lane over a connected socket; `keys` as offered, `dialer` picks which key each
-    /// direction uses; `guard` lets the node cut the lane when it stops.
+    /// A lane over a connected socket; `keys` as derived, `dialer` picks which key each
+    /// direction uses; both directions continue at record `first` (1 after the greetings);
+    /// `guard` lets the node cut the lane when it stops.
     pub(super) fn new(
         tcp: TcpStream,
         keys: &Keys,
         dialer: bool,
+        first: u64,
         guard: Option<Arc<LaneGuard>>,
     ) -> io::Result<Self> {
         let (out, inn) = if dialer {
@@ -106,7 +141,7 @@ impl FastStream {
             rd: FastReader {
                 io: r,
                 key: key(inn)?,
-                counter: 0,
+                counter: first,
                 buf: vec![0u8; 2 * (HEAD + MAX_RECORD + TAG)],
                 raw: 0..0,
                 plain: 0..0,
@@ -116,7 +151,7 @@ impl FastStream {
             wr: FastWriter {
                 io: w,
                 key: key(out)?,
-                counter: 0,
+                counter: first,
                 buf: vec![0u8; HEAD],
                 sealed: false,
                 written: 0,
@@ -368,8 +403,8 @@ mod tests {
         let keys: Keys = std::array::from_fn(|i| (i * 7 + 3) as u8);
         let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
         (
-            FastStream::new(a.unwrap(), &keys, true, None).unwrap(),
-            FastStream::new(b.unwrap().0, &keys, false, None).unwrap(),
+            FastStream::new(a.unwrap(), &keys, true, 0, None).unwrap(),
+            FastStream::new(b.unwrap().0, &keys, false, 0, None).unwrap(),
         )
     }
 
@@ -419,7 +454,7 @@ mod tests {
         let keys: Keys = [9u8; 64];
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
         let k = key(&keys[..32]).unwrap();
         let record = |counter: u64, data: &[u8]| {
             let mut buf = vec![0u8; HEAD];
@@ -439,7 +474,7 @@ mod tests {
         // A length word over the limit is refused before anything is read into it.
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
         let huge = (MAX_RECORD as u32 + 1).to_le_bytes();
         tokio::io::AsyncWriteExt::write_all(&mut raw, &huge)
             .await
@@ -450,7 +485,7 @@ mod tests {
         // A replayed record (same nonce twice) fails the second time.
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
         let rec = record(0, b"abcd");
         tokio::io::AsyncWriteExt::write_all(&mut raw, &rec)
             .await
@@ -462,5 +497,27 @@ mod tests {
         assert_eq!(&one, b"abcd");
         let e = b.read_exact(&mut one).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn greetings_are_exactly_sized_records_zero() {
+        let keys: Keys = std::array::from_fn(|i| i as u8);
+        let g = seal_greeting(&keys[..32], b"0123456789abcdef").unwrap();
+        assert_eq!(
+            open_greeting(&keys[..32], &g).unwrap(),
+            *b"0123456789abcdef"
+        );
+        // The other direction's key does not open it.
+        assert!(open_greeting(&keys[32..], &g).is_err());
+        // A length word announcing anything but 16 bytes is refused, before any decryption.
+        for word in [0u32, 15, 17, MAX_RECORD as u32, 16 | CLOSE_BIT] {
+            let mut bad = g;
+            bad[..HEAD].copy_from_slice(&word.to_le_bytes());
+            let e = open_greeting(&keys[..32], &bad).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        }
+        let mut flipped = g;
+        flipped[GREETING - 1] ^= 1;
+        assert!(open_greeting(&keys[..32], &flipped).is_err());
     }
 }

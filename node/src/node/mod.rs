@@ -9,7 +9,6 @@ mod actor;
 mod queries;
 mod transport;
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +21,7 @@ use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, Owner
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
-use crate::fastlane::{FastLane, FastStream, IncomingFast};
+use crate::fastlane::{lane_ips, FastLane, FastStream, IncomingFast, PeerIpLookup};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 use actor::{Actor, Command};
 
@@ -137,9 +136,9 @@ impl Node {
         let stream = swarm.behaviour().stream.new_control();
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
         let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
-        let fast = start_fast_lane(&cfg, &listen_addrs, stream.clone()).await?;
-        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
+        let fast = start_fast_lane(&cfg, &listen, stream.clone(), peer_ip_lookup(&tx)).await?;
+        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
         tokio::spawn(actor.run(rx).instrument(span.clone()));
         let node = Node {
             tx,
@@ -453,9 +452,19 @@ impl Node {
         self.tx.is_closed()
     }
 
-    /// The fast lane's TCP port, if this node listens for lanes.
+    /// The fast lane's TCP port, if this node listens for lanes (the port of the first of
+    /// [`Self::fast_lane_addrs`]).
     pub fn fast_lane_port(&self) -> Option<u16> {
         self.fast.as_ref().and_then(|f| f.port())
+    }
+
+    /// Where the fast lane listens: one address per TCP listen IP, where an unspecified IP
+    /// (`0.0.0.0`, `::`) means every interface. Empty in client mode or with the lane disabled.
+    pub fn fast_lane_addrs(&self) -> Vec<std::net::SocketAddr> {
+        self.fast
+            .as_ref()
+            .map(|f| f.addrs().to_vec())
+            .unwrap_or_default()
     }
 
     /// Takes inbound fast lanes for `protocol`: each item is an authenticated peer and its
@@ -533,12 +542,14 @@ fn identity(cfg: &NodeConfig) -> Result<Keypair, NodeError> {
     })
 }
 
-/// The fast lane as configured: none when disabled, dial-only in client mode, else a listener
-/// on the IP of the first TCP listen address (all interfaces when there is none).
+/// The fast lane as configured: none when disabled, dial-only in client mode, else listening
+/// on every IP of the configured TCP listen addresses `listen` (all interfaces for `0.0.0.0`,
+/// and when there is none).
 async fn start_fast_lane(
     cfg: &NodeConfig,
-    listen_addrs: &[Multiaddr],
+    listen: &[Multiaddr],
     stream: libp2p_stream::Control,
+    peer_ip: PeerIpLookup,
 ) -> Result<Option<Arc<FastLane>>, NodeError> {
     if !cfg.fast_lane {
         return Ok(None);
@@ -546,12 +557,31 @@ async fn start_fast_lane(
     if cfg.client_mode {
         return Ok(Some(FastLane::dial_only(cfg.request_timeout)));
     }
-    let ip = listen_addrs
-        .iter()
-        .find_map(transport::tcp_ip)
-        .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-    let lane = FastLane::listen(ip, cfg.fast_lane_port, cfg.request_timeout, stream).await?;
+    let ips = lane_ips(listen.iter().filter_map(transport::tcp_ip));
+    let lane = FastLane::listen(
+        &ips,
+        cfg.fast_lane_port,
+        cfg.request_timeout,
+        stream,
+        peer_ip,
+    )
+    .await?;
     Ok(Some(lane))
+}
+
+/// How the fast lane asks the swarm task where a peer connects from. Holds the command channel
+/// weakly: the lane never keeps a stopped node's channel open.
+fn peer_ip_lookup(tx: &mpsc::Sender<Command>) -> PeerIpLookup {
+    let tx = tx.downgrade();
+    Arc::new(move |peer| {
+        let tx = tx.clone();
+        Box::pin(async move {
+            let tx = tx.upgrade()?;
+            let (reply, answer) = oneshot::channel();
+            tx.send(Command::PeerIp(peer, reply)).await.ok()?;
+            answer.await.ok().flatten()
+        })
+    })
 }
 
 #[cfg(test)]
