@@ -1,0 +1,350 @@
+//! Progress tracking: every peer publishes how far it is in the current epoch (samples
+//! accumulated towards the global batch, its rate) under the run's progress key, in a sub-key
+//! signed by its own identity, so nobody can speak for another peer. Every peer reads the key
+//! and estimates when the swarm as a whole will reach `target_batch_size`, and whether its own
+//! epoch is behind the swarm's.
+//!
+//! Estimation ([`SwarmProgress::estimate`], pure and unit-tested): the swarm's epoch is the
+//! highest epoch any live peer reports; the samples accumulated in it are those reports' sums,
+//! each extrapolated from its report time at the peer's rate (a report is up to
+//! `publish_interval` old); the time left is what remains of the target at the summed rate. A
+//! peer's report expires after `report_lifetime`, so peers that left stop counting.
+//!
+//! ```no_run
+//! # async fn demo(node: starling_node::Node) -> Result<(), starling_training::progress::ProgressError> {
+//! use starling_training::progress::{LocalProgress, ProgressConfig, ProgressTracker};
+//! let tracker = ProgressTracker::new(node, ProgressConfig::new("my-run", 4096));
+//! tracker.report(LocalProgress { epoch: 0, samples: 256, samples_per_second: 900.0 }).await?;
+//! let swarm = tracker.fetch().await?;
+//! if swarm.ready {
+//!     // the swarm has its global batch: average and step
+//! }
+//! println!("epoch {}: {}/{} samples, ~{:?} to go", swarm.epoch, swarm.samples, 4096, swarm.eta);
+//! # Ok(()) }
+//! ```
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use starling_dht::now_ms;
+use starling_node::{Node, NodeError, PeerId};
+use tokio::time::{timeout, Instant};
+
+/// Why publishing or reading progress failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgressError {
+    /// The node failed (`Node(Closed)` when it stopped).
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// The DHT did not answer in time.
+    #[error("the progress key did not answer within {0:?}")]
+    Timeout(Duration),
+    /// A local report is impossible (a NaN or negative rate).
+    #[error("invalid progress report: {0}")]
+    Invalid(String),
+}
+
+/// Everything tunable about progress tracking.
+///
+/// ```
+/// use std::time::Duration;
+/// use starling_training::progress::ProgressConfig;
+/// let mut cfg = ProgressConfig::new("my-run", 4096);
+/// cfg.publish_interval = Duration::from_secs(2);
+/// assert_eq!(cfg.key(), "my-run.progress");
+/// ```
+#[derive(Debug, Clone)]
+pub struct ProgressConfig {
+    /// The training run's name (the progress key is `{run}.progress`).
+    pub run: String,
+    /// Samples the swarm accumulates per global step.
+    pub target_batch_size: u64,
+    /// A peer publishes at most this often, except when its epoch changes (bounds DHT traffic:
+    /// one small signed write per peer per interval).
+    pub publish_interval: Duration,
+    /// A report counts for this long after it was written (then the peer is taken as gone).
+    pub report_lifetime: Duration,
+    /// Bound on one DHT read or write.
+    pub request_timeout: Duration,
+}
+
+impl ProgressConfig {
+    /// Defaults: publish at most once a second, reports live 30 s, 5 s per DHT request.
+    pub fn new(run: impl Into<String>, target_batch_size: u64) -> Self {
+        ProgressConfig {
+            run: run.into(),
+            target_batch_size,
+            publish_interval: Duration::from_secs(1),
+            report_lifetime: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The DHT key progress is published under.
+    pub fn key(&self) -> String {
+        format!("{}.progress", self.run)
+    }
+}
+
+/// This peer's progress, as the training loop knows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LocalProgress {
+    /// The epoch (number of global steps taken) this peer is in.
+    pub epoch: u64,
+    /// Samples this peer has accumulated towards the current epoch's batch.
+    pub samples: u64,
+    /// This peer's recent throughput, samples per second.
+    pub samples_per_second: f64,
+}
+
+/// One peer's published report (the DHT value under its signed sub-key).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerProgress {
+    /// Its epoch.
+    pub epoch: u64,
+    /// Samples accumulated in that epoch when it reported.
+    pub samples: u64,
+    /// Its throughput, samples per second.
+    pub samples_per_second: f64,
+    /// When it reported (unix ms, its clock).
+    pub time_ms: u64,
+}
+
+/// What the swarm's reports add up to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SwarmProgress {
+    /// The highest epoch a live peer reports.
+    pub epoch: u64,
+    /// Samples accumulated in that epoch by all peers in it (extrapolated to now).
+    pub samples: u64,
+    /// Their summed throughput, samples per second.
+    pub samples_per_second: f64,
+    /// Peers reporting that epoch.
+    pub peers_in_epoch: usize,
+    /// Live peers in all.
+    pub peers: usize,
+    /// Whether `samples` reached the target batch.
+    pub ready: bool,
+    /// Estimated time until it does (zero when ready; `Duration::MAX` when nobody makes
+    /// progress).
+    pub eta: Duration,
+}
+
+impl SwarmProgress {
+    /// Adds up `reports` (one per live peer) as of `now_ms`, for a global batch of `target`
+    /// samples. Reports with a non-finite or negative rate count with rate 0; reports from the
+    /// future (clock skew) are not extrapolated.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use starling_training::progress::{PeerProgress, SwarmProgress};
+    /// let r = |epoch, samples, rate, time_ms| PeerProgress { epoch, samples, samples_per_second: rate, time_ms };
+    /// // Two peers in epoch 3 at 100 samples/s each, one straggler still in epoch 2.
+    /// let s = SwarmProgress::estimate(&[r(3, 300, 100.0, 10_000), r(3, 500, 100.0, 10_000), r(2, 900, 50.0, 10_000)], 1000, 11_000);
+    /// assert_eq!((s.epoch, s.samples, s.peers_in_epoch, s.peers), (3, 1000, 2, 3));
+    /// assert!(s.ready);
+    /// ```
+    pub fn estimate(reports: &[PeerProgress], target: u64, now_ms: u64) -> SwarmProgress {
+        let epoch = reports.iter().map(|r| r.epoch).max().unwrap_or(0);
+        let mut samples = 0f64;
+        let mut rate = 0f64;
+        let mut peers_in_epoch = 0;
+        for r in reports.iter().filter(|r| r.epoch == epoch) {
+            let own_rate = if r.samples_per_second.is_finite() && r.samples_per_second > 0.0 {
+                r.samples_per_second
+            } else {
+                0.0
+            };
+            let age = now_ms.saturating_sub(r.time_ms) as f64 / 1000.0;
+            samples += r.samples as f64 + own_rate * age;
+            rate += own_rate;
+            peers_in_epoch += 1;
+        }
+        let samples = samples.min(u64::MAX as f64) as u64;
+        let ready = samples >= target && peers_in_epoch > 0;
+        let eta = if ready {
+            Duration::ZERO
+        } else if rate > 0.0 {
+            Duration::try_from_secs_f64((target - samples) as f64 / rate).unwrap_or(Duration::MAX)
+        } else {
+            Duration::MAX
+        };
+        SwarmProgress {
+            epoch,
+            samples,
+            samples_per_second: rate,
+            peers_in_epoch,
+            peers: reports.len(),
+            ready,
+            eta,
+        }
+    }
+
+    /// Whether a peer in `epoch` is behind the swarm (and should catch up by state sync rather
+    /// than step on its own).
+    pub fn is_behind(&self, epoch: u64) -> bool {
+        epoch < self.epoch
+    }
+}
+
+/// Publishes this peer's progress and reads the swarm's (cheap to share by reference).
+pub struct ProgressTracker {
+    node: Node,
+    cfg: ProgressConfig,
+    /// The last report published, and when.
+    last: Mutex<Option<(Instant, LocalProgress)>>,
+}
+
+impl ProgressTracker {
+    /// A tracker for `node` in the run `cfg.run`.
+    pub fn new(node: Node, cfg: ProgressConfig) -> Self {
+        ProgressTracker {
+            node,
+            cfg,
+            last: Mutex::new(None),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &ProgressConfig {
+        &self.cfg
+    }
+
+    /// Publishes `local` under this peer's signed sub-key if the last publication is older than
+    /// `publish_interval` or named another epoch; otherwise does nothing (rate bound). Returns
+    /// whether it published.
+    pub async fn report(&self, local: LocalProgress) -> Result<bool, ProgressError> {
+        if !(local.samples_per_second.is_finite() && local.samples_per_second >= 0.0) {
+            return Err(ProgressError::Invalid(format!(
+                "samples_per_second {}",
+                local.samples_per_second
+            )));
+        }
+        let due = {
+            let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+            (*last).is_none_or(|(at, prev)| {
+                prev.epoch != local.epoch || at.elapsed() >= self.cfg.publish_interval
+            })
+        };
+        if !due {
+            return Ok(false);
+        }
+        self.publish(local).await?;
+        Ok(true)
+    }
+
+    /// Publishes `local` now, whatever the rate bound says (e.g. right after a global step).
+    pub async fn publish(&self, local: LocalProgress) -> Result<(), ProgressError> {
+        let now = now_ms();
+        let value = PeerProgress {
+            epoch: local.epoch,
+            samples: local.samples,
+            samples_per_second: local.samples_per_second,
+            time_ms: now,
+        };
+        let expires = now + self.cfg.report_lifetime.as_millis() as u64;
+        let t = self.cfg.request_timeout;
+        let subkey = self.node.owner_marker();
+        timeout(
+            t,
+            self.node.store(&self.cfg.key(), &subkey, &value, expires),
+        )
+        .await
+        .map_err(|_| ProgressError::Timeout(t))??;
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), local));
+        Ok(())
+    }
+
+    /// Every live peer's genuine report: only entries whose sub-key is the owner marker of the
+    /// peer it is read as (the DHT holds such entries only with that owner's signature).
+    pub async fn reports(&self) -> Result<Vec<(PeerId, PeerProgress)>, ProgressError> {
+        let key = self.cfg.key();
+        let t = self.cfg.request_timeout;
+        let entries = timeout(t, self.node.get::<PeerProgress>(&key))
+            .await
+            .map_err(|_| ProgressError::Timeout(t))??;
+        Ok(entries
+            .into_iter()
+            .filter_map(|(subkey, report, _)| {
+                let owner = starling_dht::required_owner(&key, &subkey).ok()??;
+                Some((starling_node::peer_id_of_owner(&owner)?, report))
+            })
+            .collect())
+    }
+
+    /// Reads every live report and adds them up (see [`SwarmProgress::estimate`]).
+    pub async fn fetch(&self) -> Result<SwarmProgress, ProgressError> {
+        let reports: Vec<PeerProgress> =
+            self.reports().await?.into_iter().map(|(_, r)| r).collect();
+        Ok(SwarmProgress::estimate(
+            &reports,
+            self.cfg.target_batch_size,
+            now_ms(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(epoch: u64, samples: u64, rate: f64, time_ms: u64) -> PeerProgress {
+        PeerProgress {
+            epoch,
+            samples,
+            samples_per_second: rate,
+            time_ms,
+        }
+    }
+
+    #[test]
+    fn the_latest_epoch_counts_and_reports_are_extrapolated() {
+        // Two peers in epoch 5: 100 + 200 samples reported 2 s ago at 50 and 25 samples/s.
+        let s = SwarmProgress::estimate(
+            &[
+                r(5, 100, 50.0, 8_000),
+                r(5, 200, 25.0, 8_000),
+                r(4, 10_000, 1e6, 8_000),
+            ],
+            1000,
+            10_000,
+        );
+        assert_eq!(s.epoch, 5);
+        assert_eq!(s.samples, 100 + 200 + 150);
+        assert_eq!(s.samples_per_second, 75.0);
+        assert_eq!((s.peers_in_epoch, s.peers), (2, 3));
+        assert!(!s.ready);
+        // 550 samples to go at 75 samples/s.
+        let expected = 550.0 / 75.0;
+        assert!((s.eta.as_secs_f64() - expected).abs() < 1e-9, "{:?}", s.eta);
+        assert!(s.is_behind(4) && !s.is_behind(5));
+    }
+
+    #[test]
+    fn nobody_progressing_and_bad_rates_never_panic() {
+        let s = SwarmProgress::estimate(&[], 10, 0);
+        assert_eq!(
+            (s.epoch, s.samples, s.ready, s.eta),
+            (0, 0, false, Duration::MAX)
+        );
+        let s = SwarmProgress::estimate(
+            &[
+                r(1, 3, f64::NAN, 0),
+                r(1, 4, -5.0, 0),
+                r(1, 1, f64::INFINITY, 0),
+            ],
+            10,
+            u64::MAX,
+        );
+        assert_eq!((s.samples, s.samples_per_second), (8, 0.0));
+        assert_eq!(s.eta, Duration::MAX);
+        // A report from the future (clock skew) is taken as it is.
+        let s = SwarmProgress::estimate(&[r(0, 7, 100.0, 50_000)], 10, 1_000);
+        assert_eq!(s.samples, 7);
+        // Enough samples: ready, nothing left to wait.
+        let s = SwarmProgress::estimate(&[r(2, u64::MAX, 1.0, 0)], 10, 1_000);
+        assert!(s.ready);
+        assert_eq!(s.eta, Duration::ZERO);
+    }
+}
