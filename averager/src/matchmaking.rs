@@ -156,39 +156,17 @@ async fn run_window(
     loop {
         tokio::select! {
             _ = sleep_until(window_end), if attempt.is_none() => {
-                tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
-                if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
-                    return Ok(Window::Group(begin(cfg, me, followers).await?));
-                }
-                disband(&mut followers, cfg.request_timeout).await;
-                if cfg.min_group_size <= 1 {
-                    return Ok(Window::Group(begin(cfg, me, Vec::new()).await?));
-                }
-                return Ok(if saw_others { Window::Again } else { Window::Alone });
+                return close_window(cfg, me, followers, saw_others).await;
             }
             Some(mut join) = rx.recv() => {
                 saw_others = true;
-                let reply = if let Err(why) = Member::parse(&join.info) {
-                    tracing::debug!(from = %short(&join.info.peer_id), "refused an invalid join request: {why}");
-                    Some(RejectReason::Invalid)
-                } else if me.mode == AveragingMode::Client {
-                    Some(RejectReason::NotLeading)
-                } else if join.info.mode != AveragingMode::Client
-                    && rank(join.window_end, &join.info.peer_id) <= my_rank
-                {
-                    // (A client never leads, so it may join whatever its rank.)
-                    Some(RejectReason::Stale)
-                } else if attempt.is_some() && following.load(Ordering::Acquire) {
-                    Some(RejectReason::NotLeading)
-                } else if attempt.is_some() {
-                    Some(RejectReason::Busy)
-                } else if followers.len() + 1 >= cfg.target_group_size
-                    || followers.iter().any(|f| f.info.peer_id == join.info.peer_id)
-                {
-                    Some(RejectReason::Full)
-                } else {
-                    None
+                let asking = match (&attempt, following.load(Ordering::Acquire)) {
+                    (None, _) => Asking::Nobody,
+                    (Some(_), false) => Asking::Requesting,
+                    (Some(_), true) => Asking::Following,
                 };
+                let accepted: Vec<&MemberInfo> = followers.iter().map(|f| &f.info).collect();
+                let reply = join_reply(cfg.target_group_size, me, my_rank.clone(), (&join.info, join.window_end), asking, &accepted);
                 let msg = match reply {
                     Some(r) => MatchMsg::Rejected(r),
                     None => MatchMsg::Accepted,
@@ -296,6 +274,74 @@ fn declared_by_its_peer(group_key: &str, subkey: &str, declaration: &Declaration
     };
     let declared = PeerId::from_bytes(&declaration.info.peer_id).ok();
     declared.is_some() && starling_node::peer_id_of_owner(&owner) == declared
+}
+
+/// The window ended with nobody to follow: begin with the followers if they are enough, else
+/// disband them and say whether anyone else was seen.
+async fn close_window(
+    cfg: &AveragerConfig,
+    me: &MemberInfo,
+    mut followers: Vec<IncomingJoin>,
+    saw_others: bool,
+) -> Result<Window, AveragerError> {
+    tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
+    if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
+        return Ok(Window::Group(begin(cfg, me, followers).await?));
+    }
+    disband(&mut followers, cfg.request_timeout).await;
+    if cfg.min_group_size <= 1 {
+        return Ok(Window::Group(begin(cfg, me, Vec::new()).await?));
+    }
+    Ok(if saw_others {
+        Window::Again
+    } else {
+        Window::Alone
+    })
+}
+
+/// Where this peer stands with the leader it asked, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asking {
+    Nobody,
+    /// A join request is in flight.
+    Requesting,
+    /// The leader accepted us; we wait for its `Begin`.
+    Following,
+}
+
+/// How a searching peer answers a join request: `None` accepts it. Invalid requests, requests
+/// to a client (which never leads), from a non-client that ranks ahead of us (it read an old
+/// declaration), while we ask or follow someone, and past the target size are refused.
+/// `followers` are those accepted so far, `window_end` the joiner's.
+fn join_reply(
+    target_group_size: usize,
+    me: &MemberInfo,
+    my_rank: (u64, Vec<u8>),
+    (info, window_end): (&MemberInfo, u64),
+    asking: Asking,
+    followers: &[&MemberInfo],
+) -> Option<RejectReason> {
+    if let Err(why) = Member::parse(info) {
+        tracing::debug!(from = %short(&info.peer_id), "refused an invalid join request: {why}");
+        return Some(RejectReason::Invalid);
+    }
+    let ahead_of_us = rank(window_end, &info.peer_id) <= my_rank;
+    if me.mode == AveragingMode::Client {
+        Some(RejectReason::NotLeading)
+    } else if info.mode != AveragingMode::Client && ahead_of_us {
+        // (A client never leads, so it may join whatever its rank.)
+        Some(RejectReason::Stale)
+    } else if asking == Asking::Following {
+        Some(RejectReason::NotLeading)
+    } else if asking == Asking::Requesting {
+        Some(RejectReason::Busy)
+    } else if followers.len() + 1 >= target_group_size
+        || followers.iter().any(|f| f.peer_id == info.peer_id)
+    {
+        Some(RejectReason::Full)
+    } else {
+        None
+    }
 }
 
 /// Tells every follower to search again, and lets them go.
@@ -479,5 +525,68 @@ mod tests {
         let mut garbled = declaration(&alice_id);
         garbled.info.peer_id = vec![0xff; 3];
         assert!(!declared_by_its_peer(key, &alice_marker, &garbled));
+    }
+
+    fn info(mode: AveragingMode) -> MemberInfo {
+        MemberInfo {
+            peer_id: PeerId::random().to_bytes(),
+            mode,
+            bandwidth: 1e8,
+            addrs: vec![],
+        }
+    }
+
+    #[test]
+    fn join_requests_are_answered_by_rank_mode_and_state() {
+        let me = info(AveragingMode::Node);
+        let my_rank = rank(1000, &me.peer_id);
+        let later = info(AveragingMode::Node);
+        let reply = |who: &MemberInfo, end: u64, asking: Asking, followers: &[&MemberInfo]| {
+            join_reply(3, &me, my_rank.clone(), (who, end), asking, followers)
+        };
+        assert_eq!(reply(&later, 2000, Asking::Nobody, &[]), None);
+        // A peer ranked ahead of us read an old declaration; a client may join anyway.
+        assert_eq!(
+            reply(&later, 500, Asking::Nobody, &[]),
+            Some(RejectReason::Stale)
+        );
+        let client = info(AveragingMode::Client);
+        assert_eq!(reply(&client, 500, Asking::Nobody, &[]), None);
+        // While asking or following someone else.
+        assert_eq!(
+            reply(&later, 2000, Asking::Requesting, &[]),
+            Some(RejectReason::Busy)
+        );
+        assert_eq!(
+            reply(&later, 2000, Asking::Following, &[]),
+            Some(RejectReason::NotLeading)
+        );
+        // Full, or already in.
+        let (a, b) = (info(AveragingMode::Node), info(AveragingMode::Node));
+        assert_eq!(
+            reply(&later, 2000, Asking::Nobody, &[&a, &b]),
+            Some(RejectReason::Full)
+        );
+        assert_eq!(
+            reply(&a, 2000, Asking::Nobody, &[&a]),
+            Some(RejectReason::Full)
+        );
+        // Invalid descriptions, and a client asked to lead.
+        let mut nan = info(AveragingMode::Node);
+        nan.bandwidth = f64::NAN;
+        assert_eq!(
+            reply(&nan, 2000, Asking::Nobody, &[]),
+            Some(RejectReason::Invalid)
+        );
+        let me_client = info(AveragingMode::Client);
+        let r = join_reply(
+            3,
+            &me_client,
+            rank(1000, &me_client.peer_id),
+            (&later, 2000),
+            Asking::Nobody,
+            &[],
+        );
+        assert_eq!(r, Some(RejectReason::NotLeading));
     }
 }
