@@ -9,6 +9,8 @@
 //! - [`Optimizer`] ([`optim`]): [`Sgd`] (momentum, Nesterov) and [`AdamW`] as PyTorch defines them,
 //!   written so that the same inputs give the same bits on every peer; [`LrSchedule`] for warmup and
 //!   cosine decay.
+//! - [`checkpoint`]: save and load parameters, optimizer state, extra buffers and counters
+//!   (safetensors plus `checkpoint.json`), atomically, with every mismatch named.
 //!
 //! ```
 //! use rand::{rngs::StdRng, SeedableRng};
@@ -27,9 +29,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod checkpoint;
 pub mod optim;
 pub mod params;
 
+pub use checkpoint::{CheckpointError, CheckpointMeta};
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OptimError, Optimizer, OptimizerConfig, Sgd, SgdConfig,
 };
