@@ -11,6 +11,8 @@
 //!   cosine decay.
 //! - [`checkpoint`]: save and load parameters, optimizer state, extra buffers and counters
 //!   (safetensors plus `checkpoint.json`), atomically, with every mismatch named.
+//! - `candle` (feature `candle`): moves a candle model's `Var`s and gradients to and from a
+//!   [`ParamSet`].
 //!
 //! ```
 //! use rand::{rngs::StdRng, SeedableRng};
@@ -29,10 +31,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod checkpoint;
 pub mod optim;
 pub mod params;
 
+#[cfg(feature = "candle")]
+pub use candle::{BindError, VarBinding};
 pub use checkpoint::{CheckpointError, CheckpointMeta};
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OptimError, Optimizer, OptimizerConfig, Sgd, SgdConfig,
