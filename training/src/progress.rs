@@ -5,10 +5,11 @@
 //! epoch is behind the swarm's.
 //!
 //! Estimation ([`SwarmProgress::estimate`], pure and unit-tested): the swarm's epoch is the
-//! highest epoch any live peer reports; the samples accumulated in it are those reports' sums,
-//! each extrapolated from its report time at the peer's rate (a report is up to
-//! `publish_interval` old); the time left is what remains of the target at the summed rate. A
-//! peer's report expires after `report_lifetime`, so peers that left stop counting.
+//! highest epoch any live peer reports; the samples accumulated in it are those reports' sums.
+//! The swarm is *ready* only on reported samples (a peer that waits, or averages, stops adding
+//! samples, so extrapolating could start a global step before the batch exists); the time left
+//! is estimated from the reports extrapolated at each peer's rate. A peer's report expires
+//! after `report_lifetime`, so peers that left stop counting.
 //!
 //! ```no_run
 //! # async fn demo(node: starling_node::Node) -> Result<(), starling_training::progress::ProgressError> {
@@ -116,15 +117,17 @@ pub struct PeerProgress {
 pub struct SwarmProgress {
     /// The highest epoch a live peer reports.
     pub epoch: u64,
-    /// Samples accumulated in that epoch by all peers in it (extrapolated to now).
+    /// Samples accumulated in that epoch by all peers in it, as reported.
     pub samples: u64,
+    /// The same, extrapolated to now at each peer's rate (what the estimate uses).
+    pub projected: u64,
     /// Their summed throughput, samples per second.
     pub samples_per_second: f64,
     /// Peers reporting that epoch.
     pub peers_in_epoch: usize,
     /// Live peers in all.
     pub peers: usize,
-    /// Whether `samples` reached the target batch.
+    /// Whether the reported `samples` reached the target batch.
     pub ready: bool,
     /// Estimated time until it does (zero when ready; `Duration::MAX` when nobody makes
     /// progress).
@@ -140,14 +143,16 @@ impl SwarmProgress {
     /// use std::time::Duration;
     /// use starling_training::progress::{PeerProgress, SwarmProgress};
     /// let r = |epoch, samples, rate, time_ms| PeerProgress { epoch, samples, samples_per_second: rate, time_ms };
-    /// // Two peers in epoch 3 at 100 samples/s each, one straggler still in epoch 2.
+    /// // Two peers in epoch 3 at 100 samples/s each, reported a second ago, and a straggler
+    /// // still in epoch 2: 800 samples reported, about 1000 by now.
     /// let s = SwarmProgress::estimate(&[r(3, 300, 100.0, 10_000), r(3, 500, 100.0, 10_000), r(2, 900, 50.0, 10_000)], 1000, 11_000);
-    /// assert_eq!((s.epoch, s.samples, s.peers_in_epoch, s.peers), (3, 1000, 2, 3));
-    /// assert!(s.ready);
+    /// assert_eq!((s.epoch, s.samples, s.projected, s.peers_in_epoch, s.peers), (3, 800, 1000, 2, 3));
+    /// assert!(!s.ready && s.eta == Duration::ZERO);
     /// ```
     pub fn estimate(reports: &[PeerProgress], target: u64, now_ms: u64) -> SwarmProgress {
         let epoch = reports.iter().map(|r| r.epoch).max().unwrap_or(0);
-        let mut samples = 0f64;
+        let mut samples = 0u64;
+        let mut projected = 0f64;
         let mut rate = 0f64;
         let mut peers_in_epoch = 0;
         for r in reports.iter().filter(|r| r.epoch == epoch) {
@@ -157,22 +162,24 @@ impl SwarmProgress {
                 0.0
             };
             let age = now_ms.saturating_sub(r.time_ms) as f64 / 1000.0;
-            samples += r.samples as f64 + own_rate * age;
+            samples = samples.saturating_add(r.samples);
+            projected += r.samples as f64 + own_rate * age;
             rate += own_rate;
             peers_in_epoch += 1;
         }
-        let samples = samples.min(u64::MAX as f64) as u64;
+        let projected = (projected.min(u64::MAX as f64) as u64).max(samples);
         let ready = samples >= target && peers_in_epoch > 0;
-        let eta = if ready {
+        let eta = if ready || (projected >= target && peers_in_epoch > 0) {
             Duration::ZERO
         } else if rate > 0.0 {
-            Duration::try_from_secs_f64((target - samples) as f64 / rate).unwrap_or(Duration::MAX)
+            Duration::try_from_secs_f64((target - projected) as f64 / rate).unwrap_or(Duration::MAX)
         } else {
             Duration::MAX
         };
         SwarmProgress {
             epoch,
             samples,
+            projected,
             samples_per_second: rate,
             peers_in_epoch,
             peers: reports.len(),
@@ -311,7 +318,7 @@ mod tests {
             10_000,
         );
         assert_eq!(s.epoch, 5);
-        assert_eq!(s.samples, 100 + 200 + 150);
+        assert_eq!((s.samples, s.projected), (300, 300 + 150));
         assert_eq!(s.samples_per_second, 75.0);
         assert_eq!((s.peers_in_epoch, s.peers), (2, 3));
         assert!(!s.ready);
@@ -337,11 +344,11 @@ mod tests {
             10,
             u64::MAX,
         );
-        assert_eq!((s.samples, s.samples_per_second), (8, 0.0));
+        assert_eq!((s.samples, s.projected, s.samples_per_second), (8, 8, 0.0));
         assert_eq!(s.eta, Duration::MAX);
         // A report from the future (clock skew) is taken as it is.
         let s = SwarmProgress::estimate(&[r(0, 7, 100.0, 50_000)], 10, 1_000);
-        assert_eq!(s.samples, 7);
+        assert_eq!((s.samples, s.projected), (7, 7));
         // Enough samples: ready, nothing left to wait.
         let s = SwarmProgress::estimate(&[r(2, u64::MAX, 1.0, 0)], 10, 1_000);
         assert!(s.ready);

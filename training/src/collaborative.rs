@@ -1,0 +1,469 @@
+//! The collaborative optimizer: many peers take one optimizer step together.
+//!
+//! Two modes ([`Mode`]):
+//!
+//! - **Gradients** (hivemind's `Optimizer`): every peer accumulates the gradients of its local
+//!   batches; when the swarm as a whole has `target_batch_size` samples (the [progress
+//!   tracker](crate::progress) says so), the peers average their mean gradients weighted by the
+//!   samples behind them (the global batch's mean gradient) and all apply the same optimizer step.
+//!   With the exact codec `none` the averager hands every member the same bits, so peers that
+//!   start equal stay **bit-identical**, parameters and optimizer state alike.
+//! - **Local SGD / DiLoCo**: every batch takes a step of the local (inner) optimizer; every
+//!   `inner_steps` batches the peers average their pseudo-gradients (start-of-phase parameters
+//!   minus current ones) and apply an outer optimizer (DiLoCo: SGD with Nesterov momentum 0.9,
+//!   learning rate 0.7) to the start-of-phase parameters, which every member then continues
+//!   from. Averaging happens `inner_steps` times less often.
+//!
+//! A peer that finds no group steps with its own values, and the [`StepReport`] says so; so does
+//! a peer whose epoch is behind the swarm's (it should catch up by state sync).
+//!
+//! ```no_run
+//! # async fn demo(node: starling_node::Node) -> Result<(), Box<dyn std::error::Error>> {
+//! use starling_training::{CollaborativeConfig, CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig};
+//! let mut params = ParamSet::new();
+//! params.add("w", &[4], &[0.1, 0.2, 0.3, 0.4])?;
+//! let sgd = Sgd::new(SgdConfig::new(0.1), params.len())?;
+//! let cfg = CollaborativeConfig::new("my-run", 1024, Mode::Gradients);
+//! let mut opt = CollaborativeOptimizer::new(node, Box::new(sgd), &params, cfg).await?;
+//! loop {
+//!     // ... compute a batch of 32 samples' mean gradient into params.grads_mut() ...
+//!     let report = opt.step(&mut params, 32).await?;
+//!     if report.stepped {
+//!         println!("epoch {} (averaged with {:?} peers)", report.epoch, report.group_size);
+//!     }
+//! #   break;
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::time::{Duration, Instant};
+
+use starling_averager::{Averager, AveragerConfig, AveragerError, RoundReport};
+use starling_node::Node;
+
+use crate::optim::{OptimError, Optimizer, Sgd, SgdConfig};
+use crate::params::ParamSet;
+use crate::progress::{
+    LocalProgress, ProgressConfig, ProgressError, ProgressTracker, SwarmProgress,
+};
+
+/// How the peers train together.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// Average gradients over a global batch of `target_batch_size` samples, then take one
+    /// shared optimizer step.
+    Gradients,
+    /// Take `inner_steps` local optimizer steps, then average the parameter deltas and apply the
+    /// outer optimizer (DiLoCo).
+    LocalSgd {
+        /// Local steps between averaging rounds (DiLoCo's H).
+        inner_steps: u64,
+    },
+}
+
+/// Why a collaborative step failed (averaging failures are not errors: see [`StepReport`]).
+#[derive(Debug, thiserror::Error)]
+pub enum TrainingError {
+    /// The optimizer refused the buffers.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// Progress could not be read or published.
+    #[error(transparent)]
+    Progress(#[from] ProgressError),
+    /// The averager could not start, or its node stopped.
+    #[error(transparent)]
+    Averager(#[from] AveragerError),
+    /// The parameters do not match what the optimizer was built for.
+    #[error("the parameter set has {actual} values but the collaborative optimizer was built for {expected}")]
+    Schema {
+        /// Values it was built for.
+        expected: usize,
+        /// Values passed.
+        actual: usize,
+    },
+}
+
+/// Everything tunable about collaborative training.
+#[derive(Debug, Clone)]
+pub struct CollaborativeConfig {
+    /// The run's name: the averager's prefix and the progress key derive from it.
+    pub run: String,
+    /// Gradient mode: samples per global step.
+    pub target_batch_size: u64,
+    /// How the peers train together.
+    pub mode: Mode,
+    /// The averaging configuration (its prefix is set from `run`).
+    pub averager: AveragerConfig,
+    /// The progress tracker's configuration (run and target set from the fields above).
+    pub progress: ProgressConfig,
+    /// Bound on one averaging round, matchmaking included.
+    pub averaging_timeout: Duration,
+    /// How often to read the swarm's progress (in between, the last reading is extrapolated).
+    pub fetch_interval: Duration,
+    /// DiLoCo's outer optimizer (local-SGD mode).
+    pub outer: SgdConfig,
+    /// Gradient mode: every this many epochs, also average the parameters and the optimizer
+    /// state (weight 1 each), so that groups smaller than the swarm, or rounds that averaged
+    /// only part of the gradients, do not let peers drift apart. `None` never does.
+    pub state_averaging_every: Option<u64>,
+}
+
+impl CollaborativeConfig {
+    /// Defaults: groups of up to 16, the exact codec, 30 s per averaging round, swarm progress
+    /// read at most twice a second, DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum
+    /// 0.9).
+    pub fn new(run: impl Into<String>, target_batch_size: u64, mode: Mode) -> Self {
+        let run = run.into();
+        let mut averager = AveragerConfig::new(format!("{run}.train"));
+        averager.target_group_size = 16;
+        let progress = ProgressConfig::new(run.clone(), target_batch_size);
+        CollaborativeConfig {
+            run,
+            target_batch_size,
+            mode,
+            averager,
+            progress,
+            averaging_timeout: Duration::from_secs(30),
+            fetch_interval: Duration::from_millis(500),
+            outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
+            state_averaging_every: Some(10),
+        }
+    }
+}
+
+/// What one call to [`CollaborativeOptimizer::step`] did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// The epoch (global steps taken) after this call.
+    pub epoch: u64,
+    /// Whether a global step (gradient mode) or an outer step (local SGD) was taken.
+    pub stepped: bool,
+    /// Members of the averaging group when one formed (this peer included).
+    pub group_size: Option<usize>,
+    /// Why the step used only local values, when it did.
+    pub averaging_error: Option<String>,
+    /// Samples this peer had accumulated when it stepped (or has accumulated so far).
+    pub samples: u64,
+    /// The swarm's progress as last read.
+    pub swarm: Option<SwarmProgress>,
+    /// Whether this peer's epoch is behind the swarm's (it should sync state).
+    pub behind: bool,
+    /// The averaging round, when one ran.
+    pub round: Option<RoundReport>,
+}
+
+/// Trains one model with the swarm (see the module docs).
+pub struct CollaborativeOptimizer {
+    cfg: CollaborativeConfig,
+    averager: Averager,
+    tracker: ProgressTracker,
+    optimizer: Box<dyn Optimizer>,
+    /// Local SGD: the outer optimizer and the parameters at the start of the phase.
+    outer: Option<(Sgd, Vec<f32>)>,
+    len: usize,
+    epoch: u64,
+    /// Gradient mode: sum over batches of (batch mean gradient x batch samples).
+    accumulated: Vec<f32>,
+    /// Samples accumulated in the current epoch (or local-SGD phase).
+    samples: u64,
+    /// Local steps in the current local-SGD phase.
+    inner: u64,
+    /// Samples per second, smoothed.
+    rate: f64,
+    last_batch: Option<Instant>,
+    /// The last swarm reading and when it was taken.
+    swarm: Option<(Instant, SwarmProgress)>,
+}
+
+impl CollaborativeOptimizer {
+    /// Joins the run on `node` with `optimizer` (gradient mode: the shared optimizer; local SGD:
+    /// the inner one) for parameters shaped like `params`.
+    pub async fn new(
+        node: Node,
+        optimizer: Box<dyn Optimizer>,
+        params: &ParamSet,
+        mut cfg: CollaborativeConfig,
+    ) -> Result<Self, TrainingError> {
+        let len = params.len();
+        if optimizer.len() != len {
+            return Err(TrainingError::Schema {
+                expected: optimizer.len(),
+                actual: len,
+            });
+        }
+        cfg.averager.prefix = format!("{}.train", cfg.run);
+        cfg.progress.run = cfg.run.clone();
+        cfg.progress.target_batch_size = cfg.target_batch_size;
+        let averager = Averager::new(node.clone(), cfg.averager.clone()).await?;
+        let tracker = ProgressTracker::new(node, cfg.progress.clone());
+        let outer = match cfg.mode {
+            Mode::Gradients => None,
+            Mode::LocalSgd { .. } => Some((Sgd::new(cfg.outer, len)?, params.params().to_vec())),
+        };
+        Ok(CollaborativeOptimizer {
+            averager,
+            tracker,
+            optimizer,
+            outer,
+            len,
+            epoch: 0,
+            accumulated: vec![0.0; len],
+            samples: 0,
+            inner: 0,
+            rate: 0.0,
+            last_batch: None,
+            swarm: None,
+            cfg,
+        })
+    }
+
+    /// The epoch: global steps (gradient mode) or outer steps (local SGD) taken.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The local (gradient mode: shared) optimizer.
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    /// Takes one batch: `params.grads()` holds the mean gradient of `batch_samples` samples.
+    /// Gradient mode accumulates it and, once the swarm has its global batch, averages and steps;
+    /// local SGD steps locally and averages every `inner_steps` batches.
+    pub async fn step(
+        &mut self,
+        params: &mut ParamSet,
+        batch_samples: u64,
+    ) -> Result<StepReport, TrainingError> {
+        if params.len() != self.len {
+            return Err(TrainingError::Schema {
+                expected: self.len,
+                actual: params.len(),
+            });
+        }
+        self.note_batch(batch_samples);
+        match self.cfg.mode {
+            Mode::Gradients => self.gradient_step(params, batch_samples).await,
+            Mode::LocalSgd { inner_steps } => self.local_step(params, inner_steps.max(1)).await,
+        }
+    }
+
+    /// Updates the sample count and the smoothed rate.
+    fn note_batch(&mut self, batch_samples: u64) {
+        self.samples += batch_samples;
+        let now = Instant::now();
+        if let Some(prev) = self.last_batch {
+            let dt = now.duration_since(prev).as_secs_f64();
+            if dt > 0.0 {
+                let r = batch_samples as f64 / dt;
+                self.rate = if self.rate == 0.0 {
+                    r
+                } else {
+                    0.8 * self.rate + 0.2 * r
+                };
+            }
+        }
+        self.last_batch = Some(now);
+    }
+
+    fn local_progress(&self) -> LocalProgress {
+        LocalProgress {
+            epoch: self.epoch,
+            samples: self.samples,
+            samples_per_second: self.rate,
+        }
+    }
+
+    /// The swarm's progress: read from the DHT at most every `fetch_interval`, extrapolated in
+    /// between with this peer's own new samples.
+    async fn swarm_progress(&mut self) -> Result<SwarmProgress, TrainingError> {
+        if let Some((at, s)) = &self.swarm {
+            if at.elapsed() < self.cfg.fetch_interval && s.epoch == self.epoch {
+                return Ok(s.clone());
+            }
+        }
+        let s = self.tracker.fetch().await?;
+        self.swarm = Some((Instant::now(), s.clone()));
+        Ok(s)
+    }
+
+    async fn gradient_step(
+        &mut self,
+        params: &mut ParamSet,
+        batch_samples: u64,
+    ) -> Result<StepReport, TrainingError> {
+        let k = batch_samples as f32;
+        self.accumulated
+            .iter_mut()
+            .zip(params.grads())
+            .for_each(|(a, g)| *a += k * g);
+        self.tracker.report(self.local_progress()).await?;
+        self.try_global_step(params).await
+    }
+
+    /// Gradient mode, for a peer with no more batches this epoch (or that wants to wait for the
+    /// swarm): takes the global step if the swarm has its batch, without adding samples.
+    /// Returns at once either way; call it again (after a pause) until `stepped`.
+    pub async fn try_step(&mut self, params: &mut ParamSet) -> Result<StepReport, TrainingError> {
+        if params.len() != self.len {
+            return Err(TrainingError::Schema {
+                expected: self.len,
+                actual: params.len(),
+            });
+        }
+        match self.cfg.mode {
+            Mode::Gradients => {
+                self.tracker.report(self.local_progress()).await?;
+                self.try_global_step(params).await
+            }
+            Mode::LocalSgd { .. } => Ok(self.idle_report()),
+        }
+    }
+
+    fn idle_report(&self) -> StepReport {
+        StepReport {
+            epoch: self.epoch,
+            stepped: false,
+            group_size: None,
+            averaging_error: None,
+            samples: self.samples,
+            swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
+            behind: false,
+            round: None,
+        }
+    }
+
+    /// Steps if the swarm (or this peer alone) has the global batch: averages the mean
+    /// gradient with the group, weighted by samples, and applies the shared optimizer step.
+    async fn try_global_step(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<StepReport, TrainingError> {
+        let swarm = self.swarm_progress().await?;
+        let behind = swarm.is_behind(self.epoch);
+        // Our own samples count even if our report has not reached the others yet.
+        let ready = swarm.ready || self.samples >= self.cfg.target_batch_size;
+        let mut report = self.idle_report();
+        report.swarm = Some(swarm);
+        report.behind = behind;
+        if !ready || self.samples == 0 {
+            return Ok(report);
+        }
+        // The local mean gradient, averaged with the group's weighted by samples: the global
+        // batch's mean gradient.
+        let scale = 1.0 / self.samples as f32;
+        let grads = params.grads_mut();
+        grads
+            .iter_mut()
+            .zip(&self.accumulated)
+            .for_each(|(g, a)| *g = a * scale);
+        let deadline = Instant::now() + self.cfg.averaging_timeout;
+        let averaged = self
+            .averager
+            .step(&mut [&mut grads[..]], self.samples as f32, deadline)
+            .await;
+        note_round(&mut report, averaged)?;
+        self.optimizer.step_set(params)?;
+        self.epoch += 1;
+        self.accumulated.fill(0.0);
+        self.samples = 0;
+        self.swarm = None;
+        if self
+            .cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && self.epoch.is_multiple_of(n))
+        {
+            self.average_state(params, &mut report).await?;
+        }
+        self.tracker.publish(self.local_progress()).await?;
+        report.epoch = self.epoch;
+        report.stepped = true;
+        Ok(report)
+    }
+
+    /// Averages the parameters and every optimizer state buffer with the group (weight 1), so
+    /// that peers that drifted apart meet again.
+    async fn average_state(
+        &mut self,
+        params: &mut ParamSet,
+        report: &mut StepReport,
+    ) -> Result<(), TrainingError> {
+        let mut buffers: Vec<&mut [f32]> = vec![params.params_mut()];
+        buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
+        let deadline = Instant::now() + self.cfg.averaging_timeout;
+        match self.averager.step(&mut buffers, 1.0, deadline).await {
+            Ok(_) => Ok(()),
+            Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+            Err(e) => {
+                report.averaging_error = Some(format!("state averaging: {e}"));
+                Ok(())
+            }
+        }
+    }
+
+    async fn local_step(
+        &mut self,
+        params: &mut ParamSet,
+        inner_steps: u64,
+    ) -> Result<StepReport, TrainingError> {
+        self.optimizer.step_set(params)?;
+        self.inner += 1;
+        let mut report = self.idle_report();
+        if self.inner < inner_steps {
+            return Ok(report);
+        }
+        let Some((outer, anchor)) = self.outer.as_mut() else {
+            return Ok(report);
+        };
+        // The pseudo-gradient: where the phase started minus where the local steps went.
+        let delta = &mut self.accumulated;
+        delta
+            .iter_mut()
+            .zip(anchor.iter().zip(params.params()))
+            .for_each(|(d, (a, p))| *d = a - p);
+        let deadline = Instant::now() + self.cfg.averaging_timeout;
+        let weight = self.samples.max(1) as f32;
+        let averaged = self
+            .averager
+            .step(&mut [&mut delta[..]], weight, deadline)
+            .await;
+        note_round(&mut report, averaged)?;
+        // The outer step moves the phase's start along the (averaged) pseudo-gradient; every
+        // member continues from there (the same bits with the exact codec).
+        outer.step(anchor, delta)?;
+        params.params_mut().copy_from_slice(anchor);
+        self.epoch += 1;
+        self.inner = 0;
+        self.samples = 0;
+        report.epoch = self.epoch;
+        report.stepped = true;
+        Ok(report)
+    }
+}
+
+/// Records an averaging round's outcome in `report`: a round that did not form or covered only
+/// part of the buffers leaves the local values in place and says why; only this peer's node
+/// stopping is an error.
+fn note_round(
+    report: &mut StepReport,
+    averaged: Result<RoundReport, AveragerError>,
+) -> Result<(), TrainingError> {
+    match averaged {
+        Ok(round) => {
+            report.group_size = Some(round.group.len());
+            if round.averaged_fraction() < 1.0 {
+                report.averaging_error = Some(format!(
+                    "only {:.0}% of the values were averaged",
+                    100.0 * round.averaged_fraction()
+                ));
+            }
+            report.round = Some(round);
+            Ok(())
+        }
+        Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+        Err(e) => {
+            report.averaging_error = Some(e.to_string());
+            Ok(())
+        }
+    }
+}
