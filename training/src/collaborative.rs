@@ -150,6 +150,20 @@ pub struct StepReport {
     pub behind: bool,
     /// The averaging round, when one ran.
     pub round: Option<RoundReport>,
+    /// Where the time of a global (or outer) step went; zero when none was taken.
+    pub timings: StepTimings,
+}
+
+/// Where the time of one global step went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimings {
+    /// From the epoch's first batch until the step began: local compute plus waiting for the
+    /// swarm's global batch.
+    pub waiting: Duration,
+    /// Averaging (matchmaking and all-reduce).
+    pub averaging: Duration,
+    /// The optimizer update (and, when due, state averaging).
+    pub optimizer: Duration,
 }
 
 /// Trains one model with the swarm (see the module docs).
@@ -171,6 +185,8 @@ pub struct CollaborativeOptimizer {
     /// Samples per second, smoothed.
     rate: f64,
     last_batch: Option<Instant>,
+    /// When the current epoch's first batch arrived.
+    epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
     swarm: Option<(Instant, SwarmProgress)>,
 }
@@ -212,6 +228,7 @@ impl CollaborativeOptimizer {
             inner: 0,
             rate: 0.0,
             last_batch: None,
+            epoch_start: None,
             swarm: None,
             cfg,
         })
@@ -252,6 +269,7 @@ impl CollaborativeOptimizer {
     fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
         let now = Instant::now();
+        self.epoch_start.get_or_insert(now);
         if let Some(prev) = self.last_batch {
             let dt = now.duration_since(prev).as_secs_f64();
             if dt > 0.0 {
@@ -330,6 +348,7 @@ impl CollaborativeOptimizer {
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
             behind: false,
             round: None,
+            timings: StepTimings::default(),
         }
     }
 
@@ -357,12 +376,16 @@ impl CollaborativeOptimizer {
             .iter_mut()
             .zip(&self.accumulated)
             .for_each(|(g, a)| *g = a * scale);
-        let deadline = Instant::now() + self.cfg.averaging_timeout;
+        let began = Instant::now();
+        report.timings.waiting = self.epoch_start.map_or(Duration::ZERO, |t| began - t);
+        let deadline = began + self.cfg.averaging_timeout;
         let averaged = self
             .averager
             .step(&mut [&mut grads[..]], self.samples as f32, deadline)
             .await;
         note_round(&mut report, averaged)?;
+        let averaged_at = Instant::now();
+        report.timings.averaging = averaged_at - began;
         self.optimizer.step_set(params)?;
         self.epoch += 1;
         self.accumulated.fill(0.0);
@@ -375,6 +398,8 @@ impl CollaborativeOptimizer {
         {
             self.average_state(params, &mut report).await?;
         }
+        report.timings.optimizer = averaged_at.elapsed();
+        self.epoch_start = None;
         self.tracker.publish(self.local_progress()).await?;
         report.epoch = self.epoch;
         report.stepped = true;

@@ -50,7 +50,7 @@ pub mod progress;
 pub use candle::{BindError, VarBinding};
 pub use checkpoint::{CheckpointError, CheckpointMeta};
 pub use collaborative::{
-    CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, TrainingError,
+    CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, StepTimings, TrainingError,
 };
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OptimError, Optimizer, OptimizerConfig, Sgd, SgdConfig,
