@@ -29,6 +29,9 @@ pub enum BenchCommand {
     AllreduceWorker(crate::bench_allreduce::WorkerArgs),
     /// One-way throughput between two peers on 127.0.0.1: fast lane against libp2p stream.
     Lane(crate::bench_lane::LaneArgs),
+    /// Where a collaborative global step's time goes (waiting, averaging, optimizer) for a
+    /// synthetic model, beside plain all-reduce rounds of the same size (in-process peers).
+    Training(crate::bench_training::TrainingArgs),
     /// Samples per second and latency of an expert server under many clients (in-process peers).
     Experts(crate::bench_experts::ExpertsBenchArgs),
     /// Store and read records across N in-process peers on 127.0.0.1.
@@ -206,6 +209,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
         BenchCommand::Experts(args) => crate::bench_experts::run(args).await?,
         BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
+        BenchCommand::Training(args) => crate::bench_training::run(args).await?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht {
             peers,

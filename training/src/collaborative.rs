@@ -331,7 +331,7 @@ impl CollaborativeOptimizer {
         }
         match self.cfg.mode {
             Mode::Gradients => {
-                self.tracker.report(self.local_progress()).await?;
+                self.tracker.report_final(self.local_progress()).await?;
                 self.try_global_step(params).await
             }
             Mode::LocalSgd { .. } => Ok(self.idle_report()),

@@ -241,6 +241,21 @@ impl ProgressTracker {
         Ok(true)
     }
 
+    /// Publishes `local` unless exactly that was the last report: for a peer that has stopped
+    /// adding samples this epoch (it waits for the swarm), its final count goes out at once
+    /// instead of up to `publish_interval` later. Returns whether it published.
+    pub async fn report_final(&self, local: LocalProgress) -> Result<bool, ProgressError> {
+        let unchanged = {
+            let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+            last.is_some_and(|(_, prev)| prev.epoch == local.epoch && prev.samples == local.samples)
+        };
+        if unchanged {
+            return self.report(local).await;
+        }
+        self.publish(local).await?;
+        Ok(true)
+    }
+
     /// Publishes `local` now, whatever the rate bound says (e.g. right after a global step).
     pub async fn publish(&self, local: LocalProgress) -> Result<(), ProgressError> {
         let now = now_ms();
