@@ -352,6 +352,29 @@ pub struct WorkerArgs {
     /// `starling node` on another machine would.
     #[arg(long)]
     listen: Option<Multiaddr>,
+    #[command(flatten)]
+    nat: crate::NatArgs,
+    /// Before the first round, wait up to this many seconds for autonat to judge whether this
+    /// peer is reachable (a private one averages as a client); fail if it has not. 0: don't wait.
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    await_reachability: u64,
+}
+
+/// Waits until autonat has judged `node`'s reachability, for at most `secs` seconds.
+async fn await_reachability(node: &Node, secs: u64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let r = node.status().await?.reachability;
+        if r != starling_node::Reachability::Unknown {
+            tracing::info!(reachability = ?r, "reachability judged");
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "autonat did not judge this peer's reachability within {secs} s"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// One peer of `bench allreduce --procs`: prints one JSON line per round.
@@ -360,7 +383,11 @@ pub async fn worker(args: WorkerArgs) -> Result<()> {
     let started = Instant::now();
     let mut node_cfg = NodeConfig::default().bootstrap_from(args.bootstrap.clone());
     node_cfg.listen.extend(args.listen.clone());
+    args.nat.apply(&mut node_cfg);
     let node = Node::start(node_cfg).await?;
+    if args.await_reachability > 0 {
+        await_reachability(&node, args.await_reachability).await?;
+    }
     let averager = Averager::new(node.clone(), cfg).await?;
     let mean = exact_mean(args.common.peers, args.common.size);
     tracing::info!(

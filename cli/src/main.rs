@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use starling_node::{Multiaddr, NodeConfig, SwarmKey};
+use starling_node::{Multiaddr, NatConfig, NodeConfig, SwarmKey};
 
 #[derive(Parser)]
 #[command(
@@ -96,6 +96,32 @@ impl JoinArgs {
         cfg.fast_lane = !self.no_fast_lane;
         cfg.fast_lane_port = self.fast_lane_port;
         Ok(cfg)
+    }
+}
+
+/// Reachability options of long-running nodes (`node`, benchmark workers).
+#[derive(Args, Clone, Debug)]
+pub struct NatArgs {
+    /// Let autonat ask, and answer, peers at private IP addresses (10/8, 172.16/12,
+    /// 192.168/16): for swarms whose shared network is itself private (a campus, a VPC, a test
+    /// network). Leave off on the internet.
+    #[arg(long)]
+    autonat_private_ips: bool,
+    /// An address this node is known to be reachable at (a public IP, a forwarded port),
+    /// announced without waiting for autonat. A relay needs one before it accepts
+    /// reservations. Repeatable.
+    #[arg(long, value_name = "MULTIADDR")]
+    external: Vec<Multiaddr>,
+}
+
+impl NatArgs {
+    /// Applies these options to `cfg`.
+    pub fn apply(&self, cfg: &mut NodeConfig) {
+        cfg.nat = NatConfig {
+            private_ips: self.autonat_private_ips,
+            ..cfg.nat.clone()
+        };
+        cfg.external_addrs.extend(self.external.iter().cloned());
     }
 }
 

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use libp2p::identity::Keypair;
 use libp2p::kad::{self, StoreInserts};
-use libp2p::swarm::NetworkBehaviour;
+use libp2p::swarm::{behaviour::toggle::Toggle, NetworkBehaviour};
 use libp2p::{autonat, dcutr, identify, ping, relay, StreamProtocol};
 use starling_dht::DhtStore;
 
-use crate::{NodeConfig, NodeError};
+use crate::{NatConfig, NodeConfig, NodeError, RelayServerConfig};
 
 /// Bytes a Kademlia packet may carry beyond the largest record: room for the closer-peer lists
 /// and the message envelope.
@@ -29,13 +29,16 @@ pub(crate) struct Behaviour {
     pub ping: ping::Behaviour,
     pub autonat: autonat::Behaviour,
     pub relay_client: relay::client::Behaviour,
+    /// The circuit relay server, on nodes configured as relays.
+    pub relay_server: Toggle<relay::Behaviour>,
     pub dcutr: dcutr::Behaviour,
     pub stream: libp2p_stream::Behaviour,
 }
 
 /// The behaviour for identity `key`: Kademlia over our validating [`DhtStore`] (inbound PUTs
 /// filtered, no caching, no republishing, our own record-size bound), identify, ping, autonat,
-/// the relay client the swarm builder made, dcutr and `libp2p-stream`.
+/// the relay client the swarm builder made, the relay server if configured, dcutr and
+/// `libp2p-stream`.
 pub(crate) fn build(
     key: &Keypair,
     relay_client: relay::client::Behaviour,
@@ -74,9 +77,42 @@ pub(crate) fn build(
         kad,
         identify,
         ping: ping::Behaviour::new(ping::Config::new()),
-        autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+        autonat: autonat::Behaviour::new(peer_id, autonat_config(&cfg.nat)),
         relay_client,
+        relay_server: cfg
+            .relay_server
+            .as_ref()
+            .map(|limits| relay::Behaviour::new(peer_id, relay_config(limits)))
+            .into(),
         dcutr: dcutr::Behaviour::new(peer_id),
         stream: libp2p_stream::Behaviour::new(),
     })
+}
+
+/// Autonat (v1) as [`NatConfig`] says; the rest of libp2p's defaults (three agreeing probes for
+/// a confident verdict, a server reused at most every 90 s, at most 30 dial-backs a second).
+fn autonat_config(nat: &NatConfig) -> autonat::Config {
+    autonat::Config {
+        timeout: nat.probe_timeout,
+        boot_delay: nat.probe_delay,
+        retry_interval: nat.probe_interval,
+        refresh_interval: nat.refresh_interval,
+        only_global_ips: !nat.private_ips,
+        ..autonat::Config::default()
+    }
+}
+
+/// The relay server's limits, with libp2p's per-peer and per-IP reservation and circuit rate
+/// limiters.
+fn relay_config(limits: &RelayServerConfig) -> relay::Config {
+    relay::Config {
+        max_reservations: limits.max_reservations,
+        max_reservations_per_peer: limits.max_reservations_per_peer,
+        reservation_duration: limits.reservation_duration,
+        max_circuits: limits.max_circuits,
+        max_circuits_per_peer: limits.max_circuits_per_peer,
+        max_circuit_duration: limits.max_circuit_duration,
+        max_circuit_bytes: limits.max_circuit_bytes,
+        ..relay::Config::default()
+    }
 }

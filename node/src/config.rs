@@ -63,6 +63,98 @@ pub struct NodeConfig {
     /// The fast lane's TCP port (0: chosen by the OS). It listens on every IP of the TCP listen
     /// addresses (all interfaces for `0.0.0.0`, the default), on this one port where it can.
     pub fast_lane_port: u16,
+    /// Addresses this node is known to be reachable at (a public IP, a forwarded port). They are
+    /// announced as confirmed at start, without waiting for autonat; a relay server needs at
+    /// least one confirmed address before it hands out reservations.
+    pub external_addrs: Vec<Multiaddr>,
+    /// Serve as a circuit relay (v2) for peers behind NATs, within these limits. `None`: no.
+    pub relay_server: Option<RelayServerConfig>,
+    /// Reachability detection (autonat) and what a node behind a NAT does about it.
+    pub nat: NatConfig,
+}
+
+/// How a node learns whether others can dial it (libp2p autonat v1), and what it does when they
+/// cannot: it switches Kademlia to client mode, reserves slots on relays it is connected to and
+/// lets dcutr turn relayed connections into direct ones (hole punching).
+///
+/// ```
+/// use starling_node::{NatConfig, NodeConfig};
+/// let lab = NodeConfig::default().with_nat(NatConfig { private_ips: true, ..NatConfig::default() });
+/// assert!(lab.nat.auto_relay);
+/// ```
+#[derive(Clone, Debug)]
+pub struct NatConfig {
+    /// Delay before the first probe: time to connect to peers that can run it.
+    pub probe_delay: Duration,
+    /// Pause between probes while the verdict is missing or not yet confident.
+    pub probe_interval: Duration,
+    /// Pause between probes once the verdict is confident.
+    pub refresh_interval: Duration,
+    /// How long a probe may take. A dial-back into a NAT that drops unsolicited packets fails
+    /// only at the transport's 10 s connection timeout, so keep this well above that.
+    pub probe_timeout: Duration,
+    /// Let autonat ask, and answer, peers seen at private IP addresses (10/8, 172.16/12,
+    /// 192.168/16, ...). Turn on where the network between peers is itself private (a campus,
+    /// a VPC, test namespaces). Off by default: on the internet, a neighbour on the same LAN
+    /// reaching us says nothing about whether the rest of the swarm can.
+    pub private_ips: bool,
+    /// Reserve relay slots when autonat finds this node private, so that it is reachable at
+    /// `/p2p-circuit` addresses.
+    pub auto_relay: bool,
+    /// At most this many relay reservations at once.
+    pub max_relays: usize,
+    /// After a reservation is refused or lost, how long before that relay is tried again.
+    pub relay_retry: Duration,
+}
+
+impl Default for NatConfig {
+    fn default() -> Self {
+        NatConfig {
+            probe_delay: Duration::from_secs(5),
+            probe_interval: Duration::from_secs(30),
+            refresh_interval: Duration::from_secs(15 * 60),
+            probe_timeout: Duration::from_secs(30),
+            private_ips: false,
+            auto_relay: true,
+            max_relays: 2,
+            relay_retry: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Limits of a circuit relay (v2) server ([`NodeConfig::relay_server`]). Reservations are also
+/// rate-limited per peer and per IP with libp2p's defaults. A relayed connection carries
+/// control traffic and hole punching, not bulk data: keep the circuit limits small.
+#[derive(Clone, Debug)]
+pub struct RelayServerConfig {
+    /// Reservations held at once, over all peers.
+    pub max_reservations: usize,
+    /// Reservations one peer may hold at once.
+    pub max_reservations_per_peer: usize,
+    /// How long a reservation lasts before the client must renew it.
+    pub reservation_duration: Duration,
+    /// Circuits relayed at once, over all peers.
+    pub max_circuits: usize,
+    /// Circuits one peer may have relayed at once.
+    pub max_circuits_per_peer: usize,
+    /// A circuit is closed after this long.
+    pub max_circuit_duration: Duration,
+    /// A circuit is closed after this many bytes (both directions together).
+    pub max_circuit_bytes: u64,
+}
+
+impl Default for RelayServerConfig {
+    fn default() -> Self {
+        RelayServerConfig {
+            max_reservations: 128,
+            max_reservations_per_peer: 4,
+            reservation_duration: Duration::from_secs(60 * 60),
+            max_circuits: 16,
+            max_circuits_per_peer: 4,
+            max_circuit_duration: Duration::from_secs(2 * 60),
+            max_circuit_bytes: 1 << 20,
+        }
+    }
 }
 
 impl Default for NodeConfig {
@@ -86,6 +178,9 @@ impl Default for NodeConfig {
             command_queue: 1024,
             fast_lane: true,
             fast_lane_port: 0,
+            external_addrs: Vec::new(),
+            relay_server: None,
+            nat: NatConfig::default(),
         }
     }
 }
@@ -136,6 +231,24 @@ impl NodeConfig {
     /// Sets the DHT bounds.
     pub fn with_dht_limits(mut self, limits: DhtLimits) -> Self {
         self.dht_limits = limits;
+        self
+    }
+
+    /// Serves as a circuit relay for peers behind NATs (see [`RelayServerConfig`]).
+    pub fn with_relay_server(mut self, limits: RelayServerConfig) -> Self {
+        self.relay_server = Some(limits);
+        self
+    }
+
+    /// Adds an address this node is known to be reachable at.
+    pub fn with_external_addr(mut self, addr: Multiaddr) -> Self {
+        self.external_addrs.push(addr);
+        self
+    }
+
+    /// Sets reachability detection and NAT traversal.
+    pub fn with_nat(mut self, nat: NatConfig) -> Self {
+        self.nat = nat;
         self
     }
 

@@ -8,7 +8,10 @@
 //! - transports: TCP + noise + yamux, and QUIC in public swarms; in a **private swarm**
 //!   ([`SwarmKey`]) TCP is wrapped in libp2p `pnet` with a 256-bit pre-shared key and QUIC is
 //!   disabled, because pnet covers TCP only (a keyless peer could otherwise connect over QUIC);
-//! - identify, ping, autonat (reachability), relay client + dcutr (hole punching);
+//! - identify, ping, autonat (reachability), relay client + dcutr (hole punching), and a relay
+//!   server where configured ([`NodeConfig::relay_server`]). A node that autonat finds private
+//!   switches Kademlia to client mode and reserves relay slots by itself ([`NatConfig`]); what
+//!   happens is reported as [`NatEvent`]s ([`Node::nat_events`]);
 //! - Kademlia over a [`starling_dht::DhtStore`] with `StoreInserts::FilterBoth`: every inbound PUT
 //!   is validated and merged by our store, never stored blindly;
 //! - `libp2p-stream` for bulk data protocols (averaging, experts): see [`Node::stream_control`];
@@ -55,11 +58,11 @@ pub mod streams;
 mod swarm_key;
 mod sync;
 
-pub use config::{NodeConfig, DEFAULT_KAD_PROTOCOL};
+pub use config::{NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
-pub use node::{Node, NodeStatus, PutReport, Reachability};
+pub use node::{NatEvent, Node, NodeStatus, PutReport, Reachability};
 pub use swarm_key::SwarmKey;
 
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};

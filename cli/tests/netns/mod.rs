@@ -3,12 +3,15 @@
 //!
 //! Each test builds its own namespaces (names and a /24 subnet derived from its pid and a tag)
 //! and deletes them on drop, also on failure. Namespaces need root and `ip` (Debian
-//! `iproute2`); [`available`] tells whether they can be built, and fails loudly when they
+//! `iproute2`); hosts behind a NAT ([`Net::add_nat_host`]) also need `iptables` (Debian
+//! `iptables`). [`available`] tells whether they can be built, and fails loudly when they
 //! cannot while `CI` is set (CI runs as root, so a skip there would hide a broken test).
 #![allow(dead_code)] // each test binary uses its own part of this module
 
 use std::io::{BufRead, BufReader, Lines};
 use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Instant;
 
 /// The `starling` binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_starling");
@@ -67,6 +70,20 @@ pub struct Net {
     hosts: usize,
     /// Extra namespaces to delete on drop (routers, hosts behind them).
     extra: Vec<String>,
+    /// NAT routers plugged so far.
+    nats: usize,
+}
+
+/// A host behind its own masquerading router, made by [`Net::add_nat_host`].
+pub struct NatHost {
+    /// The host's namespace.
+    pub ns: String,
+    /// The router's namespace.
+    pub router: String,
+    /// The host's address on its private /24.
+    pub private_addr: String,
+    /// The router's address on the bridge: what every other host sees the NATed host at.
+    pub public_addr: String,
 }
 
 impl Net {
@@ -80,6 +97,7 @@ impl Net {
             subnet: format!("10.{third_octet_seed}.{}", pid % 250),
             hosts: 0,
             extra: Vec::new(),
+            nats: 0,
         };
         let mut net = net;
         let hub = net.hub();
@@ -164,6 +182,92 @@ impl Net {
         self.extra.push(ns);
     }
 
+    /// Adds a host behind its own NAT router: the router is plugged into the bridge (at
+    /// `<subnet>.<101 + k>` for the `k`-th router) and masquerades the host's private /24
+    /// (`192.168.<k + 1>.0/24`, the host at `.2`) behind that address, like a home router: the
+    /// host's outbound connections get the router's address (iptables `MASQUERADE`, which keeps
+    /// source ports where it can, so the mapping is endpoint-independent: a cone NAT), and
+    /// inbound packets that answer no outbound connection are dropped.
+    pub fn add_nat_host(&mut self) -> Result<NatHost, String> {
+        let k = self.nats;
+        self.nats += 1;
+        let host = NatHost {
+            ns: format!("stl-{}-n{k}", self.tag),
+            router: format!("stl-{}-r{k}", self.tag),
+            private_addr: format!("192.168.{}.2", k + 1),
+            public_addr: format!("{}.{}", self.subnet, 101 + k),
+        };
+        self.adopt(host.router.clone());
+        self.adopt(host.ns.clone());
+        // Router slots follow the bridge hosts' slots, so veth names never clash.
+        self.plug(&host.router, &host.public_addr, 100 + k)?;
+        let lan = |end: char| {
+            let name = format!("v{}{end}{k}", self.tag);
+            name[name.len().saturating_sub(15)..].to_string()
+        };
+        let (router_if, host_if) = (lan('r'), lan('n'));
+        sh(&["ip", "netns", "add", &host.ns])?;
+        sh(&[
+            "ip", "link", "add", &router_if, "type", "veth", "peer", "name", &host_if,
+        ])?;
+        sh(&["ip", "link", "set", &router_if, "netns", &host.router])?;
+        sh(&["ip", "link", "set", &host_if, "netns", &host.ns])?;
+        let gateway = format!("192.168.{}.1", k + 1);
+        let r = |args: &[&str]| {
+            let mut v = vec!["ip", "netns", "exec", host.router.as_str()];
+            v.extend_from_slice(args);
+            sh(&v)
+        };
+        r(&["ip", "link", "set", &router_if, "name", "lan0"])?;
+        r(&["ip", "addr", "add", &format!("{gateway}/24"), "dev", "lan0"])?;
+        r(&["ip", "link", "set", "lan0", "up"])?;
+        r(&["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])?;
+        r(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-o",
+            "eth0",
+            "-j",
+            "MASQUERADE",
+        ])?;
+        for chain in ["INPUT", "FORWARD"] {
+            r(&[
+                "iptables",
+                "-A",
+                chain,
+                "-i",
+                "eth0",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            ])?;
+            r(&["iptables", "-A", chain, "-i", "eth0", "-j", "DROP"])?;
+        }
+        let h = |args: &[&str]| {
+            let mut v = vec!["ip", "-n", host.ns.as_str()];
+            v.extend_from_slice(args);
+            sh(&v)
+        };
+        h(&["link", "set", &host_if, "name", "eth0"])?;
+        h(&[
+            "addr",
+            "add",
+            &format!("{}/24", host.private_addr),
+            "dev",
+            "eth0",
+        ])?;
+        h(&["link", "set", "eth0", "up"])?;
+        h(&["link", "set", "lo", "up"])?;
+        h(&["route", "add", "default", "via", &gateway])?;
+        Ok(host)
+    }
+
     /// Limits host `i`'s upload to `rate` (a `tc` rate such as `100mbit`) and its download,
     /// on the bridge side, to `down`.
     pub fn throttle(&self, i: usize, rate: &str, down: &str) -> Result<(), String> {
@@ -230,6 +334,15 @@ impl Drop for Killer {
     }
 }
 
+/// Where a node's log goes: nowhere, unless `RUST_LOG` is set to debug a test.
+fn node_stderr() -> Stdio {
+    if std::env::var_os("RUST_LOG").is_some() {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
+}
+
 /// Starts `starling node` with `args` through `cmd` (typically [`Net::command`]`(i, BIN)`)
 /// and waits for its first dialable address (`listening on ...`). Returns the process, the
 /// address and the rest of its stdout.
@@ -242,7 +355,7 @@ pub fn start_node(
         .args(args)
         .args(["--status-interval", "3600"])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(node_stderr())
         .spawn()
         .expect("starling node starts");
     let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
@@ -256,6 +369,55 @@ pub fn start_node(
         }
     };
     (Killer(child), addr, lines)
+}
+
+/// A process's output lines, read on their own thread, so that a test can wait for a line with
+/// a deadline instead of blocking on a silent process.
+pub struct Watch {
+    rx: mpsc::Receiver<String>,
+    /// Every line received so far.
+    pub seen: Vec<String>,
+}
+
+impl Watch {
+    /// Starts reading `lines` (such as [`start_node`]'s) on a thread.
+    pub fn new(lines: impl Iterator<Item = std::io::Result<String>> + Send + 'static) -> Watch {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Watch {
+            rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The first line so far, or arriving before `deadline`, that contains `pattern`; `None`
+    /// if none does by then (or the process closed its output).
+    pub fn wait_for(&mut self, pattern: &str, deadline: Instant) -> Option<String> {
+        if let Some(l) = self.seen.iter().find(|l| l.contains(pattern)) {
+            return Some(l.clone());
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self.rx.recv_timeout(left).ok()?;
+            self.seen.push(line.clone());
+            if line.contains(pattern) {
+                return Some(line);
+            }
+        }
+    }
+
+    /// Takes every line that has arrived without waiting.
+    pub fn drain(&mut self) {
+        while let Ok(line) = self.rx.try_recv() {
+            self.seen.push(line);
+        }
+    }
 }
 
 /// The number after `"name":` in a JSON line.

@@ -21,9 +21,10 @@ use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
 use starling_dht::{now_ms, DictionaryRecord, Validator};
 use tokio::sync::{mpsc, oneshot};
 
+use super::nat::{Nat, NatEvents};
 use super::queries::{Kad, Queries, Reply};
-use super::transport::{direct_ip, peer_of};
-use super::{NodeStatus, PutReport, Reachability};
+use super::transport::{direct_ip, on_remote_ip, peer_of};
+use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::{NodeConfig, NodeError};
 
@@ -60,30 +61,32 @@ pub(super) struct Actor {
     peer_ips: HashMap<PeerId, IpAddr>,
     pending_dials: HashMap<ConnectionId, (Multiaddr, Reply<PeerId>)>,
     queries: Queries,
-    reachability: Reachability,
+    /// Reachability, relay reservations, hole punches.
+    nat: Nat,
     /// Peers that announce this protocol in identify get into the routing table.
     kad_protocol: StreamProtocol,
 }
 
 impl Actor {
-    /// The task's state for a swarm that already listens on `listen_addrs`.
+    /// The task's state for a swarm that already listens on `listen_addrs`; NAT events go to
+    /// `nat_events`. The configured external addresses are confirmed here.
     pub(super) fn new(
-        swarm: Swarm<Behaviour>,
+        mut swarm: Swarm<Behaviour>,
         listen_addrs: Vec<Multiaddr>,
         validator: Validator,
         cfg: &NodeConfig,
+        nat_events: &NatEvents,
     ) -> Result<Self, NodeError> {
+        for addr in &cfg.external_addrs {
+            swarm.add_external_address(addr.clone());
+        }
         Ok(Actor {
             swarm,
             listen_addrs,
             peer_ips: HashMap::new(),
             pending_dials: HashMap::new(),
             queries: Queries::new(validator, cfg.put_quorum),
-            reachability: if cfg.client_mode {
-                Reachability::Client
-            } else {
-                Reachability::Unknown
-            },
+            nat: Nat::new(cfg, nat_events.sender()),
             kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
         })
@@ -110,6 +113,7 @@ impl Actor {
                 event = self.swarm.select_next_some() => self.on_event(event),
                 _ = sweep.tick() => {
                     self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
+                    self.nat.maintain(&mut self.swarm);
                 }
             }
         }
@@ -206,17 +210,35 @@ impl Actor {
             records: stats.records,
             record_bytes: stats.bytes,
             rejected_records: stats.rejected,
-            reachability: self.reachability,
+            reachability: self.nat.reachability(),
         }
     }
 
     fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
-            SwarmEvent::NewListenAddr { address, .. } if !self.listen_addrs.contains(&address) => {
-                self.listen_addrs.push(address);
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
+                self.nat
+                    .on_new_listen_addr(listener_id, &address, *self.swarm.local_peer_id());
+                if !self.listen_addrs.contains(&address) {
+                    self.listen_addrs.push(address);
+                }
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|a| a != &address);
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => {
+                let reason = match reason {
+                    Ok(()) => "listener closed".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                self.nat.on_listener_closed(listener_id, reason);
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -224,6 +246,7 @@ impl Actor {
                 endpoint,
                 ..
             } => {
+                self.nat.on_connection_established(connection_id, &endpoint);
                 if let Some(ip) = direct_ip(endpoint.get_remote_address()) {
                     self.peer_ips.insert(peer_id, ip);
                 }
@@ -252,11 +275,13 @@ impl Actor {
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
+                connection_id,
                 cause,
                 num_established,
                 ..
             } => {
                 tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
+                self.nat.on_connection_closed(connection_id);
                 if num_established == 0 {
                     self.peer_ips.remove(&peer_id);
                 }
@@ -268,29 +293,42 @@ impl Actor {
             } => {
                 tracing::debug!(%send_back_addr, "inbound connection failed: {error}");
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+            SwarmEvent::Behaviour(event) => self.on_behaviour(event),
+            _ => {}
+        }
+    }
+
+    fn on_behaviour(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Identify(identify::Event::Received {
+                connection_id,
                 peer_id,
                 info,
-                ..
-            })) if info.protocols.contains(&self.kad_protocol) => {
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+            }) => {
+                self.nat
+                    .on_identify(&mut self.swarm, peer_id, connection_id, &info);
+                let dialable = match self.nat.remote_addr(connection_id) {
+                    Some(remote) => on_remote_ip(&info.listen_addrs, remote),
+                    None => Vec::new(),
+                };
+                let kad = &mut self.swarm.behaviour_mut().kad;
+                if info.protocols.contains(&self.kad_protocol) {
+                    for addr in dialable {
+                        kad.add_address(&peer_id, addr);
+                    }
+                } else {
+                    // Not (or no longer) a Kademlia server: a peer behind a NAT that switched
+                    // to client mode must not stay in the routing table.
+                    kad.remove_peer(&peer_id);
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::Event::StatusChanged {
-                new,
-                ..
-            })) if self.reachability != Reachability::Client => {
-                self.reachability = match new {
-                    autonat::NatStatus::Public(_) => Reachability::Public,
-                    autonat::NatStatus::Private => Reachability::Private,
-                    autonat::NatStatus::Unknown => Reachability::Unknown,
-                };
-                tracing::info!(?new, "reachability changed");
+            BehaviourEvent::Autonat(autonat::Event::StatusChanged { new, .. }) => {
+                self.nat.on_autonat(&mut self.swarm, new);
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => {
-                self.queries.on_event(kad(&mut self.swarm), event)
-            }
+            BehaviourEvent::RelayClient(event) => self.nat.on_relay_client(event),
+            BehaviourEvent::RelayServer(event) => self.nat.on_relay_server(event),
+            BehaviourEvent::Dcutr(event) => self.nat.on_dcutr(event),
+            BehaviourEvent::Kad(event) => self.queries.on_event(kad(&mut self.swarm), event),
             _ => {}
         }
     }

@@ -3,9 +3,12 @@
 //! - `mod.rs` (here): the handle, the public snapshot types, and [`Node::start`] as named steps;
 //! - [`actor`]: the swarm task that owns the `Swarm` and the [`Command`]s handles send it;
 //! - [`queries`]: Kademlia queries in flight and the Kademlia events that answer them;
+//! - [`nat`]: reachability, relay reservations and hole punching, and the [`NatEvent`]s that
+//!   report them;
 //! - [`transport`]: building the swarm, bringing listeners up, multiaddr helpers.
 
 mod actor;
+mod nat;
 mod queries;
 mod transport;
 
@@ -18,12 +21,13 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId, StreamProtocol};
 use serde::{de::DeserializeOwned, Serialize};
 use starling_dht::{encode_value, now_ms, DhtTime, DictionaryRecord, Entry, OwnerKey, Validator};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tracing::Instrument;
 
 use crate::fastlane::{lane_ips, FastLane, FastStream, IncomingFast, PeerIpLookup};
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 use actor::{Actor, Command};
+pub use nat::NatEvent;
 
 /// Whether this node can be dialed from outside, as far as autonat can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -97,6 +101,7 @@ pub struct Node {
     validator: Validator,
     request_timeout: Duration,
     fast: Option<Arc<FastLane>>,
+    nat_events: Arc<nat::NatEvents>,
     /// `node{peer=<short id>}`: entered by the swarm task and every task the node spawns.
     span: tracing::Span,
 }
@@ -138,7 +143,8 @@ impl Node {
         let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let fast = start_fast_lane(&cfg, &listen, stream.clone(), peer_ip_lookup(&tx)).await?;
-        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg)?;
+        let nat_events = nat::NatEvents::new();
+        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg, &nat_events)?;
         tokio::spawn(actor.run(rx).instrument(span.clone()));
         let node = Node {
             tx,
@@ -148,6 +154,7 @@ impl Node {
             validator,
             request_timeout: cfg.request_timeout,
             fast,
+            nat_events,
             span,
         };
         if !cfg.bootstrap.is_empty() {
@@ -275,6 +282,14 @@ impl Node {
     pub async fn bootstrap(&self) -> Result<(), NodeError> {
         self.call_timeout("bootstrap", self.request_timeout * 6, Command::Bootstrap)
             .await
+    }
+
+    /// NAT traversal as it happens: reachability verdicts, relay reservations, hole punches
+    /// (see [`NatEvent`]). The first call also gets the events since the node started (the
+    /// last 64 at most); later calls get events from the moment of the call. A subscriber that
+    /// falls far behind gets `Lagged`, then newer events.
+    pub fn nat_events(&self) -> broadcast::Receiver<NatEvent> {
+        self.nat_events.subscribe()
     }
 
     /// A status snapshot.

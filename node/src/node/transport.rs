@@ -186,12 +186,30 @@ pub(super) fn direct_ip(addr: &Multiaddr) -> Option<IpAddr> {
     })
 }
 
-/// The peer id an address ends in (`.../p2p/<peer id>`), if any.
+/// The addresses among `announced` (a peer's listen addresses, from identify) that are on the IP
+/// the peer's connection came from (`remote`): the ones worth giving Kademlia. A peer behind a
+/// NAT announces private addresses that only its LAN can dial, and lookups that try them stall
+/// on the dial timeout. Nothing for a relayed connection.
+pub(super) fn on_remote_ip(announced: &[Multiaddr], remote: &Multiaddr) -> Vec<Multiaddr> {
+    let Some(ip) = direct_ip(remote) else {
+        return Vec::new();
+    };
+    announced
+        .iter()
+        .filter(|a| direct_ip(a) == Some(ip))
+        .cloned()
+        .collect()
+}
+
+/// The peer an address leads to: its last `/p2p/<peer id>` (in a relayed address
+/// `<relay>/p2p/<relay id>/p2p-circuit/p2p/<peer id>`, the peer behind the relay), if any.
 pub(super) fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
-    addr.iter().find_map(|p| match p {
-        Protocol::P2p(id) => Some(id),
-        _ => None,
-    })
+    addr.iter()
+        .filter_map(|p| match p {
+            Protocol::P2p(id) => Some(id),
+            _ => None,
+        })
+        .last()
 }
 
 #[cfg(test)]
@@ -213,6 +231,18 @@ mod tests {
         assert_eq!(direct_ip(&relayed), None);
         assert_eq!(direct_ip(&a), Some("10.0.0.1".parse().unwrap()));
         assert_eq!(peer_of(&relayed), Some(peer));
+        let behind = PeerId::random();
+        let circuit = relayed.clone().with(Protocol::P2p(behind));
+        assert_eq!(peer_of(&circuit), Some(behind));
         assert_eq!(peer_of(&a), None);
+        let announced: Vec<Multiaddr> = ["/ip4/192.168.1.2/tcp/7", "/ip4/10.0.0.1/tcp/7"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let from: Multiaddr = "/ip4/10.0.0.1/tcp/50000".parse().unwrap();
+        assert_eq!(on_remote_ip(&announced, &from), vec![announced[1].clone()]);
+        let router: Multiaddr = "/ip4/10.0.0.9/tcp/50000".parse().unwrap();
+        assert!(on_remote_ip(&announced, &router).is_empty());
+        assert!(on_remote_ip(&announced, &relayed).is_empty());
     }
 }
