@@ -29,6 +29,9 @@ pub enum BenchCommand {
     AllreduceWorker(crate::bench_allreduce::WorkerArgs),
     /// One-way throughput between two peers on 127.0.0.1: fast lane against libp2p stream.
     Lane(crate::bench_lane::LaneArgs),
+    /// Local collectives across N devices of this process (cpu threads or nccl GPUs): algorithm
+    /// and bus bandwidth, and (cpu) this machine's memcpy bandwidth.
+    Local(crate::bench_local::LocalArgs),
     /// Samples per second and latency of an expert server under many clients (in-process peers).
     Experts(crate::bench_experts::ExpertsBenchArgs),
     /// Store and read records across N in-process peers on 127.0.0.1.
@@ -206,6 +209,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
         BenchCommand::Experts(args) => crate::bench_experts::run(args).await?,
         BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
+        BenchCommand::Local(args) => crate::bench_local::run(args)?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht {
             peers,
