@@ -166,8 +166,12 @@ pub fn run(args: LocalArgs) -> Result<()> {
         "--size and --iterations must be at least 1"
     );
     let report = DeviceReport::probe();
-    let mut group = LocalGroup::new(args.backend, args.devices, args.size)
-        .with_context(|| format!("starting {} {} devices", args.devices, args.backend))?;
+    let mut group = LocalGroup::new(args.backend, args.devices, args.size).with_context(|| {
+        format!(
+            "starting a {} group of {} devices",
+            args.backend, args.devices
+        )
+    })?;
     check_sum(&mut group)?;
     let (n, bytes) = (args.devices, args.size * std::mem::size_of::<f32>());
     let (w, it) = (args.warmup, args.iterations);

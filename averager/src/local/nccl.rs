@@ -451,6 +451,106 @@ impl NcclGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::local::LocalGroup;
+
+    /// A stand-in driver with one "GPU", and an NCCL that has only `ncclGetVersion`.
+    const FAKE_CUDA: &str = r#"
+        #include <string.h>
+        #include <stddef.h>
+        int cuInit(unsigned f) { return 0; }
+        int cuDeviceGetCount(int *c) { *c = 1; return 0; }
+        int cuDeviceGet(int *d, int o) { *d = o; return 0; }
+        int cuDeviceGetName(char *n, int len, int d) { strncpy(n, "Fake GPU", len); return 0; }
+        int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return 0; }
+    "#;
+    const FAKE_NCCL: &str = "int ncclGetVersion(int *v) { *v = 22105; return 0; }";
+    const THIS_TEST: &str =
+        "local::nccl::tests::a_driver_without_nccl_or_with_missing_functions_is_an_error";
+
+    fn compile(dir: &Path, source: &str, lib: &str) -> bool {
+        let c = dir.join(format!("{lib}.c"));
+        std::fs::write(&c, source).unwrap();
+        std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(dir.join(lib))
+            .arg(&c)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// The NCCL backend with a (stand-in) driver but no `libnccl.so`, and with an NCCL missing
+    /// the functions it needs: errors that say what to do, never a panic. The library path is
+    /// read when a process starts, so the checks run in a child process of this test binary.
+    #[test]
+    fn a_driver_without_nccl_or_with_missing_functions_is_an_error() {
+        match std::env::var("STARLING_FAKE_CUDA").as_deref() {
+            Ok("no-nccl") => return no_nccl_child(),
+            Ok("stub-nccl") => return stub_nccl_child(),
+            _ => {}
+        }
+        let dir = std::env::temp_dir().join(format!("starling-fake-cuda-{}", std::process::id()));
+        let with = dir.join("with-nccl");
+        std::fs::create_dir_all(&with).unwrap();
+        if !(compile(&dir, FAKE_CUDA, "libcuda.so")
+            && compile(&dir, FAKE_NCCL, "libnccl.so.2")
+            && compile(&with, FAKE_NCCL, "libnccl.so"))
+        {
+            eprintln!("skipped: no C compiler (cc) to build stand-in CUDA libraries");
+            return;
+        }
+        let mut modes = vec![("stub-nccl", format!("{}:{}", dir.display(), with.display()))];
+        if !nccl_present() {
+            // (Where a real libnccl.so is installed, cudarc would find it.)
+            modes.push(("no-nccl", dir.display().to_string()));
+        }
+        for (mode, path) in modes {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", THIS_TEST, "--nocapture", "--test-threads=1"])
+                .env("LD_LIBRARY_PATH", path)
+                .env("STARLING_FAKE_CUDA", mode)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{mode}: {text}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn no_nccl_child() {
+        let report = DeviceReport::probe();
+        assert_eq!(report.gpus.len(), 1, "{report}");
+        let line = report.to_string();
+        assert!(
+            line.contains("Fake GPU") && line.contains("ln -sf"),
+            "{line}"
+        );
+        assert!(matches!(
+            LocalGroup::nccl(2, 10),
+            Err(LocalError::NotEnoughDevices {
+                wanted: 2,
+                found: 1
+            })
+        ));
+        match LocalGroup::nccl(1, 10) {
+            Err(LocalError::NoNccl { hint }) => assert!(hint.contains("libnccl.so.2"), "{hint}"),
+            other => panic!("expected NoNccl, got {other:?}"),
+        }
+    }
+
+    fn stub_nccl_child() {
+        let report = DeviceReport::probe();
+        assert_eq!(report.nccl_version.as_deref(), Some("2.21.5"), "{report}");
+        assert!(report.nccl_usable());
+        // The stand-in driver lacks what creating a context needs: an error, not a panic.
+        match LocalGroup::nccl(1, 10) {
+            Err(LocalError::Cuda(m)) => assert!(m.contains("Missing symbol"), "{m}"),
+            other => panic!("expected a missing-function error, got {other:?}"),
+        }
+    }
 
     #[test]
     fn finds_a_versioned_nccl_and_says_which_link_to_make() {
