@@ -25,7 +25,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use super::{part, LocalError};
+use super::{panic_text, part, LocalError};
 use crate::sync::lock;
 
 /// Elements handled at a time: a block of the accumulator and of one source buffer (16 KiB
@@ -237,13 +237,6 @@ impl Drop for CpuGroup {
             let _ = w.join();
         }
     }
-}
-
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panicked".into())
 }
 
 /// Device `d`'s loop: wait for a job, run its share, report, until `Exit`.

@@ -165,6 +165,14 @@ pub fn part(len: usize, n: usize, d: usize) -> Range<usize> {
     at(d)..at(d + 1)
 }
 
+/// The message of a caught panic.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panicked".into())
+}
+
 enum Inner {
     Cpu(CpuGroup),
     #[cfg(feature = "cuda")]

@@ -20,7 +20,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, DriverErr
 use cudarc::nccl::result::{self, NcclError};
 use cudarc::nccl::sys;
 
-use super::{part, DeviceReport, GpuInfo, LocalError, ReduceOp};
+use super::{panic_text, part, DeviceReport, GpuInfo, LocalError, ReduceOp};
 
 const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
 
@@ -48,14 +48,10 @@ fn nccl_err(e: NcclError) -> LocalError {
 /// an error.
 fn guarded<T>(f: impl FnOnce() -> Result<T, LocalError>) -> Result<T, LocalError> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
-        let what = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
         Err(LocalError::Cuda(format!(
-            "the CUDA driver or NCCL library lacks something this build needs ({what}); \
-             update the driver or NCCL"
+            "the CUDA driver or NCCL library lacks something this build needs ({}); \
+             update the driver or NCCL",
+            panic_text(p.as_ref())
         )))
     })
 }

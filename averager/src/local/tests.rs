@@ -44,6 +44,21 @@ fn max_err(a: &[f32], b: &[f64]) -> f64 {
 }
 
 #[test]
+fn a_group_can_move_to_another_thread() {
+    fn send<T: Send>() {}
+    send::<LocalGroup>();
+    let mut g = LocalGroup::cpu(2, 3).unwrap();
+    g.load(1, &[1.0, 2.0, 3.0]).unwrap();
+    let g = std::thread::spawn(move || {
+        g.broadcast(1).unwrap();
+        g
+    })
+    .join()
+    .unwrap();
+    assert_eq!(g.host_buffer(0).unwrap(), &[1.0, 2.0, 3.0]);
+}
+
+#[test]
 fn parts_tile_the_vector_in_order() {
     for len in [0, 1, 5, 4096, 10_001] {
         for n in 1..=7 {
