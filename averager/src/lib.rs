@@ -9,6 +9,9 @@
 //!   it declared (measured from real transfers), so weak and client peers reduce little or
 //!   nothing.
 //! - [`wire`]: every message and the framing (bounded frames, `starling_node::framing`).
+//! - [`local`]: collectives across the devices of one machine ([`LocalGroup`]: CPU threads, or
+//!   NCCL with the `cuda` feature) and [`Hierarchical`] averaging, where one averager speaks
+//!   for the whole machine in the swarm.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -125,7 +128,7 @@
 //! differences larger than measurement noise; reducers send deltas rather than averaged values;
 //! a failed reducer's span is re-delegated within the round.
 //!
-//! Not yet: gossip averaging, and local (intra-node) collectives.
+//! Not yet: gossip averaging.
 //!
 //! # Internals
 //!
@@ -140,6 +143,7 @@ mod bandwidth;
 mod config;
 mod error;
 mod group;
+pub mod local;
 mod matchmaking;
 pub mod partition;
 mod pool;
@@ -154,4 +158,5 @@ pub use config::{AveragerConfig, AveragingMode};
 #[cfg(feature = "testing")]
 pub use config::{Fault, Rogue};
 pub use error::AveragerError;
+pub use local::{Hierarchical, LocalGroup};
 pub use report::{RoundReport, SpanOutcome, SpanReport};

@@ -32,6 +32,9 @@ pub enum BenchCommand {
     /// Where a collaborative global step's time goes (waiting, averaging, optimizer) for a
     /// synthetic model, beside plain all-reduce rounds of the same size (in-process peers).
     Training(crate::bench_training::TrainingArgs),
+    /// Local collectives across N devices of this process (cpu threads or nccl GPUs): algorithm
+    /// and bus bandwidth, and (cpu) this machine's memcpy bandwidth.
+    Local(crate::bench_local::LocalArgs),
     /// Samples per second and latency of an expert server under many clients (in-process peers).
     Experts(crate::bench_experts::ExpertsBenchArgs),
     /// Store and read records across N in-process peers on 127.0.0.1.
@@ -210,6 +213,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Experts(args) => crate::bench_experts::run(args).await?,
         BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
         BenchCommand::Training(args) => crate::bench_training::run(args).await?,
+        BenchCommand::Local(args) => crate::bench_local::run(args)?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht {
             peers,

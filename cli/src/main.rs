@@ -4,6 +4,7 @@ mod bench;
 mod bench_allreduce;
 mod bench_experts;
 mod bench_lane;
+mod bench_local;
 mod bench_training;
 mod dht_cmd;
 mod experts_cmd;

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
+use starling_averager::local::DeviceReport;
 use starling_node::{Multiaddr, NatEvent, Node, Reachability, RelayServerConfig};
 use tokio::sync::broadcast;
 
@@ -46,9 +47,18 @@ pub struct NodeArgs {
     /// Print status lines as JSON objects instead of text.
     #[arg(long)]
     json: bool,
+    /// Print the local devices found (GPUs, NCCL; or why there are none) and exit. A node
+    /// always prints this one line when it starts.
+    #[arg(long)]
+    gpus: bool,
 }
 
 pub async fn run(args: NodeArgs) -> Result<()> {
+    let devices = DeviceReport::probe();
+    if args.gpus {
+        println!("{devices}");
+        return Ok(());
+    }
     let mut cfg = args.join.config()?;
     cfg.listen = args.listen.clone();
     cfg.client_mode = args.client;
@@ -89,6 +99,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
     if !args.dial.is_empty() {
         tokio::spawn(dial_when_judged(node.clone(), args.dial.clone()));
     }
+    println!("{devices}");
     let mut tick = tokio::time::interval(Duration::from_secs(args.status_interval.max(1)));
     tick.tick().await;
     loop {
