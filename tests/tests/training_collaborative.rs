@@ -291,3 +291,70 @@ async fn local_sgd_averages_every_h_steps_and_keeps_phase_starts_identical() {
     })
     .await;
 }
+
+/// One peer four times slower than the others (it sleeps 4x longer per batch): the swarm steps
+/// when the *aggregate* reaches the global batch, so the fast peers contribute more samples per
+/// step instead of waiting for the slow one, which still contributes and stays in every epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_peer_contributes_without_setting_the_pace() {
+    init_tracing();
+    const SLOW: usize = 3;
+    const STEPS: usize = 4;
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let cluster = LocalCluster::start(PEERS, NodeConfig::default()).await.unwrap();
+        let nodes = cluster.nodes.clone();
+        let train = &train;
+        let runs = nodes.iter().enumerate().map(|(p, node)| async move {
+            let mut params = model();
+            let opt = Sgd::new(sgd(), params.len()).unwrap();
+            let mut cfg = collab_cfg("digits-slow", Mode::Gradients);
+            // A global batch of 24 local batches: about 7 from each fast peer and 2 from the
+            // slow one when the swarm is not held back by it.
+            cfg.target_batch_size = 24 * BATCH as u64;
+            cfg.progress.publish_interval = Duration::from_millis(50);
+            let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
+                .await
+                .unwrap();
+            let pause = Duration::from_millis(if p == SLOW { 80 } else { 20 });
+            let mut contributed = Vec::new();
+            let mut k = 0;
+            while contributed.len() < STEPS {
+                let values = params.params().to_vec();
+                gradient(&values, train, &batch(train, p, 0, k), params.grads_mut());
+                k += 1;
+                tokio::time::sleep(pause).await;
+                let r = collab.step(&mut params, BATCH as u64).await.unwrap();
+                if r.stepped {
+                    assert_eq!(r.epoch, contributed.len() as u64 + 1, "peer {p} skipped an epoch");
+                    contributed.push(r.samples);
+                }
+            }
+            (contributed, params.params().to_vec())
+        });
+        let results = futures::future::join_all(runs).await;
+        cluster.shutdown().await;
+        for (p, (contributed, params)) in results.iter().enumerate() {
+            assert!(params == &results[0].1, "peer {p} ended with other parameters");
+            for (e, s) in contributed.iter().enumerate() {
+                assert!(*s > 0, "peer {p} contributed nothing to epoch {e}");
+            }
+        }
+        let total = |p: usize| results[p].0.iter().sum::<u64>();
+        let fastest_slow_ratio = (0..PEERS)
+            .filter(|p| *p != SLOW)
+            .map(total)
+            .min()
+            .unwrap() as f64
+            / total(SLOW) as f64;
+        eprintln!(
+            "samples contributed over {STEPS} steps: {:?}",
+            (0..PEERS).map(total).collect::<Vec<_>>()
+        );
+        assert!(
+            fastest_slow_ratio >= 2.0,
+            "fast peers contributed only {fastest_slow_ratio:.1}x the slow peer's samples: the slow peer set the pace"
+        );
+    })
+    .await;
+}
