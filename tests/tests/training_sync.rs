@@ -237,6 +237,31 @@ async fn a_donor_sending_corrupt_chunks_is_left_and_none_is_applied() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_that_takes_one_stream_per_peer_still_serves_everything() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
+        let run = "sync-busy";
+        let mut server_cfg = StateServerConfig::new(run);
+        server_cfg.max_sessions_per_peer = 1;
+        let servers = serve(&cluster.nodes[1..], run, CHUNK, vec![server_cfg]).await;
+        wait_for_announcements(&cluster.nodes[0], run, 1).await;
+        let mut cfg = sync_cfg(run);
+        cfg.per_donor_in_flight = 3;
+        let (_, report) = sync_and_check(&cluster.nodes[0], &cfg).await;
+        // Streams past the first are refused busy (when the joiner opens them before the
+        // first is free again); a busy answer only lowers what the joiner asks at once, it
+        // never drops the donor.
+        assert_eq!(report.busy as u64, servers[0].stats().busy_refusals);
+        assert_eq!(report.donors[0].failures, report.busy, "{report:?}");
+        assert_eq!(report.donors[0].chunks, report.chunks);
+        servers[0].shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
 /// Collaborative training for the late-joiner test: 3 donors, then a 4th peer.
 const DONORS: usize = 3;
 const BATCH: u64 = 16;

@@ -525,3 +525,32 @@ fn assemble(
             .collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(hashes: &[u8], chunk_elems: u32) -> Manifest {
+        Manifest {
+            version: 1,
+            epoch: 1,
+            schema_hash: 0,
+            chunk_elems,
+            buffers: vec![("param".into(), hashes.len() as u64 * chunk_elems as u64)],
+            counters: Vec::new(),
+            chunk_hashes: hashes.iter().map(|&h| [h; 32]).collect(),
+        }
+    }
+
+    #[test]
+    fn only_identical_chunks_are_carried_into_the_next_manifest() {
+        let old = manifest(&[1, 2, 3], 2);
+        let slots = vec![Some(vec![1.0, 1.0]), None, Some(vec![3.0, 3.0])];
+        let kept = carry_over(Some((old.clone(), slots.clone())), &manifest(&[1, 2, 9], 2));
+        assert_eq!(kept, vec![Some(vec![1.0, 1.0]), None, None]);
+        // Another chunk size: nothing is carried.
+        let kept = carry_over(Some((old, slots)), &manifest(&[1, 2, 3], 3));
+        assert!(kept.iter().all(Option::is_none));
+        assert_eq!(carry_over(None, &manifest(&[1], 2)), vec![None]);
+    }
+}

@@ -7,8 +7,10 @@
 //!   the first listed): a fast donor asks for more work sooner and so serves more, a slow one
 //!   never has more than `per_donor` requests waiting.
 //! - A failed chunk goes back to the front of the queue. A donor that sent a bad chunk, died,
-//!   timed out or moved on to another snapshot is asked nothing more; a busy donor is rested
-//!   for `busy_backoff` and dropped after `max_busy` refusals.
+//!   timed out or moved on to another snapshot is asked nothing more. A donor that refuses a
+//!   request as busy while others of ours run there has shown its limit: it gets no more
+//!   requests at once than it had then. One that refuses with nothing of ours running is rested
+//!   for `busy_backoff`, and dropped after `max_busy` such refusals.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -37,9 +39,11 @@ pub(crate) struct Limits {
     pub max_busy: u32,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Donor {
     in_flight: usize,
+    /// Requests it takes at once (`per_donor`, lowered by busy answers).
+    cap: usize,
     served: usize,
     busy: u32,
     resting_until: Option<Instant>,
@@ -64,7 +68,17 @@ impl Scheduler {
         Scheduler {
             remaining: pending.len(),
             pending,
-            donors: vec![Donor::default(); donors],
+            donors: vec![
+                Donor {
+                    in_flight: 0,
+                    cap: limits.per_donor.max(1),
+                    served: 0,
+                    busy: 0,
+                    resting_until: None,
+                    dropped: None,
+                };
+                donors
+            ],
             in_flight: 0,
             limits: Limits {
                 max_in_flight: limits.max_in_flight.max(1),
@@ -78,7 +92,7 @@ impl Scheduler {
     fn usable(&self, d: usize, now: Instant) -> bool {
         let donor = &self.donors[d];
         donor.dropped.is_none()
-            && donor.in_flight < self.limits.per_donor
+            && donor.in_flight < donor.cap
             && donor.resting_until.is_none_or(|t| t <= now)
     }
 
@@ -118,6 +132,7 @@ impl Scheduler {
         let limits = self.limits;
         let donor = &mut self.donors[d];
         match failure {
+            Failure::Busy if donor.in_flight > 0 => donor.cap = donor.in_flight,
             Failure::Busy => {
                 donor.busy += 1;
                 donor.resting_until = Some(now + limits.busy_backoff);
@@ -238,6 +253,22 @@ mod tests {
         // Nobody is left: stuck, with one chunk missing.
         assert_eq!((s.next(now), s.wake_at(), s.remaining()), (None, None, 1));
         assert!(!s.is_complete());
+    }
+
+    #[test]
+    fn a_donor_busy_beyond_some_requests_gets_no_more_than_that() {
+        let now = Instant::now();
+        let mut s = Scheduler::new(0..4, 1, limits(4, 3));
+        assert_eq!(s.next(now), Some((0, 0)));
+        assert_eq!(s.next(now), Some((0, 1)));
+        assert_eq!(s.next(now), Some((0, 2)));
+        // The third is refused while two run: the donor takes two at once from now on.
+        s.failed(0, 2, Failure::Busy, now);
+        assert_eq!(s.next(now), None);
+        s.succeeded(0, 0);
+        assert_eq!(s.next(now), Some((0, 2)));
+        assert_eq!(s.next(now), None);
+        assert_eq!(s.dropped(0), None);
     }
 
     #[test]
