@@ -165,6 +165,8 @@ pub struct CollaborativeOptimizer {
     optimizer: Box<dyn Optimizer>,
     /// Local SGD: the outer optimizer and the parameters at the start of the phase.
     outer: Option<(Sgd, Vec<f32>)>,
+    /// State sync: the donor refreshed after every global or outer step.
+    state_server: Option<StateServer>,
     len: usize,
     epoch: u64,
     /// Gradient mode: sum over batches of (batch mean gradient x batch samples).
@@ -178,8 +180,6 @@ pub struct CollaborativeOptimizer {
     last_batch: Option<Instant>,
     /// The last swarm reading and when it was taken.
     swarm: Option<(Instant, SwarmProgress)>,
-    /// State sync: the donor refreshed after every global or outer step.
-    state_server: Option<StateServer>,
 }
 
 impl CollaborativeOptimizer {
@@ -212,6 +212,7 @@ impl CollaborativeOptimizer {
             tracker,
             optimizer,
             outer,
+            state_server: None,
             len,
             epoch: 0,
             accumulated: vec![0.0; len],
@@ -220,7 +221,6 @@ impl CollaborativeOptimizer {
             rate: 0.0,
             last_batch: None,
             swarm: None,
-            state_server: None,
             cfg,
         })
     }
