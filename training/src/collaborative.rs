@@ -17,6 +17,10 @@
 //! A peer that finds no group steps with its own values, and the [`StepReport`] says so; so does
 //! a peer whose epoch is behind the swarm's (it should catch up by state sync).
 //!
+//! State sync ([`crate::sync`]): [`CollaborativeOptimizer::serve_state`] makes this peer a donor
+//! whose snapshot is refreshed after every global (or outer) step;
+//! [`CollaborativeOptimizer::restore_from`] writes a synced state and epoch into a late joiner.
+//!
 //! ```no_run
 //! # async fn demo(node: starling_node::Node) -> Result<(), Box<dyn std::error::Error>> {
 //! use starling_training::{CollaborativeConfig, CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig};
@@ -46,6 +50,7 @@ use crate::params::ParamSet;
 use crate::progress::{
     LocalProgress, ProgressConfig, ProgressError, ProgressTracker, SwarmProgress,
 };
+use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
 /// How the peers train together.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -174,6 +179,8 @@ pub struct CollaborativeOptimizer {
     optimizer: Box<dyn Optimizer>,
     /// Local SGD: the outer optimizer and the parameters at the start of the phase.
     outer: Option<(Sgd, Vec<f32>)>,
+    /// State sync: the donor refreshed after every global or outer step.
+    state_server: Option<StateServer>,
     len: usize,
     epoch: u64,
     /// Gradient mode: sum over batches of (batch mean gradient x batch samples).
@@ -221,6 +228,7 @@ impl CollaborativeOptimizer {
             tracker,
             optimizer,
             outer,
+            state_server: None,
             len,
             epoch: 0,
             accumulated: vec![0.0; len],
@@ -400,6 +408,7 @@ impl CollaborativeOptimizer {
         }
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
+        self.refresh_served_state(params).await;
         self.tracker.publish(self.local_progress()).await?;
         report.epoch = self.epoch;
         report.stepped = true;
@@ -460,9 +469,98 @@ impl CollaborativeOptimizer {
         self.epoch += 1;
         self.inner = 0;
         self.samples = 0;
+        self.refresh_served_state(params).await;
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
+    }
+}
+
+/// State sync: the donor side and the joiner side.
+impl CollaborativeOptimizer {
+    /// Makes this peer a donor: `server` gets this peer's state now and after every global step
+    /// (gradient mode) or outer step (local SGD), taken at that boundary so it is consistent.
+    /// Each refresh copies the state once and hashes it off the network's threads; a failed
+    /// refresh is logged, never fails the step.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, params: starling_training::ParamSet) -> Result<(), starling_training::SyncError> {
+    /// use starling_training::{StateServer, StateServerConfig};
+    /// opt.serve_state(StateServer::start(node, StateServerConfig::new("my-run"))?, &params).await;
+    /// # Ok(()) }
+    /// ```
+    pub async fn serve_state(&mut self, server: StateServer, params: &ParamSet) {
+        self.state_server = Some(server);
+        self.refresh_served_state(params).await;
+    }
+
+    /// This peer's state as state sync moves it: the epoch, the parameters and, in gradient
+    /// mode, the shared optimizer (`"opt"`); in local SGD, the outer optimizer (`"outer"`),
+    /// since inner optimizer state is each peer's own. Joiners pass its
+    /// [`layout`](StateView::layout) to [`sync_state`](crate::sync::sync_state).
+    pub fn state_view<'a>(&'a self, params: &'a ParamSet) -> StateView<'a> {
+        let view = StateView::new(self.epoch, params);
+        match &self.outer {
+            None => view.optimizer("opt", self.optimizer.as_ref()),
+            Some((outer, _)) => view.optimizer("outer", outer),
+        }
+    }
+
+    /// Writes a synced state into `params` and this optimizer (checking its layout first:
+    /// on a mismatch nothing is written), takes its epoch, and starts the epoch afresh (no
+    /// accumulated samples or gradients; in local SGD, a new phase from the synced parameters).
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, mut params: starling_training::ParamSet) -> Result<(), starling_training::SyncError> {
+    /// use starling_training::{sync_state, SyncConfig};
+    /// let layout = opt.state_view(&params).layout();
+    /// let (synced, _report) = sync_state(&node, &SyncConfig::new("my-run"), &layout).await?;
+    /// opt.restore_from(&mut params, &synced)?;
+    /// assert_eq!(opt.epoch(), synced.epoch());
+    /// # Ok(()) }
+    /// ```
+    pub fn restore_from(
+        &mut self,
+        params: &mut ParamSet,
+        synced: &SyncedState,
+    ) -> Result<(), SyncError> {
+        let target = StateTarget::new(params);
+        let epoch = match self.outer.as_mut() {
+            None => target
+                .optimizer("opt", self.optimizer.as_mut())
+                .apply(synced)?,
+            Some((outer, anchor)) => {
+                let epoch = target.optimizer("outer", outer).apply(synced)?;
+                anchor.copy_from_slice(params.params());
+                epoch
+            }
+        };
+        self.epoch = epoch;
+        self.accumulated.fill(0.0);
+        self.samples = 0;
+        self.inner = 0;
+        self.swarm = None;
+        Ok(())
+    }
+
+    /// Gives the state server, if any, the state at this step boundary. (`&mut self` keeps the
+    /// future `Send`: the boxed optimizer is `Send` but not `Sync`.)
+    async fn refresh_served_state(&mut self, params: &ParamSet) {
+        let Some(server) = self.state_server.clone() else {
+            return;
+        };
+        // A statement of its own: the view (which borrows the optimizer) ends before the await.
+        let snapshot = self.state_view(params).capture();
+        let updated = match snapshot {
+            Ok(snapshot) => server.update(snapshot).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = updated {
+            tracing::warn!(
+                epoch = self.epoch,
+                "state sync: serving the new state failed: {e}"
+            );
+        }
     }
 }
 

@@ -20,6 +20,9 @@
 //! - [`CollaborativeOptimizer`] ([`collaborative`]): gradient mode (average the global batch's
 //!   gradients, one shared step; bit-identical peers with the exact codec) and local SGD /
 //!   DiLoCo (average parameter deltas every H local steps, outer Nesterov step).
+//! - [`sync`]: state sync. Donors ([`sync::StateServer`]) serve a consistent snapshot; a joiner
+//!   ([`sync::sync_state`]) takes the manifest of per-chunk hashes the donors agree on, fetches
+//!   chunks from several donors in parallel, verifies each, and applies nothing until all did.
 //!
 //! ```
 //! use rand::{rngs::StdRng, SeedableRng};
@@ -45,6 +48,7 @@ pub mod collaborative;
 pub mod optim;
 pub mod params;
 pub mod progress;
+pub mod sync;
 
 #[cfg(feature = "candle")]
 pub use candle::{BindError, VarBinding};
@@ -57,3 +61,7 @@ pub use optim::{
 };
 pub use params::{schema_hash, Init, ParamError, ParamSet, TensorId, TensorInfo};
 pub use progress::{LocalProgress, ProgressConfig, ProgressTracker, SwarmProgress};
+pub use sync::{
+    sync_state, StateServer, StateServerConfig, StateView, SyncConfig, SyncError, SyncReport,
+    SyncedState,
+};

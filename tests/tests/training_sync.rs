@@ -1,0 +1,487 @@
+//! State sync between whole peers on loopback.
+//!
+//! - A peer started after 3 epochs of collaborative training syncs parameters, AdamW state and
+//!   epoch from the 3 peers training, and then steps with them, bit-identical, epoch for epoch.
+//! - Chunks come from every donor (the report counts them per donor).
+//! - A donor killed mid-transfer, or one that corrupts every chunk, does not stop the sync, and
+//!   no corrupted chunk is ever applied.
+//! - `measure_sync_of_ten_million_params` (ignored; run it by name) prints the time of a sync of
+//!   10^7 parameters with AdamW state from 3 donors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use starling_node::{cluster::LocalCluster, Node, NodeConfig};
+use starling_tests::{bounded, init_tracing, normal_vec};
+use starling_training::sync::{
+    state_key, StateAnnouncement, StateServer, StateServerConfig, StateTarget, StateView,
+    SyncConfig, SyncReport, SyncedState,
+};
+use starling_training::{
+    sync_state, AdamW, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, Optimizer,
+    ParamSet,
+};
+use tokio::sync::Barrier;
+
+/// Waits until `node` sees `n` announcements under the run's state key.
+async fn wait_for_announcements(node: &Node, run: &str, n: usize) {
+    loop {
+        let seen = node
+            .get::<StateAnnouncement>(&state_key(run))
+            .await
+            .unwrap_or_default();
+        if seen.len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn adamw(n: usize) -> AdamW {
+    AdamW::new(AdamWConfig::new(1e-2), n).unwrap()
+}
+
+/// A donor's state: `n` parameters and AdamW state, all distinct, 7 steps taken.
+fn donor_state(n: usize) -> (ParamSet, AdamW) {
+    let mut params = ParamSet::new();
+    params.add("w", &[n], &normal_vec(n, 1)).unwrap();
+    let mut opt = adamw(n);
+    for (i, (_, buf)) in opt.state_mut().into_iter().enumerate() {
+        buf.copy_from_slice(&normal_vec(n, 10 + i as u64));
+    }
+    opt.set_steps(7);
+    (params, opt)
+}
+
+/// Starts a state server with config `cfgs[i]` serving `donor_state(N)` at epoch 5 on node `i`.
+async fn serve(
+    nodes: &[Node],
+    run: &str,
+    chunk_elems: usize,
+    cfgs: Vec<StateServerConfig>,
+) -> Vec<StateServer> {
+    let (params, opt) = donor_state(N);
+    let mut servers = Vec::new();
+    for (node, mut cfg) in nodes.iter().zip(cfgs) {
+        cfg.run = run.to_string();
+        cfg.chunk_elems = chunk_elems;
+        let server = StateServer::start(node.clone(), cfg).unwrap();
+        let snapshot = StateView::new(5, &params)
+            .optimizer("opt", &opt)
+            .capture()
+            .unwrap();
+        server.update(snapshot).await.unwrap();
+        servers.push(server);
+    }
+    servers
+}
+
+/// Parameters per test donor: 3 x 64 Ki values in 8 Ki-value chunks = 24 chunks.
+const N: usize = 64 * 1024;
+const CHUNK: usize = 8 * 1024;
+
+fn sync_cfg(run: &str) -> SyncConfig {
+    let mut cfg = SyncConfig::new(run);
+    cfg.max_in_flight = 6;
+    cfg.per_donor_in_flight = 2;
+    cfg.request_timeout = Duration::from_secs(10);
+    cfg.chunk_timeout = Duration::from_secs(20);
+    cfg.round_pause = Duration::from_millis(100);
+    cfg
+}
+
+/// Syncs `N` parameters into a fresh model on `node`; checks the result is the donors' state
+/// and returns the report.
+async fn sync_and_check(node: &Node, cfg: &SyncConfig) -> (SyncedState, SyncReport) {
+    let (truth, truth_opt) = donor_state(N);
+    let mut params = ParamSet::new();
+    params.add_zeros("w", &[N]).unwrap();
+    let mut opt = adamw(N);
+    let layout = StateTarget::new(&mut params)
+        .optimizer("opt", &mut opt)
+        .layout();
+    let (synced, report) = sync_state(node, cfg, &layout).await.unwrap();
+    let epoch = StateTarget::new(&mut params)
+        .optimizer("opt", &mut opt)
+        .apply(&synced)
+        .unwrap();
+    assert_eq!(epoch, 5);
+    assert!(params.params() == truth.params(), "parameters differ");
+    assert!(opt.state() == truth_opt.state(), "optimizer state differs");
+    assert_eq!(opt.steps(), 7);
+    assert_eq!(report.chunks, 3 * N / CHUNK);
+    let per_donor: usize = report.donors.iter().map(|d| d.chunks).sum();
+    assert_eq!(per_donor, report.chunks);
+    assert!(report.peak_in_flight <= cfg.max_in_flight);
+    eprintln!(
+        "synced {} chunks, {} bytes in {:.3} s: per donor {:?}, {} retries, {} bad",
+        report.chunks,
+        report.bytes,
+        report.seconds,
+        report
+            .donors
+            .iter()
+            .map(|d| (d.chunks, d.bad_chunks, d.failures))
+            .collect::<Vec<_>>(),
+        report.retries,
+        report.bad_chunks
+    );
+    (synced, report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_are_spread_over_three_donors() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(4, NodeConfig::default()).await.unwrap();
+        let run = "sync-spread";
+        let cfgs = vec![StateServerConfig::new(run); 3];
+        let servers = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await;
+        wait_for_announcements(&cluster.nodes[0], run, 3).await;
+        let (synced, report) = sync_and_check(&cluster.nodes[0], &sync_cfg(run)).await;
+        assert_eq!(
+            synced.manifest_hash(),
+            servers[0].served().unwrap().manifest_hash
+        );
+        assert_eq!(report.donors.len(), 3);
+        assert!(
+            report.donors.iter().all(|d| d.chunks >= 1),
+            "every donor served chunks: {:?}",
+            report.donors
+        );
+        assert_eq!(
+            (report.retries, report.bad_chunks, report.rounds),
+            (0, 0, 1)
+        );
+        let served: u64 = servers.iter().map(|s| s.stats().chunks_served).sum();
+        assert_eq!(served as usize, report.chunks);
+        for s in &servers {
+            s.shutdown().await;
+        }
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_killed_mid_transfer_does_not_stop_the_sync() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(4, NodeConfig::default()).await.unwrap();
+        let run = "sync-killed";
+        // The third donor serves one chunk, then hangs on the next until the test kills it.
+        let mut cfgs = vec![StateServerConfig::new(run); 3];
+        cfgs[2].faults.hang_after_chunks = Some(1);
+        let servers = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await;
+        wait_for_announcements(&cluster.nodes[0], run, 3).await;
+        let victim = cluster.nodes[3].clone();
+        let killer = {
+            let server = servers[2].clone();
+            tokio::spawn(async move {
+                server.hung().await;
+                victim.shutdown().await;
+                server.shutdown().await;
+            })
+        };
+        let (_, report) = sync_and_check(&cluster.nodes[0], &sync_cfg(run)).await;
+        killer.await.unwrap();
+        let dead = report
+            .donors
+            .iter()
+            .find(|d| d.peer == cluster.nodes[3].peer_id())
+            .unwrap();
+        // It wrote one chunk (which may or may not have arrived before it died).
+        assert_eq!(servers[2].stats().chunks_served, 1);
+        assert!(dead.chunks <= 1, "{dead:?}");
+        assert!(
+            dead.failures >= 1 && dead.last_failure.is_some(),
+            "{dead:?}"
+        );
+        assert!(report.retries >= 1);
+        assert_eq!(report.bad_chunks, 0);
+        for s in &servers {
+            s.shutdown().await;
+        }
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_sending_corrupt_chunks_is_left_and_none_is_applied() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(4, NodeConfig::default()).await.unwrap();
+        let run = "sync-corrupt";
+        let mut cfgs = vec![StateServerConfig::new(run); 3];
+        cfgs[1].faults.corrupt_chunks = true;
+        let servers = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await;
+        wait_for_announcements(&cluster.nodes[0], run, 3).await;
+        // sync_and_check compares every value with the honest state: nothing corrupt landed.
+        let (_, report) = sync_and_check(&cluster.nodes[0], &sync_cfg(run)).await;
+        let liar = report
+            .donors
+            .iter()
+            .find(|d| d.peer == cluster.nodes[2].peer_id())
+            .unwrap();
+        assert_eq!(liar.chunks, 0, "{liar:?}");
+        assert!(liar.bad_chunks >= 1, "{liar:?}");
+        assert!(servers[1].stats().chunks_served >= 1);
+        assert_eq!(report.bad_chunks, liar.bad_chunks);
+        assert!(report.retries >= report.bad_chunks);
+        for s in &servers {
+            s.shutdown().await;
+        }
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_that_takes_one_stream_per_peer_still_serves_everything() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
+        let run = "sync-busy";
+        let mut server_cfg = StateServerConfig::new(run);
+        server_cfg.max_sessions_per_peer = 1;
+        let servers = serve(&cluster.nodes[1..], run, CHUNK, vec![server_cfg]).await;
+        wait_for_announcements(&cluster.nodes[0], run, 1).await;
+        let mut cfg = sync_cfg(run);
+        cfg.per_donor_in_flight = 3;
+        let (_, report) = sync_and_check(&cluster.nodes[0], &cfg).await;
+        // Streams past the first are refused busy (when the joiner opens them before the
+        // first is free again); a busy answer only lowers what the joiner asks at once, it
+        // never drops the donor.
+        assert_eq!(report.busy as u64, servers[0].stats().busy_refusals);
+        assert_eq!(report.donors[0].failures, report.busy, "{report:?}");
+        assert_eq!(report.donors[0].chunks, report.chunks);
+        servers[0].shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// Collaborative training for the late-joiner test: 3 donors, then a 4th peer.
+const DONORS: usize = 3;
+const BATCH: u64 = 16;
+const EPOCHS_BEFORE: u64 = 3;
+const EPOCHS_AFTER: u64 = 3;
+
+fn model() -> ParamSet {
+    let mut p = ParamSet::new();
+    p.add("w", &[64, 32], &normal_vec(64 * 32, 3)).unwrap();
+    p.add("b", &[32], &normal_vec(32, 4)).unwrap();
+    p
+}
+
+/// Peer `p`'s mean gradient in epoch `e`: deterministic, different for every peer and epoch.
+fn gradient(params: &mut ParamSet, p: usize, e: u64) {
+    let noise = normal_vec(params.len(), 1000 * p as u64 + e);
+    let values = params.params().to_vec();
+    for ((g, v), n) in params.grads_mut().iter_mut().zip(values).zip(noise) {
+        *g = 0.1 * v + n;
+    }
+}
+
+fn collab_cfg(run: &str) -> CollaborativeConfig {
+    // One batch per peer per epoch; the swarm steps once 3 peers' batches are in, and groups
+    // wait for all 4 peers (or, before the joiner comes, for the matchmaking window).
+    let mut cfg = CollaborativeConfig::new(run, DONORS as u64 * BATCH, Mode::Gradients);
+    cfg.averager.target_group_size = DONORS + 1;
+    cfg.averager.min_group_size = DONORS;
+    cfg.averager.matchmaking_time = Duration::from_secs(2);
+    cfg.fetch_interval = Duration::from_millis(20);
+    cfg.averaging_timeout = Duration::from_secs(20);
+    cfg.state_averaging_every = None;
+    cfg
+}
+
+/// One global step: a batch, then waiting for the swarm's. Returns the group size.
+async fn epoch(collab: &mut CollaborativeOptimizer, params: &mut ParamSet, p: usize) -> usize {
+    let e = collab.epoch();
+    gradient(params, p, e);
+    let mut r = collab.step(params, BATCH).await.unwrap();
+    while !r.stepped {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        r = collab.try_step(params).await.unwrap();
+    }
+    assert_eq!(r.epoch, e + 1, "peer {p}");
+    assert!(
+        r.averaging_error.is_none(),
+        "peer {p}: {:?}",
+        r.averaging_error
+    );
+    r.group_size.unwrap_or(1)
+}
+
+/// A donor: trains 3 epochs serving its state, waits for the joiner, trains 3 more. Returns
+/// its parameters after epoch 3 and after every later epoch, and the group sizes.
+async fn donor(
+    node: Node,
+    p: usize,
+    run: &str,
+    gates: Arc<(Barrier, Barrier)>,
+) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let mut params = model();
+    let opt = adamw(params.len());
+    let mut collab =
+        CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, collab_cfg(run))
+            .await
+            .unwrap();
+    let mut server_cfg = StateServerConfig::new(run);
+    server_cfg.chunk_elems = 512;
+    let server = StateServer::start(node, server_cfg).unwrap();
+    collab.serve_state(server.clone(), &params).await;
+    let mut groups = Vec::new();
+    for _ in 0..EPOCHS_BEFORE {
+        groups.push(epoch(&mut collab, &mut params, p).await);
+    }
+    let mut history = vec![params.params().to_vec()];
+    assert_eq!(server.served().unwrap().epoch, EPOCHS_BEFORE);
+    gates.0.wait().await; // 3 epochs done: the joiner may start
+    gates.1.wait().await; // the joiner has synced
+    for _ in 0..EPOCHS_AFTER {
+        groups.push(epoch(&mut collab, &mut params, p).await);
+        history.push(params.params().to_vec());
+    }
+    server.shutdown().await;
+    (history, groups)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_started_after_three_epochs_syncs_and_steps_with_the_others() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        let run = "sync-late-joiner";
+        let cluster = LocalCluster::start(DONORS, NodeConfig::default())
+            .await
+            .unwrap();
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        let gates = Arc::new((Barrier::new(DONORS + 1), Barrier::new(DONORS + 1)));
+        let donors: Vec<_> = cluster
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(p, node)| {
+                tokio::spawn({
+                    let (node, gates) = (node.clone(), gates.clone());
+                    async move { donor(node, p, run, gates).await }
+                })
+            })
+            .collect();
+
+        // The joiner's node starts only once the others have trained 3 epochs.
+        gates.0.wait().await;
+        let cfg = NodeConfig::default()
+            .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+            .bootstrap_from(boot);
+        let node = Node::start(cfg).await.unwrap();
+        node.bootstrap().await.unwrap();
+        let mut params = model();
+        params.params_mut().fill(0.0);
+        let opt = adamw(params.len());
+        let mut collab =
+            CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, collab_cfg(run))
+                .await
+                .unwrap();
+        wait_for_announcements(&node, run, DONORS).await;
+        let layout = collab.state_view(&params).layout();
+        let (synced, report) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
+        collab.restore_from(&mut params, &synced).unwrap();
+        assert_eq!(
+            (report.epoch, collab.epoch()),
+            (EPOCHS_BEFORE, EPOCHS_BEFORE)
+        );
+        assert_eq!(collab.optimizer().steps(), EPOCHS_BEFORE);
+        assert_eq!(report.bad_chunks, 0);
+        assert!(
+            report.donors.iter().filter(|d| d.chunks > 0).count() >= 2,
+            "{:?}",
+            report.donors
+        );
+        let mut history = vec![params.params().to_vec()];
+        gates.1.wait().await;
+        let mut groups = Vec::new();
+        for _ in 0..EPOCHS_AFTER {
+            groups.push(epoch(&mut collab, &mut params, DONORS).await);
+            history.push(params.params().to_vec());
+        }
+        assert_eq!(groups, vec![DONORS + 1; EPOCHS_AFTER as usize]);
+
+        for (p, d) in donors.into_iter().enumerate() {
+            let (donor_history, donor_groups) = d.await.unwrap();
+            assert_eq!(
+                donor_groups[EPOCHS_BEFORE as usize..],
+                groups[..],
+                "donor {p}"
+            );
+            for (e, (mine, theirs)) in history.iter().zip(&donor_history).enumerate() {
+                assert!(
+                    mine == theirs,
+                    "joiner and donor {p} differ after epoch {}",
+                    EPOCHS_BEFORE as usize + e
+                );
+            }
+        }
+        node.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// Sync of 10^7 parameters with AdamW state (120 MB) from 3 donors, 1 MiB chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it by name"]
+async fn measure_sync_of_ten_million_params() {
+    init_tracing();
+    const BIG: usize = 10_000_000;
+    bounded(Duration::from_secs(600), async {
+        let cluster = LocalCluster::start(4, NodeConfig::default()).await.unwrap();
+        let run = "sync-measure";
+        let (params, opt) = {
+            let mut params = ParamSet::new();
+            params.add("w", &[BIG], &normal_vec(BIG, 1)).unwrap();
+            let mut opt = adamw(BIG);
+            for (_, buf) in opt.state_mut() {
+                buf.copy_from_slice(params.params());
+            }
+            (params, opt)
+        };
+        let mut servers = Vec::new();
+        for node in &cluster.nodes[1..] {
+            let server = StateServer::start(node.clone(), StateServerConfig::new(run)).unwrap();
+            let t = std::time::Instant::now();
+            let snapshot = StateView::new(1, &params).optimizer("opt", &opt).capture().unwrap();
+            server.update(snapshot).await.unwrap();
+            eprintln!("donor snapshot + manifest: {:.3} s", t.elapsed().as_secs_f64());
+            servers.push(server);
+        }
+        drop(opt);
+        wait_for_announcements(&cluster.nodes[0], run, 3).await;
+        let mut mine = ParamSet::new();
+        mine.add_zeros("w", &[BIG]).unwrap();
+        let mut my_opt = adamw(BIG);
+        let layout = StateTarget::new(&mut mine).optimizer("opt", &mut my_opt).layout();
+        let (synced, report) = sync_state(&cluster.nodes[0], &SyncConfig::new(run), &layout).await.unwrap();
+        let t = std::time::Instant::now();
+        StateTarget::new(&mut mine).optimizer("opt", &mut my_opt).apply(&synced).unwrap();
+        let apply = t.elapsed().as_secs_f64();
+        assert!(mine.params() == params.params());
+        eprintln!(
+            "10^7 params + AdamW: {} chunks, {:.1} MB in {:.2} s ({:.0} MB/s), apply {:.3} s, per donor {:?}, peak in flight {}",
+            report.chunks,
+            report.bytes as f64 / 1e6,
+            report.seconds,
+            report.bytes as f64 / 1e6 / report.seconds,
+            apply,
+            report.donors.iter().map(|d| d.chunks).collect::<Vec<_>>(),
+            report.peak_in_flight
+        );
+        for s in &servers {
+            s.shutdown().await;
+        }
+        cluster.shutdown().await;
+    })
+    .await;
+}

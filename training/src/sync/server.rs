@@ -1,0 +1,480 @@
+//! The donor side: [`StateServer`] holds the latest snapshot, announces it in the DHT and
+//! serves its manifest and chunks on [`PROTOCOL`].
+//!
+//! Memory: one snapshot at rest. [`StateServer::update`] replaces it; a chunk being written
+//! from the old one keeps that one alive until the write ends, and requests for the old
+//! manifest are answered "stale" from then on. Bounds: at most `max_sessions` streams in all and
+//! `max_sessions_per_peer` from one peer (others are answered busy), one request at a time per
+//! stream, a request timeout on every read and write, frames no larger than a chunk.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use futures::AsyncWriteExt;
+use starling_dht::now_ms;
+use starling_node::framing::{encode_msg, read_msg, write_msg, write_tagged_frame, FrameError};
+use starling_node::streams::{serve_inbound, InboundLimits};
+use starling_node::{Node, PeerId, Stream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::timeout;
+use tracing::Instrument;
+
+use super::manifest::{sha256, ChunkSpan, Digest, Manifest, StateAnnouncement};
+use super::snapshot::{le_bytes, StateSnapshot};
+use super::wire::{
+    Hello, HelloReply, Reply, Request, MAX_CONTROL_BYTES, PROTOCOL, TAG_CHUNK, TAG_MANIFEST,
+    TAG_REPLY, WIRE_VERSION,
+};
+use super::{StateServerConfig, SyncError};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What a [`StateServer`] serves now (returned by [`StateServer::update`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// The snapshot's epoch.
+    pub epoch: u64,
+    /// SHA-256 of its manifest (what the DHT announcement names).
+    pub manifest_hash: Digest,
+    /// Chunks in it.
+    pub chunks: u64,
+    /// Bytes of chunk data in it.
+    pub bytes: u64,
+}
+
+/// Counters of a [`StateServer`] since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Chunks written.
+    pub chunks_served: u64,
+    /// Bytes of chunk data written.
+    pub bytes_served: u64,
+    /// Manifests written.
+    pub manifests_served: u64,
+    /// Streams answered busy (over a session bound).
+    pub busy_refusals: u64,
+    /// Chunk requests answered stale (the snapshot had moved on).
+    pub stale_requests: u64,
+}
+
+/// The snapshot being served, with everything derived from it.
+struct Current {
+    snapshot: StateSnapshot,
+    spans: Vec<ChunkSpan>,
+    manifest_bytes: Vec<u8>,
+    served: Served,
+}
+
+#[derive(Default)]
+struct Counters {
+    chunks: AtomicU64,
+    bytes: AtomicU64,
+    manifests: AtomicU64,
+    busy: AtomicU64,
+    stale: AtomicU64,
+    /// Chunk requests that reached the fault point.
+    #[cfg(feature = "testing")]
+    fault_requests: AtomicU64,
+}
+
+/// What the server's tasks share.
+struct Shared {
+    node: Node,
+    cfg: StateServerConfig,
+    current: Mutex<Option<Arc<Current>>>,
+    sessions: Arc<Semaphore>,
+    per_peer: Mutex<HashMap<PeerId, usize>>,
+    counters: Counters,
+    stop: watch::Receiver<bool>,
+    #[cfg(feature = "testing")]
+    hung: watch::Sender<bool>,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A donor: serves this peer's latest training state to joiners (see the module docs of
+/// [`sync`](super)). Cheap to clone; every clone is the same server. Stops on
+/// [`StateServer::shutdown`] or when the last clone is dropped.
+///
+/// ```no_run
+/// # async fn demo(node: starling_node::Node, params: starling_training::ParamSet, opt: starling_training::Sgd) -> Result<(), Box<dyn std::error::Error>> {
+/// use starling_training::sync::{StateServer, StateServerConfig, StateView};
+/// let server = StateServer::start(node, StateServerConfig::new("my-run"))?;
+/// // After every global step (the collaborative optimizer's `serve_state` does this itself):
+/// let served = server.update(StateView::new(3, &params).optimizer("opt", &opt).capture()?).await?;
+/// println!("serving epoch {} in {} chunks", served.epoch, served.chunks);
+/// server.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct StateServer {
+    inner: Arc<Inner>,
+}
+
+impl StateServer {
+    /// Starts serving on `node` (nothing until the first [`StateServer::update`]). Fails when
+    /// another state server already serves this node, or the configuration is invalid.
+    pub fn start(node: Node, cfg: StateServerConfig) -> Result<StateServer, SyncError> {
+        cfg.validate()?;
+        let incoming = node
+            .stream_control()
+            .accept(PROTOCOL)
+            .map_err(|_| SyncError::AlreadyServing)?;
+        let (stop_tx, stop) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            sessions: Arc::new(Semaphore::new(cfg.max_sessions)),
+            node: node.clone(),
+            cfg,
+            current: Mutex::new(None),
+            per_peer: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            stop,
+            #[cfg(feature = "testing")]
+            hung: watch::channel(false).0,
+        });
+        let limits = InboundLimits {
+            max_pending: shared.cfg.max_sessions,
+            first_message_timeout: shared.cfg.request_timeout,
+            max_first_message: MAX_CONTROL_BYTES,
+        };
+        let handler = {
+            let shared = shared.clone();
+            move |peer, hello: Hello, stream| session(shared.clone(), peer, hello, stream)
+        };
+        let mut stop_accept = shared.stop.clone();
+        let accept = async move {
+            tokio::select! {
+                _ = serve_inbound(incoming, limits, handler) => {}
+                _ = stop_accept.changed() => {}
+            }
+        };
+        let announce = announce_loop(shared.clone());
+        let tasks = vec![
+            tokio::spawn(accept.instrument(node.span())),
+            tokio::spawn(announce.instrument(node.span())),
+        ];
+        Ok(StateServer {
+            inner: Arc::new(Inner {
+                shared,
+                stop: stop_tx,
+                tasks: Mutex::new(tasks),
+            }),
+        })
+    }
+
+    /// Serves `snapshot` from now on, in place of the previous one: hashes its chunks (on a
+    /// blocking thread), swaps it in, and announces it in the DHT (a failed announcement is
+    /// logged and retried by the periodic announcement).
+    pub async fn update(&self, snapshot: StateSnapshot) -> Result<Served, SyncError> {
+        let shared = &self.inner.shared;
+        if *shared.stop.borrow() {
+            return Err(SyncError::Stopped);
+        }
+        let chunk_elems = shared.cfg.chunk_elems;
+        let current = tokio::task::spawn_blocking(move || {
+            let manifest = Manifest::of(&snapshot, chunk_elems);
+            let spans = manifest.spans().unwrap_or_default();
+            let manifest_bytes = manifest.encode();
+            let served = Served {
+                epoch: manifest.epoch,
+                manifest_hash: sha256(&manifest_bytes),
+                chunks: spans.len() as u64,
+                bytes: 4 * spans.iter().map(|s| s.range.len() as u64).sum::<u64>(),
+            };
+            Current {
+                snapshot,
+                spans,
+                manifest_bytes,
+                served,
+            }
+        })
+        .await
+        .map_err(|e| SyncError::Invalid(format!("hashing the snapshot failed: {e}")))?;
+        if current.manifest_bytes.len() > shared.cfg.max_manifest_bytes {
+            return Err(SyncError::Invalid(format!(
+                "the manifest takes {} bytes, over max_manifest_bytes {}: raise chunk_elems",
+                current.manifest_bytes.len(),
+                shared.cfg.max_manifest_bytes
+            )));
+        }
+        let served = current.served.clone();
+        *lock(&shared.current) = Some(Arc::new(current));
+        if let Err(e) = announce(shared).await {
+            tracing::debug!("state announcement failed (retried later): {e}");
+        }
+        Ok(served)
+    }
+
+    /// What is served now, if anything.
+    pub fn served(&self) -> Option<Served> {
+        lock(&self.inner.shared.current)
+            .as_ref()
+            .map(|c| c.served.clone())
+    }
+
+    /// Counters since the server started.
+    pub fn stats(&self) -> ServerStats {
+        let c = &self.inner.shared.counters;
+        ServerStats {
+            chunks_served: c.chunks.load(Ordering::Relaxed),
+            bytes_served: c.bytes.load(Ordering::Relaxed),
+            manifests_served: c.manifests.load(Ordering::Relaxed),
+            busy_refusals: c.busy.load(Ordering::Relaxed),
+            stale_requests: c.stale.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Resolves once the `hang_after_chunks` fault has fired (tests only).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub async fn hung(&self) {
+        let mut rx = self.inner.shared.hung.subscribe();
+        let _ = rx.wait_for(|h| *h).await;
+    }
+
+    /// Stops accepting and announcing, ends every session, and waits (at most one request
+    /// timeout) for them to finish. The DHT announcement expires by itself.
+    pub async fn shutdown(&self) {
+        let _ = self.inner.stop.send(true);
+        let tasks: Vec<_> = lock(&self.inner.tasks).drain(..).collect();
+        for task in tasks {
+            let _ = task.await;
+        }
+        let shared = &self.inner.shared;
+        let all = shared.cfg.max_sessions as u32;
+        let _ = timeout(
+            shared.cfg.request_timeout,
+            shared.sessions.acquire_many(all),
+        )
+        .await;
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+/// Publishes what is served now under `{run}.state`, signed by this peer.
+async fn announce(shared: &Shared) -> Result<(), SyncError> {
+    let Some(served) = lock(&shared.current).as_ref().map(|c| c.served.clone()) else {
+        return Ok(());
+    };
+    let t = shared.cfg.request_timeout;
+    let node = &shared.node;
+    let addrs = timeout(t, node.listen_addrs())
+        .await
+        .map_err(|_| SyncError::Timeout(t))??;
+    let value = StateAnnouncement {
+        epoch: served.epoch,
+        schema_hash: lock(&shared.current)
+            .as_ref()
+            .map_or(0, |c| c.snapshot.schema_hash),
+        manifest_hash: served.manifest_hash,
+        chunks: served.chunks,
+        bytes: served.bytes,
+        addrs: addrs.iter().take(8).map(|a| a.to_string()).collect(),
+    };
+    let expires = now_ms() + shared.cfg.announce_ttl.as_millis() as u64;
+    let key = super::state_key(&shared.cfg.run);
+    timeout(t, node.store(&key, &node.owner_marker(), &value, expires))
+        .await
+        .map_err(|_| SyncError::Timeout(t))??;
+    Ok(())
+}
+
+/// Renews the announcement every `announce_every` until stopped.
+async fn announce_loop(shared: Arc<Shared>) {
+    let mut stop = shared.stop.clone();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(shared.cfg.announce_every) => {}
+            _ = stop.changed() => return,
+        }
+        let renewed = tokio::select! {
+            r = announce(&shared) => r,
+            _ = stop.changed() => return,
+        };
+        if let Err(e) = renewed {
+            tracing::debug!("state announcement failed: {e}");
+        }
+    }
+}
+
+/// A session's claim on the bounds; released on drop.
+struct Admission {
+    shared: Arc<Shared>,
+    peer: PeerId,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let mut per_peer = lock(&self.shared.per_peer);
+        if let Some(n) = per_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                per_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
+fn admit(shared: &Arc<Shared>, peer: PeerId) -> Option<Admission> {
+    let permit = shared.sessions.clone().try_acquire_owned().ok()?;
+    let mut per_peer = lock(&shared.per_peer);
+    let n = per_peer.entry(peer).or_insert(0);
+    if *n >= shared.cfg.max_sessions_per_peer {
+        return None;
+    }
+    *n += 1;
+    Some(Admission {
+        shared: shared.clone(),
+        peer,
+        _permit: permit,
+    })
+}
+
+/// Serves one joiner's stream: the hello, then one request at a time until the joiner closes
+/// it, it idles past the request timeout, or the server stops.
+async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: Stream) {
+    let mut stop = shared.stop.clone();
+    if *stop.borrow() {
+        return;
+    }
+    let t = shared.cfg.request_timeout;
+    let admission = admit(&shared, peer);
+    let current = lock(&shared.current).clone();
+    let reply = match (&admission, &current) {
+        _ if hello.version != WIRE_VERSION => HelloReply::Unsupported {
+            version: WIRE_VERSION,
+        },
+        (None, _) => {
+            shared.counters.busy.fetch_add(1, Ordering::Relaxed);
+            HelloReply::Busy
+        }
+        (Some(_), None) => HelloReply::NoState,
+        (Some(_), Some(c)) => HelloReply::Ready {
+            epoch: c.served.epoch,
+            manifest_hash: c.served.manifest_hash,
+        },
+    };
+    let ready = matches!(reply, HelloReply::Ready { .. });
+    if timeout(t, write_msg(&mut stream, &reply)).await.is_err() || !ready {
+        return;
+    }
+    loop {
+        let request = tokio::select! {
+            r = timeout(t, read_msg::<_, Request>(&mut stream, MAX_CONTROL_BYTES)) => r,
+            _ = stop.changed() => return,
+        };
+        let Ok(Ok(request)) = request else {
+            return; // idle past the timeout, closed, or not a request
+        };
+        let answered = tokio::select! {
+            r = timeout(t, answer(&shared, &mut stream, request)) => r,
+            _ = stop.changed() => return,
+        };
+        match answered {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) | Ok(Err(_)) | Err(_) => return,
+        }
+    }
+}
+
+/// Answers one request; `Ok(false)` ends the session.
+async fn answer(
+    shared: &Shared,
+    stream: &mut Stream,
+    request: Request,
+) -> Result<bool, FrameError> {
+    let current = lock(&shared.current).clone();
+    let stale = |shared: &Shared| {
+        shared.counters.stale.fetch_add(1, Ordering::Relaxed);
+        Reply::Stale {
+            now: current
+                .as_ref()
+                .map(|c| (c.served.epoch, c.served.manifest_hash)),
+        }
+    };
+    let reply = match (&request, &current) {
+        (_, None) => stale(shared),
+        (Request::Manifest, Some(c)) => {
+            write_tagged_frame(stream, TAG_MANIFEST, &[&c.manifest_bytes]).await?;
+            stream.flush().await?;
+            shared.counters.manifests.fetch_add(1, Ordering::Relaxed);
+            return Ok(true);
+        }
+        (Request::Chunk { manifest_hash, .. }, Some(c))
+            if *manifest_hash != c.served.manifest_hash =>
+        {
+            stale(shared)
+        }
+        (Request::Chunk { index, .. }, Some(c)) => {
+            let Some(span) = usize::try_from(*index).ok().and_then(|i| c.spans.get(i)) else {
+                let reply = Reply::NoSuchChunk {
+                    index: *index,
+                    chunks: c.spans.len() as u64,
+                };
+                write_tagged_frame(stream, TAG_REPLY, &[&encode_msg(&reply)?]).await?;
+                stream.flush().await?;
+                return Ok(false);
+            };
+            let values = &c.snapshot.buffers[span.buffer].1[span.range.clone()];
+            let bytes = le_bytes(values);
+            #[cfg(feature = "testing")]
+            let bytes = faults::apply(shared, bytes).await;
+            write_tagged_frame(stream, TAG_CHUNK, &[&bytes]).await?;
+            stream.flush().await?;
+            shared.counters.chunks.fetch_add(1, Ordering::Relaxed);
+            let n = bytes.len() as u64;
+            shared.counters.bytes.fetch_add(n, Ordering::Relaxed);
+            return Ok(true);
+        }
+    };
+    write_tagged_frame(stream, TAG_REPLY, &[&encode_msg(&reply)?]).await?;
+    stream.flush().await?;
+    Ok(true)
+}
+
+#[cfg(feature = "testing")]
+mod faults {
+    use std::borrow::Cow;
+    use std::sync::atomic::Ordering;
+
+    use super::Shared;
+
+    /// Applies the configured faults to a chunk about to be written: corrupts it, or hangs
+    /// until the server stops once `hang_after_chunks` chunks were served.
+    pub(super) async fn apply<'a>(shared: &Shared, bytes: Cow<'a, [u8]>) -> Cow<'a, [u8]> {
+        let faults = &shared.cfg.faults;
+        let request = shared
+            .counters
+            .fault_requests
+            .fetch_add(1, Ordering::SeqCst);
+        if let Some(n) = faults.hang_after_chunks.filter(|&n| request >= n) {
+            // Tell the test only once the chunks before this one are written.
+            while shared.counters.chunks.load(Ordering::SeqCst) < n {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            shared.hung.send_replace(true);
+            // The session's request timeout or the server's stop ends the wait.
+            std::future::pending::<()>().await;
+        }
+        if faults.corrupt_chunks && !bytes.is_empty() {
+            let mut owned = bytes.into_owned();
+            owned[0] ^= 0x01;
+            return Cow::Owned(owned);
+        }
+        bytes
+    }
+}
