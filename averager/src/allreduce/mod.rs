@@ -178,23 +178,22 @@ pub(crate) fn kept(reason: impl Into<String>) -> SpanOutcome {
 
 /// Runs the all-reduce for `group` over the flattened local vector, inside a `round{id, me}`
 /// span.
-pub(crate) async fn run_allreduce(
+pub(crate) fn run_allreduce(
     env: RoundEnv,
     group: &Group,
     flat: PoolBuf,
     weight: f64,
     deadline: Instant,
-) -> Outcome {
+) -> impl std::future::Future<Output = Outcome> + '_ {
     let span = tracing::debug_span!(
         "round",
         id = %format_args!("{:016x}", group.round_id),
         me = group.my_index.0
     );
-    run(env, group, flat, weight, deadline)
-        .instrument(span)
-        .await
+    run(env, group, flat, weight, deadline).instrument(span)
 }
 
+/// [`run_allreduce`] without its span.
 async fn run(
     env: RoundEnv,
     group: &Group,
