@@ -358,3 +358,85 @@ async fn a_slow_peer_contributes_without_setting_the_pace() {
     })
     .await;
 }
+
+/// One configuration of the table below: validation accuracy, averaging rounds and bytes sent
+/// per peer after `batches` local batches per peer.
+async fn table_row(mode: Mode, codec: &str, batches: usize, run: &str) -> (f64, usize, u64) {
+    let (train, val) = digits();
+    let cluster = LocalCluster::start(PEERS, NodeConfig::default())
+        .await
+        .unwrap();
+    let train = &train;
+    let runs = cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(p, node)| async move {
+            let mut params = model();
+            let opt: Box<dyn Optimizer> = match mode {
+                Mode::Gradients => Box::new(Sgd::new(sgd(), params.len()).unwrap()),
+                Mode::LocalSgd { .. } => {
+                    Box::new(Sgd::new(SgdConfig::new(0.1), params.len()).unwrap())
+                }
+            };
+            let mut cfg = collab_cfg(run, mode);
+            cfg.averager.codec = codec.parse().unwrap();
+            cfg.state_averaging_every = None;
+            let mut collab = CollaborativeOptimizer::new(node.clone(), opt, &params, cfg)
+                .await
+                .unwrap();
+            let (mut rounds, mut bytes) = (0, 0);
+            for k in 0..batches {
+                let values = params.params().to_vec();
+                let idx = batch(train, p, k / BATCHES_PER_EPOCH, k % BATCHES_PER_EPOCH);
+                gradient(&values, train, &idx, params.grads_mut());
+                let mut r = collab.step(&mut params, BATCH as u64).await.unwrap();
+                // Gradient mode: every peer contributes its 4 batches to each global step.
+                if matches!(mode, Mode::Gradients) && k % BATCHES_PER_EPOCH == BATCHES_PER_EPOCH - 1
+                {
+                    while !r.stepped {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        r = collab.try_step(&mut params).await.unwrap();
+                    }
+                }
+                if let Some(round) = &r.round {
+                    rounds += 1;
+                    bytes += round.bytes_sent;
+                }
+            }
+            (params.params().to_vec(), rounds, bytes)
+        });
+    let results = futures::future::join_all(runs).await;
+    cluster.shutdown().await;
+    let acc = results
+        .iter()
+        .map(|(p, _, _)| accuracy(p, &val))
+        .sum::<f64>()
+        / PEERS as f64;
+    (acc, results[0].1, results[0].2)
+}
+
+/// The table of the issue note (run by hand: `cargo test -p starling-tests --test
+/// training_collaborative -- --ignored --nocapture`): gradient mode against DiLoCo with H = 10
+/// and H = 50, codecs none / f16 / u4, the same 200 local batches per peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, printed as a table"]
+async fn modes_and_codecs_table() {
+    init_tracing();
+    const BATCHES: usize = 200;
+    println!("| mode | codec | accuracy | rounds | bytes sent per peer |");
+    println!("|---|---|---|---|---|");
+    let mut case = 0;
+    for (name, mode) in [
+        ("gradients", Mode::Gradients),
+        ("DiLoCo H=10", Mode::LocalSgd { inner_steps: 10 }),
+        ("DiLoCo H=50", Mode::LocalSgd { inner_steps: 50 }),
+    ] {
+        for codec in ["none", "f16", "u4"] {
+            case += 1;
+            let (acc, rounds, bytes) =
+                table_row(mode, codec, BATCHES, &format!("table-{case}")).await;
+            println!("| {name} | {codec} | {acc:.3} | {rounds} | {bytes} |");
+        }
+    }
+}
