@@ -485,3 +485,150 @@ async fn measure_sync_of_ten_million_params() {
     })
     .await;
 }
+
+/// Killing 1 of 4 peers mid-training: the other 3 keep stepping (groups of 3 once the window
+/// closes); the killed peer, restarted from the checkpoint it saved, finds itself behind, syncs
+/// the swarm's state and steps with the others again, bit-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open: after a peer's death the restarted peer's sync_state does not finish within the bound (issue #12 note)"]
+async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
+    init_tracing();
+    const VICTIM: usize = DONORS;
+    const BEFORE: u64 = 2;
+    const WITHOUT: u64 = 2;
+    const AFTER: u64 = 2;
+    bounded(Duration::from_secs(120), async {
+        let run = "sync-killed-peer";
+        let dir = tempfile::tempdir().unwrap();
+        let cluster = LocalCluster::start(DONORS + 1, NodeConfig::default())
+            .await
+            .unwrap();
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        // Gates: the victim died; the swarm moved on without it; the victim has synced again.
+        let gates = Arc::new((
+            Barrier::new(DONORS + 1),
+            Barrier::new(DONORS + 1),
+            Barrier::new(DONORS + 1),
+        ));
+        let survivors: Vec<_> = (0..DONORS)
+            .map(|p| {
+                let (node, gates) = (cluster.nodes[p].clone(), gates.clone());
+                tokio::spawn(async move {
+                    let mut params = model();
+                    let mut collab = CollaborativeOptimizer::new(
+                        node.clone(),
+                        Box::new(adamw(params.len())),
+                        &params,
+                        collab_cfg(run),
+                    )
+                    .await
+                    .unwrap();
+                    let server = StateServer::start(node, StateServerConfig::new(run)).unwrap();
+                    collab.serve_state(server.clone(), &params).await;
+                    let mut groups = Vec::new();
+                    for _ in 0..BEFORE {
+                        groups.push(epoch(&mut collab, &mut params, p).await);
+                    }
+                    gates.0.wait().await; // the victim is dead
+                    for _ in 0..WITHOUT {
+                        groups.push(epoch(&mut collab, &mut params, p).await);
+                    }
+                    gates.1.wait().await; // the victim may restart
+                    gates.2.wait().await; // the victim has caught up
+                    let mut history = Vec::new();
+                    for _ in 0..AFTER {
+                        groups.push(epoch(&mut collab, &mut params, p).await);
+                        history.push(params.params().to_vec());
+                    }
+                    server.shutdown().await;
+                    (groups, history)
+                })
+            })
+            .collect();
+
+        // The victim trains 2 epochs, saves a checkpoint, and its node dies.
+        let victim_node = cluster.nodes[VICTIM].clone();
+        let mut params = model();
+        let mut collab = CollaborativeOptimizer::new(
+            victim_node.clone(),
+            Box::new(adamw(params.len())),
+            &params,
+            collab_cfg(run),
+        )
+        .await
+        .unwrap();
+        for _ in 0..BEFORE {
+            epoch(&mut collab, &mut params, VICTIM).await;
+        }
+        let saved = params.params().to_vec();
+        starling_training::checkpoint::Snapshot::new(&params)
+            .epoch(collab.epoch())
+            .optimizer("opt", collab.optimizer())
+            .save(dir.path())
+            .unwrap();
+        drop(collab);
+        victim_node.shutdown().await;
+        gates.0.wait().await;
+
+        // Restarted once the swarm moved on (a new node) from its checkpoint: 2 epochs behind.
+        gates.1.wait().await;
+        let node = Node::start(
+            NodeConfig::default()
+                .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+                .bootstrap_from(boot),
+        )
+        .await
+        .unwrap();
+        let mut params = model();
+        let mut opt = adamw(params.len());
+        let meta = starling_training::checkpoint::Restore::new(&mut params)
+            .optimizer("opt", &mut opt)
+            .load(dir.path())
+            .unwrap();
+        assert_eq!(meta.epoch, BEFORE);
+        assert!(
+            params.params() == &saved[..],
+            "the checkpoint restores the parameters"
+        );
+        let mut collab =
+            CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, collab_cfg(run))
+                .await
+                .unwrap();
+        wait_for_announcements(&node, run, DONORS).await;
+        let layout = collab.state_view(&params).layout();
+        let (synced, report) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
+        assert!(
+            report.epoch >= BEFORE + WITHOUT,
+            "synced epoch {}",
+            report.epoch
+        );
+        collab.restore_from(&mut params, &synced).unwrap();
+        gates.1.wait().await;
+        let mut history = Vec::new();
+        let mut groups = Vec::new();
+        for _ in 0..AFTER {
+            groups.push(epoch(&mut collab, &mut params, VICTIM).await);
+            history.push(params.params().to_vec());
+        }
+        assert_eq!(
+            groups,
+            vec![DONORS + 1; AFTER as usize],
+            "back in groups of 4"
+        );
+        for (p, s) in survivors.into_iter().enumerate() {
+            let (their_groups, their_history) = s.await.unwrap();
+            assert_eq!(
+                their_groups[BEFORE as usize..(BEFORE + WITHOUT) as usize],
+                [DONORS; WITHOUT as usize],
+                "peer {p} kept stepping in groups of 3 without the victim"
+            );
+            assert!(
+                their_history == history,
+                "peer {p} and the restarted peer differ"
+            );
+        }
+        node.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
