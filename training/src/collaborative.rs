@@ -208,12 +208,7 @@ impl CollaborativeOptimizer {
         mut cfg: CollaborativeConfig,
     ) -> Result<Self, TrainingError> {
         let len = params.len();
-        if optimizer.len() != len {
-            return Err(TrainingError::Schema {
-                expected: optimizer.len(),
-                actual: len,
-            });
-        }
+        same_len(optimizer.len(), params)?;
         cfg.averager.prefix = format!("{}.train", cfg.run);
         cfg.progress.run = cfg.run.clone();
         cfg.progress.target_batch_size = cfg.target_batch_size;
@@ -260,12 +255,7 @@ impl CollaborativeOptimizer {
         params: &mut ParamSet,
         batch_samples: u64,
     ) -> Result<StepReport, TrainingError> {
-        if params.len() != self.len {
-            return Err(TrainingError::Schema {
-                expected: self.len,
-                actual: params.len(),
-            });
-        }
+        same_len(self.len, params)?;
         self.note_batch(batch_samples);
         match self.cfg.mode {
             Mode::Gradients => self.gradient_step(params, batch_samples).await,
@@ -331,12 +321,7 @@ impl CollaborativeOptimizer {
     /// swarm): takes the global step if the swarm has its batch, without adding samples.
     /// Returns at once either way; call it again (after a pause) until `stepped`.
     pub async fn try_step(&mut self, params: &mut ParamSet) -> Result<StepReport, TrainingError> {
-        if params.len() != self.len {
-            return Err(TrainingError::Schema {
-                expected: self.len,
-                actual: params.len(),
-            });
-        }
+        same_len(self.len, params)?;
         match self.cfg.mode {
             Mode::Gradients => {
                 self.tracker.report_final(self.local_progress()).await?;
@@ -562,6 +547,17 @@ impl CollaborativeOptimizer {
             );
         }
     }
+}
+
+/// `params` holds `expected` values, or the schema error that says so.
+fn same_len(expected: usize, params: &ParamSet) -> Result<(), TrainingError> {
+    if params.len() == expected {
+        return Ok(());
+    }
+    Err(TrainingError::Schema {
+        expected,
+        actual: params.len(),
+    })
 }
 
 /// Records an averaging round's outcome in `report`: a round that did not form or covered only

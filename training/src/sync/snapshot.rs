@@ -223,22 +223,11 @@ impl<'a> StateView<'a> {
     /// ```
     pub fn layout(&self) -> StateLayout {
         let len = self.params.len();
-        let mut buffers = vec![(PARAM_BUFFER.to_string(), len)];
-        let mut counters = Vec::new();
-        for (name, opt) in &self.optimizers {
-            for (state, _) in opt.state() {
-                buffers.push((optim_buffer(name, state), len));
-            }
-            counters.push(steps_counter(name));
-        }
-        for (name, _) in &self.buffers {
-            buffers.push((extra_buffer(name), len));
-        }
-        StateLayout {
-            schema_hash: self.params.schema_hash(),
-            buffers,
-            counters,
-        }
+        layout_of(
+            self.params,
+            self.optimizers.iter().map(|(n, o)| (n.as_str(), *o)),
+            self.buffers.iter().map(|(n, _)| (n.as_str(), len)),
+        )
     }
 
     /// Copies the state (one copy of every buffer), checking every length and that names are
@@ -277,6 +266,31 @@ impl<'a> StateView<'a> {
             buffers,
             counters,
         })
+    }
+}
+
+/// The layout of `params`, each optimizer's state buffers and step counter, and the extra
+/// buffers `(name, values)`: one computation for a donor's view and a joiner's target, so the
+/// two always describe state the same way.
+fn layout_of<'o>(
+    params: &ParamSet,
+    optimizers: impl Iterator<Item = (&'o str, &'o dyn Optimizer)>,
+    extra: impl Iterator<Item = (&'o str, usize)>,
+) -> StateLayout {
+    let len = params.len();
+    let mut buffers = vec![(PARAM_BUFFER.to_string(), len)];
+    let mut counters = Vec::new();
+    for (name, opt) in optimizers {
+        for (state, _) in opt.state() {
+            buffers.push((optim_buffer(name, state), len));
+        }
+        counters.push(steps_counter(name));
+    }
+    buffers.extend(extra.map(|(name, n)| (extra_buffer(name), n)));
+    StateLayout {
+        schema_hash: params.schema_hash(),
+        buffers,
+        counters,
     }
 }
 
@@ -418,23 +432,13 @@ impl<'a> StateTarget<'a> {
     /// # Ok::<(), starling_training::ParamError>(())
     /// ```
     pub fn layout(&self) -> StateLayout {
-        let len = self.params.len();
-        let mut buffers = vec![(PARAM_BUFFER.to_string(), len)];
-        let mut counters = Vec::new();
-        for (name, opt) in &self.optimizers {
-            for (state, _) in opt.state() {
-                buffers.push((optim_buffer(name, state), len));
-            }
-            counters.push(steps_counter(name));
-        }
-        for (name, values) in &self.buffers {
-            buffers.push((extra_buffer(name), values.len()));
-        }
-        StateLayout {
-            schema_hash: self.params.schema_hash(),
-            buffers,
-            counters,
-        }
+        layout_of(
+            self.params,
+            self.optimizers
+                .iter()
+                .map(|(n, o)| (n.as_str(), &**o as &dyn Optimizer)),
+            self.buffers.iter().map(|(n, v)| (n.as_str(), v.len())),
+        )
     }
 
     /// Writes `synced` into the target, after checking that its layout is this target's (on a
