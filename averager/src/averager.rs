@@ -4,7 +4,7 @@
 //! the state kept from round to round: bandwidth estimate, buffer pool, grid position and
 //! the previous round's repair server.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +72,8 @@ pub struct Averager {
     /// The schema this peer last announced, and until when the announcement lasts.
     announced: Mutex<Option<(u64, Instant)>>,
     busy: AtomicBool,
+    /// Peers expected to search in the next rounds (0: no hint), see [`Averager::expect_peers`].
+    expected_peers: AtomicUsize,
     tasks: Vec<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
 }
@@ -139,10 +141,28 @@ impl Averager {
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
+            expected_peers: AtomicUsize::new(0),
             tasks,
             runtime: tokio::runtime::Handle::current(),
             config,
         })
+    }
+
+    /// A hint for the next rounds: about `peers` peers (this one included) will search, for
+    /// example the live peers of a training run as its progress records say. A leader then
+    /// starts its group as soon as it has `min(peers, target_group_size)` members (never fewer
+    /// than `min_group_size`) instead of waiting out its matchmaking window for a group that
+    /// cannot fill; peers that arrive later average in a later round. `None` (the default)
+    /// waits for `target_group_size` or the window's end.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager) {
+    /// averager.expect_peers(Some(4)); // four peers train: a group of four need not wait
+    /// # }
+    /// ```
+    pub fn expect_peers(&self, peers: Option<usize>) {
+        self.expected_peers
+            .store(peers.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// The configuration in force.
@@ -294,8 +314,17 @@ impl Averager {
         };
 
         let mm_start = Instant::now();
+        let expected = self.expected_peers.load(Ordering::Relaxed);
+        let config = if expected > 0 && expected < cfg.target_group_size {
+            Arc::new(AveragerConfig {
+                target_group_size: expected.max(cfg.min_group_size),
+                ..(**cfg).clone()
+            })
+        } else {
+            cfg.clone()
+        };
         let mm = Matchmaker {
-            config: cfg.clone(),
+            config,
             router: self.router.clone(),
             transport: self.transport.clone(),
         };

@@ -1,4 +1,4 @@
-//! `starling`: run a node, bootstrap a private swarm, use the DHT, host experts, benchmark.
+//! `starling`: train together (`train`, `demo`), run a node, bootstrap a private swarm, use the DHT, host experts, benchmark.
 
 mod bench;
 mod bench_allreduce;
@@ -6,9 +6,11 @@ mod bench_experts;
 mod bench_lane;
 mod bench_local;
 mod bench_training;
+mod demo;
 mod dht_cmd;
 mod experts_cmd;
 mod node_cmd;
+mod train;
 
 use std::path::PathBuf;
 
@@ -37,6 +39,11 @@ enum Command {
     },
     /// Run a node and print its status periodically until interrupted (Ctrl-C).
     Node(node_cmd::NodeArgs),
+    /// Create a training run or join one, and train in it until its last epoch.
+    Train(Box<train::TrainArgs>),
+    /// Zero configuration: N peers on 127.0.0.1 train a digits classifier together, beside one
+    /// peer alone.
+    Demo(demo::DemoArgs),
     /// Read and write DHT records by joining the swarm briefly as a client.
     Dht {
         #[command(subcommand)]
@@ -170,6 +177,8 @@ fn main() {
         match cli.command {
             Command::InitSwarm { out } => init_swarm(&out),
             Command::Node(args) => node_cmd::run(args).await,
+            Command::Train(args) => train::run(*args).await,
+            Command::Demo(args) => demo::run(args).await,
             Command::Dht { command } => dht_cmd::run(command).await,
             Command::Experts { command } => experts_cmd::run(command).await,
             Command::Bench { command } => bench::run(command).await,

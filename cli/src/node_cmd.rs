@@ -127,7 +127,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
 
 /// Listen addresses with loopback ones last: the first printed is one that other machines can
 /// dial (what users copy, and what scripts take), where there is one.
-fn reachable_first(mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
+pub(crate) fn reachable_first(mut addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
     // `/ip4/<ip>/...` or `/ip6/<ip>/...`
     let loopback = |a: &Multiaddr| {
         let text = a.to_string();

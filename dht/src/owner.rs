@@ -12,6 +12,7 @@ use crate::{DhtError, Entry};
 
 const MARKER_PREFIX: &str = "[owner:";
 const DOMAIN: &[u8] = b"starling-dht-entry-v1\0";
+const DOCUMENT_DOMAIN: &[u8] = b"starling-signed-document-v1\0";
 
 /// The signing half of an owner identity (normally the node's own ed25519 identity key).
 #[derive(Clone)]
@@ -59,6 +60,50 @@ impl OwnerKey {
         let msg = signed_message(key, entry);
         entry.signature = Some(self.signing.sign(&msg).to_bytes().to_vec());
     }
+
+    /// Signs a document `msg` for the purpose named by `domain` (for example a training run's
+    /// manifest): the signature covers the domain and the bytes, so it never verifies as a DHT
+    /// entry's or as another purpose's. Check it with [`verify_document`].
+    ///
+    /// ```
+    /// use starling_dht::{owner::verify_document, OwnerKey};
+    /// let alice = OwnerKey::from_secret_bytes(&[7u8; 32]);
+    /// let sig = alice.sign_document("starling-run-manifest-v1", b"{\"lr\":0.1}");
+    /// assert!(verify_document(&alice.public(), "starling-run-manifest-v1", b"{\"lr\":0.1}", &sig).is_ok());
+    /// assert!(verify_document(&alice.public(), "starling-run-manifest-v1", b"{\"lr\":9.9}", &sig).is_err());
+    /// assert!(verify_document(&alice.public(), "another-purpose", b"{\"lr\":0.1}", &sig).is_err());
+    /// ```
+    pub fn sign_document(&self, domain: &str, msg: &[u8]) -> [u8; 64] {
+        self.signing.sign(&document_message(domain, msg)).to_bytes()
+    }
+}
+
+/// Checks a signature made by [`OwnerKey::sign_document`] for `domain` over `msg`.
+pub fn verify_document(
+    owner: &VerifyingKey,
+    domain: &str,
+    msg: &[u8],
+    signature: &[u8],
+) -> Result<(), DhtError> {
+    let bad = || DhtError::BadSignature {
+        key: domain.to_string(),
+        subkey: String::new(),
+    };
+    let bytes: [u8; 64] = signature.try_into().map_err(|_| bad())?;
+    owner
+        .verify(&document_message(domain, msg), &Signature::from_bytes(&bytes))
+        .map_err(|_| bad())
+}
+
+/// `DOCUMENT_DOMAIN || len(domain) || domain || msg`: never a prefix of an entry's message,
+/// whose domain string differs.
+fn document_message(domain: &str, msg: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(DOCUMENT_DOMAIN.len() + 8 + domain.len() + msg.len());
+    m.extend_from_slice(DOCUMENT_DOMAIN);
+    m.extend_from_slice(&(domain.len() as u64).to_le_bytes());
+    m.extend_from_slice(domain.as_bytes());
+    m.extend_from_slice(msg);
+    m
 }
 
 /// The marker string for an owner's public key: `[owner:<hex>]`.

@@ -191,6 +191,8 @@ pub struct CollaborativeOptimizer {
     inner: u64,
     /// Samples per second, smoothed.
     rate: f64,
+    /// Seconds per sample, smoothed (the rate's inverse).
+    secs_per_sample: f64,
     last_batch: Option<Instant>,
     /// When the current epoch's first batch arrived.
     epoch_start: Option<Instant>,
@@ -230,6 +232,7 @@ impl CollaborativeOptimizer {
             samples: 0,
             inner: 0,
             rate: 0.0,
+            secs_per_sample: 0.0,
             last_batch: None,
             epoch_start: None,
             swarm: None,
@@ -240,6 +243,36 @@ impl CollaborativeOptimizer {
     /// The epoch: global steps (gradient mode) or outer steps (local SGD) taken.
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// Continues at `epoch` with the values now in `params` (restored from a checkpoint, with the
+    /// optimizer this was built with): the epoch starts afresh, and in local SGD a new phase
+    /// starts from `params`. A peer whose checkpoint is behind the swarm still syncs state.
+    ///
+    /// ```no_run
+    /// # fn demo(mut opt: starling_training::CollaborativeOptimizer, params: starling_training::ParamSet) {
+    /// opt.resume(12, &params);
+    /// assert_eq!(opt.epoch(), 12);
+    /// # }
+    /// ```
+    pub fn resume(&mut self, epoch: u64, params: &ParamSet) {
+        self.epoch = epoch;
+        self.accumulated.fill(0.0);
+        self.samples = 0;
+        self.inner = 0;
+        self.swarm = None;
+        if let Some((_, anchor)) = self.outer.as_mut() {
+            anchor.copy_from_slice(params.params());
+        }
+    }
+
+    /// Leaves the run cleanly: stops the state server (if any) and the averager (its
+    /// background tasks and registrations); the node keeps running.
+    pub async fn shutdown(self) {
+        if let Some(server) = &self.state_server {
+            server.shutdown().await;
+        }
+        self.averager.shutdown().await;
     }
 
     /// The local (gradient mode: shared) optimizer.
@@ -263,20 +296,23 @@ impl CollaborativeOptimizer {
         }
     }
 
-    /// Updates the sample count and the smoothed rate.
+    /// Updates the sample count and the smoothed rate. The rate smooths seconds per sample
+    /// (then inverts): smoothing samples per second instead over-weights the fast batches and
+    /// misses the pauses for averaging, overstating the throughput many times over.
     fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
         let now = Instant::now();
         self.epoch_start.get_or_insert(now);
         if let Some(prev) = self.last_batch {
             let dt = now.duration_since(prev).as_secs_f64();
-            if dt > 0.0 {
-                let r = batch_samples as f64 / dt;
-                self.rate = if self.rate == 0.0 {
-                    r
+            if dt > 0.0 && batch_samples > 0 {
+                let per_sample = dt / batch_samples as f64;
+                self.secs_per_sample = if self.secs_per_sample == 0.0 {
+                    per_sample
                 } else {
-                    0.8 * self.rate + 0.2 * r
+                    0.8 * self.secs_per_sample + 0.2 * per_sample
                 };
+                self.rate = 1.0 / self.secs_per_sample;
             }
         }
         self.last_batch = Some(now);
@@ -369,6 +405,9 @@ impl CollaborativeOptimizer {
             .iter_mut()
             .zip(&self.accumulated)
             .for_each(|(g, a)| *g = a * scale);
+        // Every live peer searches about now: a group of them need not wait out the window.
+        self.averager
+            .expect_peers(swarm_peers(report.swarm.as_ref()));
         let began = Instant::now();
         report.timings.waiting = self.epoch_start.map_or(Duration::ZERO, |t| began - t);
         let deadline = began + self.cfg.averaging_timeout;
@@ -427,10 +466,16 @@ impl CollaborativeOptimizer {
     ) -> Result<StepReport, TrainingError> {
         self.optimizer.step_set(params)?;
         self.inner += 1;
+        self.tracker.report(self.local_progress()).await?;
         let mut report = self.idle_report();
         if self.inner < inner_steps {
             return Ok(report);
         }
+        // The peers that will search with this one: the live ones by their progress.
+        let swarm = self.swarm_progress().await.ok();
+        self.averager.expect_peers(swarm_peers(swarm.as_ref()));
+        report.behind = swarm.as_ref().is_some_and(|s| s.is_behind(self.epoch));
+        report.swarm = swarm;
         let Some((outer, anchor)) = self.outer.as_mut() else {
             return Ok(report);
         };
@@ -454,7 +499,9 @@ impl CollaborativeOptimizer {
         self.epoch += 1;
         self.inner = 0;
         self.samples = 0;
+        self.swarm = None;
         self.refresh_served_state(params).await;
+        self.tracker.publish(self.local_progress()).await?;
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
@@ -547,6 +594,14 @@ impl CollaborativeOptimizer {
             );
         }
     }
+}
+
+/// Peers expected in a round: every live peer the swarm's progress shows, whatever its epoch
+/// (a reading taken while others publish their new epoch undercounts the latest one, and a
+/// hint too small splits the swarm into groups), at least this one and one other; no hint when
+/// no progress was read.
+fn swarm_peers(swarm: Option<&SwarmProgress>) -> Option<usize> {
+    swarm.filter(|s| s.peers > 0).map(|s| s.peers.max(2))
 }
 
 /// `params` holds `expected` values, or the schema error that says so.

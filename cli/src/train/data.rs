@@ -1,0 +1,490 @@
+//! The data a built-in model trains on: the embedded digits, IDX files (MNIST's format, gzip or
+//! not), or a UTF-8 text file. Every reader checks sizes before it allocates and names what is
+//! wrong with a file.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use rand::{seq::SliceRandom, rngs::StdRng, SeedableRng};
+
+use super::manifest::DataSpec;
+
+/// Largest file read, in bytes (after decompression).
+const MAX_FILE_BYTES: u64 = 1 << 31;
+/// Seed of the digits' fixed train/test shuffle (the same split on every peer).
+const DIGITS_SPLIT_SEED: u64 = 20_240_601;
+
+/// Labelled images, pixels scaled to [0, 1].
+#[derive(Debug, Clone)]
+pub struct Images {
+    /// Values per image.
+    pub inputs: usize,
+    /// Label classes.
+    pub classes: usize,
+    /// Training images, `inputs` values each.
+    pub train_x: Vec<f32>,
+    /// Training labels.
+    pub train_y: Vec<u32>,
+    /// Test images.
+    pub test_x: Vec<f32>,
+    /// Test labels.
+    pub test_y: Vec<u32>,
+}
+
+impl Images {
+    /// Training images.
+    pub fn train_len(&self) -> usize {
+        self.train_y.len()
+    }
+
+    /// Checks that images and labels agree in number and neither part is empty.
+    fn check(&self) -> Result<()> {
+        ensure!(
+            self.train_x.len() == self.train_y.len() * self.inputs
+                && self.test_x.len() == self.test_y.len() * self.inputs,
+            "internal: image and label counts differ"
+        );
+        ensure!(!self.train_y.is_empty(), "no training images");
+        ensure!(!self.test_y.is_empty(), "no test images");
+        Ok(())
+    }
+}
+
+/// A text as token ids over a vocabulary, split into training and validation parts.
+#[derive(Debug, Clone)]
+pub struct Text {
+    /// The characters, in token order.
+    pub vocab: Vec<char>,
+    /// Training tokens (the first 90%).
+    pub train: Vec<u32>,
+    /// Validation tokens (the last 10%).
+    pub val: Vec<u32>,
+}
+
+impl Text {
+    /// The training part's unigram entropy in nats per character: the loss of a model that
+    /// knows only character frequencies (what a language model must beat).
+    pub fn unigram_entropy(&self) -> f64 {
+        let mut counts = vec![0u64; self.vocab.len()];
+        for &t in &self.train {
+            counts[t as usize] += 1;
+        }
+        let n = self.train.len() as f64;
+        counts
+            .iter()
+            .filter(|&&c| c > 0)
+            .map(|&c| {
+                let p = c as f64 / n;
+                -p * p.ln()
+            })
+            .sum()
+    }
+}
+
+/// What a peer trains on, loaded for a run's [`DataSpec`].
+#[derive(Debug, Clone)]
+pub enum Dataset {
+    /// Images for the `mlp`.
+    Images(Images),
+    /// Text for the `charlm`.
+    Text(Text),
+}
+
+/// The 1797 embedded 8x8 digits (scikit-learn's, through smartcore), scaled to [0, 1], split
+/// 80/20 with a fixed shuffle.
+pub fn digits() -> Images {
+    let d = smartcore::dataset::digits::load_dataset();
+    let inputs = d.num_features;
+    let mut order: Vec<usize> = (0..d.num_samples).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(DIGITS_SPLIT_SEED));
+    let n_train = d.num_samples * 4 / 5;
+    let take = |idx: &[usize]| {
+        let x = idx
+            .iter()
+            .flat_map(|&i| d.data[i * inputs..(i + 1) * inputs].iter().map(|v| v / 16.0))
+            .collect();
+        let y = idx.iter().map(|&i| d.target[i] as u32).collect();
+        (x, y)
+    };
+    let (train_x, train_y) = take(&order[..n_train]);
+    let (test_x, test_y) = take(&order[n_train..]);
+    Images {
+        inputs,
+        classes: 10,
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+    }
+}
+
+/// Loads what `spec` names: the digits, the IDX files in `data` (checked against the run's
+/// image size and classes when the run has them), or the text file `data` mapped onto the
+/// run's vocabulary.
+pub fn load(spec: &DataSpec, data: Option<&Path>) -> Result<Dataset> {
+    match spec {
+        DataSpec::Digits => {
+            if let Some(p) = data {
+                bail!(
+                    "this run trains on the embedded digits; --data {} is not used by it",
+                    p.display()
+                );
+            }
+            Ok(Dataset::Images(digits()))
+        }
+        DataSpec::Idx {
+            rows,
+            cols,
+            classes,
+        } => {
+            let dir = data.context("this run trains on IDX files: give --data DIR")?;
+            let images = read_idx_dir(dir)?;
+            ensure!(
+                images.inputs == rows * cols,
+                "{}: images of {} values, but the run's are {rows}x{cols}",
+                dir.display(),
+                images.inputs
+            );
+            let max = images.train_y.iter().chain(&images.test_y).max().copied();
+            ensure!(
+                max.is_none_or(|m| (m as usize) < *classes),
+                "{}: label {} but the run has {classes} classes",
+                dir.display(),
+                max.unwrap_or(0)
+            );
+            Ok(Dataset::Images(Images {
+                classes: *classes,
+                ..images
+            }))
+        }
+        DataSpec::Text { vocab } => {
+            let file = data.context("this run trains on text: give --data FILE")?;
+            let vocab: Vec<char> = vocab.chars().collect();
+            Ok(Dataset::Text(read_text(file, Some(&vocab))?))
+        }
+    }
+}
+
+/// The file `dir/{stem}` or `dir/{stem}.gz`, if either exists.
+fn find(dir: &Path, stem: &str) -> Option<PathBuf> {
+    [dir.join(stem), dir.join(format!("{stem}.gz"))]
+        .into_iter()
+        .find(|p| p.is_file())
+}
+
+/// Reads MNIST-style IDX files from `dir`: `train-images-idx3-ubyte` and
+/// `train-labels-idx1-ubyte` (each optionally `.gz`), and `t10k-*` of the same kinds as the
+/// test set when present (otherwise the last fifth of the training files).
+pub fn read_idx_dir(dir: &Path) -> Result<Images> {
+    ensure!(dir.is_dir(), "--data {}: not a directory of IDX files", dir.display());
+    let need = |stem: &str| {
+        find(dir, stem).with_context(|| {
+            format!(
+                "--data {}: no {stem} (or {stem}.gz); an IDX directory holds train-images-idx3-ubyte and train-labels-idx1-ubyte, and optionally the t10k-* test files",
+                dir.display()
+            )
+        })
+    };
+    let (train_x, inputs) = read_idx_images(&need("train-images-idx3-ubyte")?)?;
+    let train_y = read_idx_labels(&need("train-labels-idx1-ubyte")?)?;
+    ensure!(
+        train_x.len() / inputs == train_y.len(),
+        "--data {}: {} training images but {} labels",
+        dir.display(),
+        train_x.len() / inputs,
+        train_y.len()
+    );
+    let test = (
+        find(dir, "t10k-images-idx3-ubyte"),
+        find(dir, "t10k-labels-idx1-ubyte"),
+    );
+    let (train_x, train_y, test_x, test_y) = match test {
+        (Some(xi), Some(yi)) => {
+            let (test_x, test_inputs) = read_idx_images(&xi)?;
+            let test_y = read_idx_labels(&yi)?;
+            ensure!(
+                test_inputs == inputs,
+                "--data {}: test images have {test_inputs} values, training images {inputs}",
+                dir.display()
+            );
+            ensure!(
+                test_x.len() / inputs == test_y.len(),
+                "--data {}: {} test images but {} labels",
+                dir.display(),
+                test_x.len() / inputs,
+                test_y.len()
+            );
+            (train_x, train_y, test_x, test_y)
+        }
+        (None, None) => {
+            let n = train_y.len();
+            ensure!(n >= 5, "--data {}: too few images to split off a test set", dir.display());
+            let cut = n - n / 5;
+            (
+                train_x[..cut * inputs].to_vec(),
+                train_y[..cut].to_vec(),
+                train_x[cut * inputs..].to_vec(),
+                train_y[cut..].to_vec(),
+            )
+        }
+        _ => bail!(
+            "--data {}: give both t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, or neither",
+            dir.display()
+        ),
+    };
+    let classes = train_y.iter().chain(&test_y).max().map_or(0, |m| *m as usize + 1);
+    let images = Images {
+        inputs,
+        classes: classes.max(2),
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+    };
+    images.check()?;
+    Ok(images)
+}
+
+/// Opens a file, through gzip when it starts with gzip's magic bytes.
+fn open(path: &Path) -> Result<Box<dyn Read>> {
+    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut magic = [0u8; 2];
+    let n = f.read(&mut magic)?;
+    let f = File::open(path)?;
+    if n == 2 && magic == [0x1f, 0x8b] {
+        Ok(Box::new(flate2::read::GzDecoder::new(BufReader::new(f))))
+    } else {
+        Ok(Box::new(BufReader::new(f)))
+    }
+}
+
+/// Reads an IDX header: the element type must be unsigned bytes (0x08) and the dimension count
+/// `dims`. Returns the sizes.
+fn idx_header(r: &mut dyn Read, path: &Path, dims: u8, what: &str) -> Result<Vec<usize>> {
+    let mut head = [0u8; 4];
+    r.read_exact(&mut head)
+        .with_context(|| format!("{}: too short for an IDX file", path.display()))?;
+    ensure!(
+        head[0] == 0 && head[1] == 0 && head[2] == 0x08 && head[3] == dims,
+        "{}: not an IDX {what} file (magic {:02x}{:02x}{:02x}{:02x}, expected 000008{dims:02x})",
+        path.display(),
+        head[0],
+        head[1],
+        head[2],
+        head[3]
+    );
+    let mut sizes = Vec::new();
+    for _ in 0..dims {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b)
+            .with_context(|| format!("{}: truncated IDX header", path.display()))?;
+        sizes.push(u32::from_be_bytes(b) as usize);
+    }
+    Ok(sizes)
+}
+
+/// Reads exactly `n` bytes (refusing larger than [`MAX_FILE_BYTES`]), then checks that nothing
+/// follows.
+fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
+    ensure!(
+        n <= MAX_FILE_BYTES,
+        "{}: the header declares {n} bytes of data, more than the {MAX_FILE_BYTES} accepted",
+        path.display()
+    );
+    let mut data = Vec::with_capacity(n as usize);
+    (&mut r).take(n).read_to_end(&mut data)?;
+    ensure!(
+        data.len() as u64 == n,
+        "{}: the header declares {n} bytes of data but the file holds {}",
+        path.display(),
+        data.len()
+    );
+    let mut extra = [0u8; 1];
+    ensure!(
+        r.read(&mut extra)? == 0,
+        "{}: data continues past what the header declares",
+        path.display()
+    );
+    Ok(data)
+}
+
+/// An IDX image file (3 dimensions: count, rows, columns): pixels / 255 and values per image.
+pub fn read_idx_images(path: &Path) -> Result<(Vec<f32>, usize)> {
+    let mut r = open(path)?;
+    let sizes = idx_header(&mut r, path, 3, "image")?;
+    let inputs = sizes[1] * sizes[2];
+    ensure!(inputs > 0, "{}: images of size 0", path.display());
+    let n = (sizes[0] as u64).saturating_mul(inputs as u64);
+    let bytes = body(r, path, n)?;
+    Ok((bytes.iter().map(|&b| b as f32 / 255.0).collect(), inputs))
+}
+
+/// An IDX label file (1 dimension).
+pub fn read_idx_labels(path: &Path) -> Result<Vec<u32>> {
+    let mut r = open(path)?;
+    let sizes = idx_header(&mut r, path, 1, "label")?;
+    let bytes = body(r, path, sizes[0] as u64)?;
+    Ok(bytes.into_iter().map(u32::from).collect())
+}
+
+#[cfg(test)]
+/// Writes images and labels as IDX files (`{prefix}-images-idx3-ubyte`,
+/// `{prefix}-labels-idx1-ubyte`); pixels in [0, 1] become bytes.
+pub fn write_idx(dir: &Path, prefix: &str, x: &[f32], y: &[u32], rows: usize, cols: usize) -> Result<()> {
+    let mut img = vec![0, 0, 8, 3];
+    for d in [y.len(), rows, cols] {
+        img.extend_from_slice(&(d as u32).to_be_bytes());
+    }
+    img.extend(x.iter().map(|v| (v.clamp(0.0, 1.0) * 255.0).round() as u8));
+    let mut lab = vec![0, 0, 8, 1];
+    lab.extend_from_slice(&(y.len() as u32).to_be_bytes());
+    lab.extend(y.iter().map(|&l| l as u8));
+    std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), img)?;
+    std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), lab)?;
+    Ok(())
+}
+
+/// Reads a UTF-8 text file as tokens: over `vocab` when given (every character must be in it),
+/// otherwise over the text's own sorted characters. The last tenth is the validation part.
+pub fn read_text(path: &Path, vocab: Option<&[char]>) -> Result<Text> {
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("--data {}", path.display()))?
+        .len();
+    ensure!(
+        len <= MAX_FILE_BYTES,
+        "--data {}: {len} bytes, more than the {MAX_FILE_BYTES} accepted",
+        path.display()
+    );
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "--data {}: not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    let vocab: Vec<char> = match vocab {
+        Some(v) => v.to_vec(),
+        None => text.chars().collect::<BTreeSet<char>>().into_iter().collect(),
+    };
+    let index: std::collections::HashMap<char, u32> =
+        vocab.iter().enumerate().map(|(i, &c)| (c, i as u32)).collect();
+    let mut tokens = Vec::with_capacity(text.len());
+    let mut unknown = BTreeSet::new();
+    for c in text.chars() {
+        match index.get(&c) {
+            Some(&t) => tokens.push(t),
+            None => {
+                unknown.insert(c);
+            }
+        }
+    }
+    ensure!(
+        unknown.is_empty(),
+        "--data {}: {} characters are not in the run's vocabulary (for example {:?})",
+        path.display(),
+        unknown.len(),
+        unknown.iter().take(5).collect::<String>()
+    );
+    ensure!(
+        tokens.len() >= 200,
+        "--data {}: {} characters; a language model needs at least 200",
+        path.display(),
+        tokens.len()
+    );
+    let cut = tokens.len() - tokens.len() / 10;
+    let val = tokens.split_off(cut);
+    Ok(Text {
+        vocab,
+        train: tokens,
+        val,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digits_split_is_fixed_and_scaled() {
+        let a = digits();
+        let b = digits();
+        assert_eq!(a.train_y, b.train_y);
+        assert_eq!((a.inputs, a.classes), (64, 10));
+        assert_eq!(a.train_len() + a.test_y.len(), 1797);
+        assert!(a.train_x.iter().all(|v| (0.0..=1.0).contains(v)));
+        assert!(a.train_x.iter().any(|v| *v > 0.5));
+    }
+
+    #[test]
+    fn idx_files_round_trip_plain_and_gzipped_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = digits();
+        write_idx(dir.path(), "train", &d.train_x, &d.train_y, 8, 8).unwrap();
+        let back = read_idx_dir(dir.path()).unwrap();
+        assert_eq!(back.inputs, 64);
+        assert_eq!(back.train_len() + back.test_y.len(), d.train_len());
+        assert!(back
+            .train_x
+            .iter()
+            .zip(&d.train_x)
+            .all(|(a, b)| (a - b).abs() <= 0.5 / 255.0 + 1e-6));
+
+        // gzip the labels: read the same.
+        let labels = dir.path().join("train-labels-idx1-ubyte");
+        let raw = std::fs::read(&labels).unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &raw).unwrap();
+        std::fs::remove_file(&labels).unwrap();
+        std::fs::write(dir.path().join("train-labels-idx1-ubyte.gz"), gz.finish().unwrap()).unwrap();
+        assert_eq!(read_idx_dir(dir.path()).unwrap().train_y, back.train_y);
+
+        // Inconsistent counts.
+        write_idx(dir.path(), "train", &d.train_x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
+        std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte.gz")).unwrap();
+        write_idx(dir.path(), "tmp", &d.train_x[..64 * 9], &d.train_y[..9], 8, 8).unwrap();
+        std::fs::rename(
+            dir.path().join("tmp-labels-idx1-ubyte"),
+            dir.path().join("train-labels-idx1-ubyte"),
+        )
+        .unwrap();
+        let err = read_idx_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("10 training images but 9 labels"), "{err}");
+
+        // A labels file where images belong.
+        std::fs::copy(
+            dir.path().join("train-labels-idx1-ubyte"),
+            dir.path().join("train-images-idx3-ubyte"),
+        )
+        .unwrap();
+        let err = read_idx_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not an IDX image file"), "{err}");
+
+        // Truncated data.
+        let img = dir.path().join("train-images-idx3-ubyte");
+        write_idx(dir.path(), "train", &d.train_x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
+        let bytes = std::fs::read(&img).unwrap();
+        std::fs::write(&img, &bytes[..bytes.len() - 3]).unwrap();
+        let err = read_idx_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("declares 640 bytes"), "{err}");
+    }
+
+    #[test]
+    fn text_maps_onto_a_vocabulary_and_knows_its_entropy() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.txt");
+        std::fs::write(&path, "abab".repeat(100)).unwrap();
+        let t = read_text(&path, None).unwrap();
+        assert_eq!(t.vocab, vec!['a', 'b']);
+        assert_eq!((t.train.len(), t.val.len()), (360, 40));
+        assert!((t.unigram_entropy() - std::f64::consts::LN_2).abs() < 1e-9);
+        let err = read_text(&path, Some(&['a'])).unwrap_err().to_string();
+        assert!(err.contains("not in the run's vocabulary"), "{err}");
+        std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap();
+        let err = read_text(&path, None).unwrap_err().to_string();
+        assert!(err.contains("not UTF-8"), "{err}");
+    }
+}

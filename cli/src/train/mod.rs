@@ -1,0 +1,545 @@
+//! `starling train`: create a training run (a signed manifest in the DHT) or join one, and
+//! train in it until its last epoch.
+
+pub mod data;
+pub mod manifest;
+pub mod model;
+pub mod session;
+pub mod ui;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use starling_experts::{ClientConfig, ExpertClient, MoeConfig, RemoteMixtureOfExperts};
+use starling_node::{Multiaddr, Node};
+
+use crate::{JoinArgs, NatArgs};
+use data::Dataset;
+use manifest::{
+    DataSpec, ModeSpec, ModelSpec, MoeSpec, OptimizerKind, OptimizerSpec, RunManifest, RunRef,
+    SignedManifest, KNOWN_MODELS, MANIFEST_FORMAT,
+};
+use model::Built;
+use session::Session;
+use ui::{Bar, JsonLines, Reporter};
+
+/// How long a joiner looks for the run's manifest.
+const MANIFEST_LOOKUP: Duration = Duration::from_secs(30);
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Create a run with this name (1-64 of A-Z a-z 0-9 - _ .), publish its signed manifest,
+    /// and train in it. Others join with --run NAME@<this peer's id>.
+    #[arg(long, value_name = "NAME", conflicts_with = "run", required_unless_present = "run")]
+    new_run: Option<String>,
+    /// Join a run: NAME, or NAME@KEY to accept only a manifest signed by KEY (the creator's peer
+    /// id, as `--new-run` prints it, or its 64-digit hex key).
+    #[arg(long, value_name = "NAME[@KEY]")]
+    run: Option<RunRef>,
+    /// With --run: read the signed manifest from this file (written by --save-manifest) instead
+    /// of the DHT.
+    #[arg(long, value_name = "FILE", requires = "run")]
+    manifest: Option<PathBuf>,
+    /// With --new-run: also write the signed manifest to this file.
+    #[arg(long, value_name = "FILE", requires = "new_run")]
+    save_manifest: Option<PathBuf>,
+    /// The model of a new run: `mlp` (image classifier) or `charlm` (character-level
+    /// transformer language model).
+    #[arg(long, value_name = "MODEL")]
+    model: Option<String>,
+    /// Training data: for `mlp`, a directory of IDX files (MNIST's format: train-images-idx3-ubyte,
+    /// train-labels-idx1-ubyte, optionally .gz, optionally t10k-* test files; default: the
+    /// embedded 8x8 digits); for `charlm`, a UTF-8 text file (the last tenth validates).
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+    #[command(flatten)]
+    hyper: HyperArgs,
+    #[command(flatten)]
+    join: JoinArgs,
+    #[command(flatten)]
+    nat: NatArgs,
+    /// Address to listen on. Repeatable. Default: TCP (and QUIC in public swarms) on all
+    /// interfaces with OS-chosen ports.
+    #[arg(long, value_name = "MULTIADDR")]
+    listen: Vec<Multiaddr>,
+    /// Client mode: accept no inbound connections (behind NAT, or by choice).
+    #[arg(long)]
+    client: bool,
+    /// Save checkpoints here, and resume from the one here at start.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Epochs between checkpoints (one is also saved at the end and on Ctrl-C).
+    #[arg(long, default_value_t = 10)]
+    checkpoint_every: u64,
+    /// One JSON object per line (events: node, started, synced, step, eval, checkpoint,
+    /// finished, left) instead of a progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Hyper-parameters of a new run (a joiner takes them from the manifest).
+#[derive(Args, Debug, Default)]
+pub struct HyperArgs {
+    /// Optimizer: adamw or sgd (Nesterov momentum when --momentum > 0). Default adamw.
+    #[arg(long, value_enum)]
+    pub(crate) optimizer: Option<OptimizerKind>,
+    /// Learning rate (default: mlp 0.005, charlm 0.003).
+    #[arg(long)]
+    pub(crate) lr: Option<f64>,
+    /// Weight decay (default 0).
+    #[arg(long)]
+    pub(crate) weight_decay: Option<f64>,
+    /// SGD momentum (default 0.9).
+    #[arg(long)]
+    pub(crate) momentum: Option<f64>,
+    /// Samples per local batch (default: mlp 32, charlm 16).
+    #[arg(long)]
+    pub(crate) batch_size: Option<u64>,
+    /// Samples per global step, over the whole swarm (default: mlp 256, charlm 64).
+    #[arg(long)]
+    pub(crate) target_batch_size: Option<u64>,
+    /// Epochs (global steps; DiLoCo: outer steps) the run lasts (default: mlp 60, charlm 150).
+    #[arg(long)]
+    pub(crate) epochs: Option<u64>,
+    /// Evaluate every this many epochs (default: a sixth of the run).
+    #[arg(long)]
+    pub(crate) eval_every: Option<u64>,
+    /// How peers train together: gradients (average every global batch's gradients) or diloco
+    /// (local steps, then average the parameter deltas). Default gradients.
+    #[arg(long, value_parser = ["gradients", "diloco"])]
+    pub(crate) mode: Option<String>,
+    /// DiLoCo: local steps per averaging round (default 10).
+    #[arg(long)]
+    pub(crate) inner_steps: Option<u64>,
+    /// DiLoCo: outer learning rate (default 0.7).
+    #[arg(long)]
+    pub(crate) outer_lr: Option<f64>,
+    /// DiLoCo: outer Nesterov momentum (default 0.9).
+    #[arg(long)]
+    pub(crate) outer_momentum: Option<f64>,
+    /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none).
+    #[arg(long)]
+    pub(crate) codec: Option<String>,
+    /// Seed of the initial parameters (default: from the clock).
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// mlp: hidden units (default 64).
+    #[arg(long)]
+    pub(crate) hidden: Option<usize>,
+    /// charlm: characters of context (default 32).
+    #[arg(long)]
+    pub(crate) context: Option<usize>,
+    /// charlm: model width (default 64).
+    #[arg(long)]
+    pub(crate) dim: Option<usize>,
+    /// charlm: transformer blocks (default 2).
+    #[arg(long)]
+    pub(crate) layers: Option<usize>,
+    /// charlm: attention heads (default 4).
+    #[arg(long)]
+    pub(crate) heads: Option<usize>,
+    /// charlm: a remote mixture-of-experts layer on the grid NAME, served by `starling experts
+    /// serve --uids 'NAME.0.[0:E]' --hidden <--dim>` peers.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) moe_grid: Option<String>,
+    /// charlm with --moe-grid: experts in the grid (default 4).
+    #[arg(long)]
+    pub(crate) moe_experts: Option<usize>,
+    /// charlm with --moe-grid: experts per token (default 2).
+    #[arg(long)]
+    pub(crate) moe_k: Option<usize>,
+}
+
+impl HyperArgs {
+    /// The flags given, by name (a joiner may give none).
+    fn given(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        let mut note = |on: bool, name| {
+            if on {
+                v.push(name)
+            }
+        };
+        note(self.optimizer.is_some(), "--optimizer");
+        note(self.lr.is_some(), "--lr");
+        note(self.weight_decay.is_some(), "--weight-decay");
+        note(self.momentum.is_some(), "--momentum");
+        note(self.batch_size.is_some(), "--batch-size");
+        note(self.target_batch_size.is_some(), "--target-batch-size");
+        note(self.epochs.is_some(), "--epochs");
+        note(self.eval_every.is_some(), "--eval-every");
+        note(self.mode.is_some(), "--mode");
+        note(self.inner_steps.is_some(), "--inner-steps");
+        note(self.outer_lr.is_some(), "--outer-lr");
+        note(self.outer_momentum.is_some(), "--outer-momentum");
+        note(self.codec.is_some(), "--codec");
+        note(self.seed.is_some(), "--seed");
+        note(self.hidden.is_some(), "--hidden");
+        note(self.context.is_some(), "--context");
+        note(self.dim.is_some(), "--dim");
+        note(self.layers.is_some(), "--layers");
+        note(self.heads.is_some(), "--heads");
+        note(self.moe_grid.is_some(), "--moe-grid");
+        note(self.moe_experts.is_some(), "--moe-experts");
+        note(self.moe_k.is_some(), "--moe-k");
+        v
+    }
+}
+
+/// A new run's manifest from the flags (schema hash still empty), validated.
+pub fn new_manifest(name: &str, model: &str, h: &HyperArgs, data: DataSpec) -> Result<RunManifest> {
+    ensure!(
+        KNOWN_MODELS.contains(&model),
+        "unknown model {model:?}: this binary builds {}",
+        KNOWN_MODELS.join(", ")
+    );
+    let lm = model == "charlm";
+    let model_spec = if lm {
+        ModelSpec::Charlm {
+            context: h.context.unwrap_or(32),
+            dim: h.dim.unwrap_or(64),
+            layers: h.layers.unwrap_or(2),
+            heads: h.heads.unwrap_or(4),
+            moe: h.moe_grid.as_ref().map(|grid| MoeSpec {
+                grid: grid.clone(),
+                experts: h.moe_experts.unwrap_or(4),
+                k_best: h.moe_k.unwrap_or(2),
+            }),
+        }
+    } else {
+        for (flag, given) in [
+            ("--context", h.context.is_some()),
+            ("--dim", h.dim.is_some()),
+            ("--layers", h.layers.is_some()),
+            ("--heads", h.heads.is_some()),
+            ("--moe-grid", h.moe_grid.is_some()),
+        ] {
+            ensure!(!given, "{flag} is a charlm option; model mlp does not take it");
+        }
+        ModelSpec::Mlp {
+            hidden: h.hidden.unwrap_or(64),
+        }
+    };
+    ensure!(
+        !(lm && h.hidden.is_some()),
+        "--hidden is an mlp option; charlm's width is --dim"
+    );
+    let mode = match h.mode.as_deref() {
+        Some("diloco") => ModeSpec::Diloco {
+            inner_steps: h.inner_steps.unwrap_or(10),
+            outer_lr: h.outer_lr.unwrap_or(0.7),
+            outer_momentum: h.outer_momentum.unwrap_or(0.9),
+        },
+        _ => {
+            for (flag, given) in [
+                ("--inner-steps", h.inner_steps.is_some()),
+                ("--outer-lr", h.outer_lr.is_some()),
+                ("--outer-momentum", h.outer_momentum.is_some()),
+            ] {
+                ensure!(!given, "{flag} applies only with --mode diloco");
+            }
+            ModeSpec::Gradients
+        }
+    };
+    let epochs = h.epochs.unwrap_or(if lm { 150 } else { 60 });
+    let manifest = RunManifest {
+        format: MANIFEST_FORMAT,
+        name: name.to_string(),
+        model: model_spec,
+        data,
+        optimizer: OptimizerSpec {
+            kind: h.optimizer.unwrap_or(OptimizerKind::Adamw),
+            lr: h.lr.unwrap_or(if lm { 3e-3 } else { 5e-3 }),
+            weight_decay: h.weight_decay.unwrap_or(0.0),
+            momentum: h.momentum.unwrap_or(0.9),
+        },
+        mode,
+        codec: h.codec.clone().unwrap_or_else(|| "none".into()),
+        batch_size: h.batch_size.unwrap_or(if lm { 16 } else { 32 }),
+        target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
+        epochs,
+        eval_every: h.eval_every.unwrap_or((epochs / 6).max(1)),
+        seed: h.seed.unwrap_or_else(|| starling_dht::now_ms()),
+        schema_hash: "0".into(),
+        created_ms: starling_dht::now_ms(),
+    };
+    manifest.validate()?;
+    Ok(manifest)
+}
+
+/// The data kind of a new run, from `--data` (reading what it must to know the sizes).
+fn new_run_data(model: &str, data: Option<&std::path::Path>) -> Result<(DataSpec, Dataset)> {
+    match (model, data) {
+        ("charlm", Some(file)) => {
+            let text = data::read_text(file, None)?;
+            let vocab = text.vocab.iter().collect();
+            Ok((DataSpec::Text { vocab }, Dataset::Text(text)))
+        }
+        ("charlm", None) => bail!("model charlm trains on text: give --data FILE (UTF-8)"),
+        (_, Some(dir)) => {
+            let images = data::read_idx_dir(dir)?;
+            let side = (images.inputs as f64).sqrt() as usize;
+            let (rows, cols) = if side * side == images.inputs {
+                (side, side)
+            } else {
+                (1, images.inputs)
+            };
+            Ok((
+                DataSpec::Idx {
+                    rows,
+                    cols,
+                    classes: images.classes,
+                },
+                Dataset::Images(images),
+            ))
+        }
+        (_, None) => Ok((DataSpec::Digits, Dataset::Images(data::digits()))),
+    }
+}
+
+/// Checks that `data` suits the manifest's model (text longer than the context).
+fn check_data(m: &RunManifest, data: &Dataset) -> Result<()> {
+    if let (ModelSpec::Charlm { context, .. }, Dataset::Text(t)) = (&m.model, data) {
+        ensure!(
+            t.train.len() > context + 1 && t.val.len() > context + 1,
+            "--data: the text is too short for a context of {context} characters (training part {}, validation part {})",
+            t.train.len(),
+            t.val.len()
+        );
+    }
+    Ok(())
+}
+
+/// Builds the manifest's model (with its remote MoE layer on `node` when it has one) and checks
+/// its schema against the manifest's.
+pub fn build_model(
+    m: &RunManifest,
+    data: &Dataset,
+    node: Option<&Node>,
+    rt: tokio::runtime::Handle,
+) -> Result<Built> {
+    let moe_spec = match &m.model {
+        ModelSpec::Charlm {
+            moe: Some(spec),
+            dim,
+            ..
+        } => Some((spec.clone(), *dim)),
+        _ => None,
+    };
+    let make = |vb: candle_nn::VarBuilder| -> Result<RemoteMixtureOfExperts> {
+        let (spec, dim) = moe_spec.clone().context("no MoE layer")?;
+        let mut cfg = MoeConfig::new(&spec.grid, &[1, spec.experts], &[dim]);
+        cfg.k_best = spec.k_best;
+        cfg.k_min = 1;
+        cfg.timeout_after_k_min = Duration::from_millis(500);
+        cfg.forward_timeout = Duration::from_secs(5);
+        cfg.backward_timeout = Duration::from_secs(10);
+        let client = match node {
+            Some(n) => ExpertClient::new(n.clone(), ClientConfig::default()),
+            None => bail!("the MoE layer needs a node"),
+        };
+        Ok(RemoteMixtureOfExperts::new(vb, client, cfg, rt.clone())?)
+    };
+    let built = model::build(m, data, Some(&make))?;
+    Ok(built)
+}
+
+fn schema_matches(m: &RunManifest, built: &Built) -> Result<()> {
+    let mine = model::schema_hex(&built.params);
+    ensure!(
+        mine == m.schema_hash,
+        "this binary builds a different {} for run {:?} (tensor schema {mine}, the run's {}): it cannot train in it",
+        m.model.name(),
+        m.name,
+        m.schema_hash
+    );
+    Ok(())
+}
+
+/// Prints the node's identity and dialable addresses (the first is the one to give others).
+async fn print_node(node: &Node, json: bool) -> Result<Vec<Multiaddr>> {
+    let addrs = crate::node_cmd::reachable_first(node.listen_addrs().await?);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "event": "node",
+                "peer_id": node.peer_id().to_string(),
+                "listen": addrs.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+            })
+        );
+    } else {
+        println!("peer id: {}", node.peer_id());
+        for a in &addrs {
+            println!("listening on {a}");
+        }
+    }
+    Ok(addrs)
+}
+
+pub async fn run(args: TrainArgs) -> Result<()> {
+    let rt = tokio::runtime::Handle::current();
+    let mut cfg = args.join.config()?;
+    cfg.listen = args.listen.clone();
+    cfg.client_mode = args.client;
+    args.nat.apply(&mut cfg);
+    // Everything that can be refused is checked before anything is written or announced.
+    let (manifest, signed, node, data, built, sync_first) = if let Some(name) = &args.new_run {
+        let model_name = args
+            .model
+            .as_deref()
+            .context("--new-run needs --model (mlp or charlm)")?;
+        ensure!(
+            KNOWN_MODELS.contains(&model_name),
+            "unknown model {model_name:?}: this binary builds {}",
+            KNOWN_MODELS.join(", ")
+        );
+        // Sizes first (no data read for an invalid run), then the data, then the model.
+        let placeholder = if model_name == "charlm" {
+            DataSpec::Text { vocab: "ab".into() }
+        } else {
+            DataSpec::Digits
+        };
+        new_manifest(name, model_name, &args.hyper, placeholder)?;
+        let (spec, data) = new_run_data(model_name, args.data.as_deref())?;
+        let mut manifest = new_manifest(name, model_name, &args.hyper, spec)?;
+        check_data(&manifest, &data)?;
+        if let Some(path) = &args.save_manifest {
+            ensure!(
+                !path.exists(),
+                "--save-manifest {}: the file exists (not overwritten)",
+                path.display()
+            );
+        }
+        let node = Node::start(cfg).await?;
+        let built = build_model(&manifest, &data, Some(&node), rt.clone())?;
+        manifest.schema_hash = model::schema_hex(&built.params);
+        manifest.validate()?;
+        let signed = SignedManifest::sign(&manifest, node.owner_key())?;
+        (manifest, signed, node, data, built, false)
+    } else {
+        let run = args.run.clone().context("give --new-run NAME or --run NAME")?;
+        let given = args.hyper.given();
+        ensure!(
+            given.is_empty() && args.model.is_none(),
+            "{} set a new run's hyper-parameters; a joiner takes them from the run's manifest (drop them, or create a run with --new-run)",
+            if args.model.is_some() { "--model".to_string() } else { given.join(", ") }
+        );
+        ensure!(
+            args.manifest.is_some() || !args.join.bootstrap.is_empty(),
+            "--run needs --bootstrap ADDR (a peer of the run) or --manifest FILE"
+        );
+        let from_file = match &args.manifest {
+            Some(path) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("reading --manifest {}", path.display()))?;
+                let signed = SignedManifest::from_json(&bytes)
+                    .with_context(|| format!("--manifest {}", path.display()))?;
+                Some(manifest::choose(&run, &[signed])?)
+            }
+            None => None,
+        };
+        let node = Node::start(cfg).await?;
+        let chosen = match from_file {
+            Some(c) => Ok(c),
+            None => manifest::fetch(&node, &run, MANIFEST_LOOKUP).await,
+        };
+        let (manifest, signed) = match chosen {
+            Ok(c) => c,
+            Err(e) => {
+                node.shutdown().await;
+                return Err(e);
+            }
+        };
+        let prepared = (|| {
+            let data = data::load(&manifest.data, args.data.as_deref())?;
+            check_data(&manifest, &data)?;
+            let built = build_model(&manifest, &data, Some(&node), rt.clone())?;
+            schema_matches(&manifest, &built)?;
+            Ok::<_, anyhow::Error>((data, built))
+        })();
+        let (data, built) = match prepared {
+            Ok(v) => v,
+            Err(e) => {
+                node.shutdown().await;
+                return Err(e);
+            }
+        };
+        (manifest, signed, node, data, built, true)
+    };
+
+    let addrs = print_node(&node, args.json).await?;
+    if let Some(path) = &args.save_manifest {
+        std::fs::write(path, signed.to_json())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.new_run.is_some() {
+        manifest::publish(&node, &manifest.name, &signed).await?;
+        if !args.json {
+            let boot = addrs
+                .first()
+                .map_or("<this peer's address>".to_string(), |a| a.to_string());
+            println!(
+                "created run {} ({}, {} epochs); others join with:\n  starling train --run {}@{} --bootstrap {boot}",
+                manifest.name,
+                manifest.model.name(),
+                manifest.epochs,
+                manifest.name,
+                node.peer_id()
+            );
+        }
+    }
+    let reporter: Arc<dyn Reporter> = if args.json {
+        Arc::new(JsonLines)
+    } else {
+        Arc::new(Bar::new("", manifest.epochs))
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn(watch_interrupts(stop.clone()));
+    let session = Session {
+        node: node.clone(),
+        sample_seed: seed_of(&node),
+        manifest,
+        signed,
+        data: Arc::new(data),
+        built,
+        checkpoint_dir: args.checkpoint_dir.clone(),
+        checkpoint_every: args.checkpoint_every,
+        sync_first,
+        stop,
+        reporter,
+        progress_interval: None,
+    };
+    let outcome = session.run().await;
+    watcher.abort();
+    node.shutdown().await;
+    outcome.map(|_| ())
+}
+
+/// A batch-sampling seed of this peer's own (peers draw different batches).
+pub fn seed_of(node: &Node) -> u64 {
+    node.peer_id()
+        .to_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+        })
+}
+
+/// First Ctrl-C (or SIGTERM): leave after the current step, saving a checkpoint. Second: quit.
+async fn watch_interrupts(stop: Arc<AtomicBool>) {
+    loop {
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => { if r.is_err() { return; } }
+            _ = crate::node_cmd::terminate() => {}
+        }
+        if stop.swap(true, Ordering::Relaxed) {
+            eprintln!("interrupted again: quitting now");
+            std::process::exit(130);
+        }
+        eprintln!("leaving the run after this step (Ctrl-C again to quit now)");
+    }
+}

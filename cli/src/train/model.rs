@@ -1,0 +1,471 @@
+//! The built-in models, in candle: `mlp` (image classifier) and `charlm` (a small
+//! character-level transformer language model, optionally with a remote mixture-of-experts
+//! layer). Every variable lives in one `VarMap`; [`Built::params`] holds them by name, in name
+//! order, initialised from the run's seed (candle's CPU RNG cannot be seeded), so every peer of a
+//! new run starts from the same values.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{
+    embedding, layer_norm, linear, loss::cross_entropy, ops::softmax_last_dim, Embedding,
+    LayerNorm, Linear, VarBuilder, VarMap,
+};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use starling_experts::RemoteMixtureOfExperts;
+use starling_training::{Init, ParamSet, TensorInfo, VarBinding};
+
+use super::data::{Dataset, Images, Text};
+use super::manifest::{DataSpec, ModelSpec, RunManifest};
+
+/// Windows of validation text evaluated at most (bounds an evaluation's time).
+const MAX_EVAL_WINDOWS: usize = 64;
+
+/// One batch of inputs and targets.
+pub struct Batch {
+    /// Images `[b, inputs]` or token ids `[b, context]`.
+    pub x: Tensor,
+    /// Labels `[b]` or next tokens `[b, context]`.
+    pub y: Tensor,
+    /// Samples in it.
+    pub samples: u64,
+}
+
+/// What an evaluation measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Eval {
+    /// Test accuracy, a fraction.
+    Accuracy(f64),
+    /// Validation loss, nats per character.
+    ValLoss(f64),
+}
+
+/// A model: its loss on a batch, and its evaluation.
+pub trait Net: Send + Sync {
+    /// Mean loss over `batch` (a scalar tensor to call `backward` on).
+    fn loss(&self, batch: &Batch) -> candle_core::Result<Tensor>;
+    /// Test accuracy or validation loss on `data`'s held-out part.
+    fn evaluate(&self, data: &Dataset) -> Result<Eval>;
+}
+
+/// A built model with its variables bound to a parameter set.
+pub struct Built {
+    /// The model.
+    pub net: Arc<dyn Net>,
+    /// Its parameters (and gradients), by name.
+    pub params: ParamSet,
+    /// Moves values between `params` and the model's variables.
+    pub binding: VarBinding,
+}
+
+/// Builds the manifest's model for `data`, its parameters initialised from the manifest's seed.
+/// `moe` builds the remote MoE layer when the model has one.
+pub fn build(
+    manifest: &RunManifest,
+    data: &Dataset,
+    moe: Option<&dyn Fn(VarBuilder) -> Result<RemoteMixtureOfExperts>>,
+) -> Result<Built> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    let net: Arc<dyn Net> = match (&manifest.model, data, &manifest.data) {
+        (ModelSpec::Mlp { hidden }, Dataset::Images(images), _) => Arc::new(Mlp {
+            l1: linear(images.inputs, *hidden, vb.pp("l1"))?,
+            l2: linear(*hidden, images.classes, vb.pp("l2"))?,
+        }),
+        (
+            ModelSpec::Charlm {
+                context,
+                dim,
+                layers,
+                heads,
+                moe: moe_spec,
+            },
+            Dataset::Text(_),
+            DataSpec::Text { vocab },
+        ) => {
+            let vocab = vocab.chars().count();
+            let layer = match moe_spec {
+                Some(_) => {
+                    let make = moe.context("this run has a MoE layer, but none was set up")?;
+                    Some(make(vb.pp("moe"))?)
+                }
+                None => None,
+            };
+            Arc::new(CharLm::new(vb, vocab, *context, *dim, *layers, *heads, layer)?)
+        }
+        _ => anyhow::bail!("model {} cannot train on this data", manifest.model.name()),
+    };
+    // Name order: the same tensors in the same order on every peer.
+    let mut named: Vec<(String, candle_core::Var)> = vars
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the model's variables are poisoned"))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut params = ParamSet::new();
+    let binding = VarBinding::register(&mut params, named)?;
+    binding.initialize(
+        &mut params,
+        &mut StdRng::seed_from_u64(manifest.seed),
+        init_rule,
+    )?;
+    Ok(Built {
+        net,
+        params,
+        binding,
+    })
+}
+
+/// The model's tensors' schema hash, as a manifest records it.
+pub fn schema_hex(params: &ParamSet) -> String {
+    format!("{:016x}", params.schema_hash())
+}
+
+/// Initialisation by tensor name: layer norms at 1 (weights) and 0 (biases), embeddings
+/// N(0, 0.02), linear layers as PyTorch's `nn.Linear`.
+fn init_rule(t: &TensorInfo) -> Init {
+    let name = t.name();
+    if name.contains(".ln") || name.starts_with("ln") {
+        if name.ends_with("weight") {
+            Init::Constant(1.0)
+        } else {
+            Init::Zeros
+        }
+    } else if name.contains("emb") {
+        Init::Normal {
+            mean: 0.0,
+            std: 0.02,
+        }
+    } else if name.ends_with("bias") {
+        Init::Zeros
+    } else {
+        Init::TorchLinear
+    }
+}
+
+/// Draws batches from a dataset's training part.
+pub struct Sampler {
+    rng: StdRng,
+    batch: usize,
+}
+
+impl Sampler {
+    /// Batches of `batch` samples, drawn with `seed`.
+    pub fn new(batch: usize, seed: u64) -> Self {
+        Sampler {
+            rng: StdRng::seed_from_u64(seed),
+            batch,
+        }
+    }
+
+    /// The next batch (samples drawn uniformly with replacement; text: random windows).
+    pub fn next(&mut self, data: &Dataset, context: usize) -> Result<Batch> {
+        match data {
+            Dataset::Images(d) => {
+                let idx: Vec<usize> = (0..self.batch)
+                    .map(|_| self.rng.gen_range(0..d.train_len()))
+                    .collect();
+                images_batch(d, &idx, false)
+            }
+            Dataset::Text(t) => {
+                let starts: Vec<usize> = (0..self.batch)
+                    .map(|_| self.rng.gen_range(0..t.train.len() - context))
+                    .collect();
+                text_batch(&t.train, &starts, context)
+            }
+        }
+    }
+}
+
+fn images_batch(d: &Images, idx: &[usize], test: bool) -> Result<Batch> {
+    let (xs, ys) = if test {
+        (&d.test_x, &d.test_y)
+    } else {
+        (&d.train_x, &d.train_y)
+    };
+    let x: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| xs[i * d.inputs..(i + 1) * d.inputs].iter().copied())
+        .collect();
+    let y: Vec<u32> = idx.iter().map(|&i| ys[i]).collect();
+    Ok(Batch {
+        x: Tensor::from_vec(x, (idx.len(), d.inputs), &Device::Cpu)?,
+        y: Tensor::from_vec(y, idx.len(), &Device::Cpu)?,
+        samples: idx.len() as u64,
+    })
+}
+
+fn text_batch(tokens: &[u32], starts: &[usize], context: usize) -> Result<Batch> {
+    let mut x = Vec::with_capacity(starts.len() * context);
+    let mut y = Vec::with_capacity(starts.len() * context);
+    for &s in starts {
+        x.extend_from_slice(&tokens[s..s + context]);
+        y.extend_from_slice(&tokens[s + 1..s + context + 1]);
+    }
+    Ok(Batch {
+        x: Tensor::from_vec(x, (starts.len(), context), &Device::Cpu)?,
+        y: Tensor::from_vec(y, (starts.len(), context), &Device::Cpu)?,
+        samples: starts.len() as u64,
+    })
+}
+
+struct Mlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Mlp {
+    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2.forward(&self.l1.forward(x)?.relu()?)
+    }
+}
+
+impl Net for Mlp {
+    fn loss(&self, batch: &Batch) -> candle_core::Result<Tensor> {
+        cross_entropy(&self.logits(&batch.x)?, &batch.y)
+    }
+
+    fn evaluate(&self, data: &Dataset) -> Result<Eval> {
+        let Dataset::Images(d) = data else {
+            anyhow::bail!("mlp evaluates on images");
+        };
+        let n = d.test_y.len();
+        let mut correct = 0usize;
+        for from in (0..n).step_by(512) {
+            let idx: Vec<usize> = (from..(from + 512).min(n)).collect();
+            let b = images_batch(d, &idx, true)?;
+            let pred: Vec<u32> = self.logits(&b.x)?.argmax(D::Minus1)?.to_vec1()?;
+            correct += pred.iter().zip(&d.test_y[from..]).filter(|(p, y)| p == y).count();
+        }
+        Ok(Eval::Accuracy(correct as f64 / n.max(1) as f64))
+    }
+}
+
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    out: Linear,
+    heads: usize,
+}
+
+impl Block {
+    fn new(vb: VarBuilder, dim: usize, heads: usize) -> candle_core::Result<Self> {
+        Ok(Block {
+            ln1: layer_norm(dim, 1e-5, vb.pp("ln1"))?,
+            qkv: linear(dim, 3 * dim, vb.pp("qkv"))?,
+            proj: linear(dim, dim, vb.pp("proj"))?,
+            ln2: layer_norm(dim, 1e-5, vb.pp("ln2"))?,
+            fc: linear(dim, 4 * dim, vb.pp("fc"))?,
+            out: linear(4 * dim, dim, vb.pp("out"))?,
+            heads,
+        })
+    }
+
+    /// Pre-norm block: `x + attn(ln1 x)`, then `x + mlp(ln2 x)`. `mask` is `[t, t]`.
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let dh = d / self.heads;
+        let qkv = self
+            .qkv
+            .forward(&self.ln1.forward(x)?)?
+            .reshape((b, t, 3, self.heads, dh))?
+            .permute((2, 0, 3, 1, 4))?;
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let att = (q.matmul(&k.t()?.contiguous()?)? / (dh as f64).sqrt())?;
+        let att = softmax_last_dim(&att.broadcast_add(mask)?)?;
+        let y = att
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, t, d))?;
+        let x = (x + self.proj.forward(&y)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        x + self.out.forward(&h)?
+    }
+}
+
+struct CharLm {
+    tok: Embedding,
+    pos: Embedding,
+    blocks: Vec<Block>,
+    moe: Option<RemoteMixtureOfExperts>,
+    ln: LayerNorm,
+    head: Linear,
+    context: usize,
+    mask: Tensor,
+}
+
+impl CharLm {
+    fn new(
+        vb: VarBuilder,
+        vocab: usize,
+        context: usize,
+        dim: usize,
+        layers: usize,
+        heads: usize,
+        moe: Option<RemoteMixtureOfExperts>,
+    ) -> Result<Self> {
+        let mask: Vec<f32> = (0..context)
+            .flat_map(|i| (0..context).map(move |j| if j > i { -1e9 } else { 0.0 }))
+            .collect();
+        Ok(CharLm {
+            tok: embedding(vocab, dim, vb.pp("tok_emb"))?,
+            pos: embedding(context, dim, vb.pp("pos_emb"))?,
+            blocks: (0..layers)
+                .map(|l| Block::new(vb.pp(format!("block{l}")), dim, heads))
+                .collect::<candle_core::Result<_>>()?,
+            moe,
+            ln: layer_norm(dim, 1e-5, vb.pp("ln_f"))?,
+            head: linear(dim, vocab, vb.pp("head"))?,
+            context,
+            mask: Tensor::from_vec(mask, (context, context), &Device::Cpu)?,
+        })
+    }
+
+    /// Logits `[b * t, vocab]` for token ids `[b, t]`.
+    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = x.dims2()?;
+        let positions = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
+        let mut h = self
+            .tok
+            .forward(x)?
+            .broadcast_add(&self.pos.forward(&positions)?)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        for block in &self.blocks {
+            h = block.forward(&h, &mask)?;
+        }
+        let d = h.dim(2)?;
+        let mut flat = h.reshape((b * t, d))?;
+        if let Some(moe) = &self.moe {
+            flat = (&flat + moe.forward(&flat)?)?;
+        }
+        self.head.forward(&self.ln.forward(&flat)?)
+    }
+}
+
+impl Net for CharLm {
+    fn loss(&self, batch: &Batch) -> candle_core::Result<Tensor> {
+        let logits = self.logits(&batch.x)?;
+        cross_entropy(&logits, &batch.y.flatten_all()?)
+    }
+
+    fn evaluate(&self, data: &Dataset) -> Result<Eval> {
+        let Dataset::Text(t) = data else {
+            anyhow::bail!("charlm evaluates on text");
+        };
+        eval_text(self, t)
+    }
+}
+
+/// Mean loss over up to [`MAX_EVAL_WINDOWS`] non-overlapping validation windows.
+fn eval_text(lm: &CharLm, t: &Text) -> Result<Eval> {
+    let c = lm.context;
+    ensure!(
+        t.val.len() > c,
+        "the validation text ({} characters) is shorter than the context ({c})",
+        t.val.len()
+    );
+    let windows = ((t.val.len() - 1) / c).clamp(1, MAX_EVAL_WINDOWS);
+    let starts: Vec<usize> = (0..windows).map(|w| w * c).collect();
+    let mut total = 0.0;
+    for chunk in starts.chunks(16) {
+        let b = text_batch(&t.val, chunk, c)?;
+        let loss: f32 = lm.loss(&b)?.to_scalar()?;
+        total += loss as f64 * chunk.len() as f64;
+    }
+    Ok(Eval::ValLoss(total / windows as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::data::digits;
+    use crate::train::manifest::{ModeSpec, OptimizerKind, OptimizerSpec, MANIFEST_FORMAT};
+
+    fn manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
+        RunManifest {
+            format: MANIFEST_FORMAT,
+            name: "t".into(),
+            model,
+            data,
+            optimizer: OptimizerSpec {
+                kind: OptimizerKind::Adamw,
+                lr: 0.01,
+                weight_decay: 0.0,
+                momentum: 0.0,
+            },
+            mode: ModeSpec::Gradients,
+            codec: "none".into(),
+            batch_size: 8,
+            target_batch_size: 8,
+            epochs: 1,
+            eval_every: 1,
+            seed: 3,
+            schema_hash: "0".into(),
+            created_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_same_seed_builds_the_same_parameters() {
+        let data = Dataset::Images(digits());
+        let m = manifest(ModelSpec::Mlp { hidden: 16 }, DataSpec::Digits);
+        let a = build(&m, &data, None).unwrap();
+        let b = build(&m, &data, None).unwrap();
+        assert_eq!(a.params.params(), b.params.params());
+        assert_eq!(schema_hex(&a.params), schema_hex(&b.params));
+        assert_eq!(a.params.len(), 64 * 16 + 16 + 16 * 10 + 10);
+        let mut other = m.clone();
+        other.seed = 4;
+        assert_ne!(build(&other, &data, None).unwrap().params.params(), a.params.params());
+    }
+
+    #[test]
+    fn charlm_loss_starts_near_uniform_and_is_causal() {
+        let text: Vec<u32> = (0..400).map(|i| (i % 7) as u32).collect();
+        let data = Dataset::Text(Text {
+            vocab: "abcdefg".chars().collect(),
+            train: text.clone(),
+            val: text,
+        });
+        let m = manifest(
+            ModelSpec::Charlm {
+                context: 8,
+                dim: 16,
+                layers: 1,
+                heads: 2,
+                moe: None,
+            },
+            DataSpec::Text {
+                vocab: "abcdefg".into(),
+            },
+        );
+        let built = build(&m, &data, None).unwrap();
+        let Eval::ValLoss(loss) = built.net.evaluate(&data).unwrap() else {
+            panic!("text evaluates to a loss");
+        };
+        assert!((loss - 7f64.ln()).abs() < 0.3, "initial loss {loss} vs ln 7");
+        // Causality: changing the last token changes no earlier position's logits.
+        let vars = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+        let lm = CharLm::new(vb, 7, 8, 16, 2, 2, None).unwrap();
+        let logits = |tokens: Vec<u32>| -> Vec<Vec<f32>> {
+            let x = Tensor::from_vec(tokens, (1, 8), &Device::Cpu).unwrap();
+            lm.logits(&x).unwrap().to_vec2().unwrap()
+        };
+        let a = logits(vec![0, 1, 2, 3, 4, 5, 6, 0]);
+        let b = logits(vec![0, 1, 2, 3, 4, 5, 6, 5]);
+        for pos in 0..7 {
+            assert!(a[pos].iter().zip(&b[pos]).all(|(x, y)| (x - y).abs() < 1e-6), "position {pos} saw the future");
+        }
+        assert!(a[7].iter().zip(&b[7]).any(|(x, y)| (x - y).abs() > 1e-6));
+    }
+}

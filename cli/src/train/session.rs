@@ -1,0 +1,422 @@
+//! One training peer in a run: builds the optimizer the manifest names, restores a checkpoint or
+//! syncs state from the swarm, then trains batch by batch with the collaborative optimizer until
+//! the run's last epoch (or until told to stop), evaluating, checkpointing and re-syncing when it
+//! falls behind. Used by `starling train` (one per process) and `starling demo` (several in one).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use starling_compression::Codec;
+use starling_node::Node;
+use starling_training::checkpoint::{Restore, Snapshot};
+use starling_training::{
+    sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, OptimizerConfig,
+    ParamSet, SgdConfig, StateServer, StateServerConfig, SyncConfig, SyncError, VarBinding,
+};
+
+use super::data::Dataset;
+use super::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
+use super::model::{Built, Eval, Net, Sampler};
+use super::ui::{split, Event, Reporter};
+
+/// The file a checkpoint directory keeps the run's signed manifest in.
+const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
+/// Bound on a state sync at start or after falling behind.
+const SYNC_DEADLINE: Duration = Duration::from_secs(120);
+
+/// What a session needs.
+pub struct Session {
+    /// This peer's node.
+    pub node: Node,
+    /// The run.
+    pub manifest: RunManifest,
+    /// The run as signed (re-published by every peer).
+    pub signed: SignedManifest,
+    /// This peer's data.
+    pub data: Arc<Dataset>,
+    /// The model built for the manifest.
+    pub built: Built,
+    /// Where to save checkpoints (and resume from).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every this many epochs (and when leaving).
+    pub checkpoint_every: u64,
+    /// Sync state from the swarm before training (joining an existing run).
+    pub sync_first: bool,
+    /// Seed of this peer's batch sampling.
+    pub sample_seed: u64,
+    /// Set to leave the run after the current step.
+    pub stop: Arc<AtomicBool>,
+    /// Where events go.
+    pub reporter: Arc<dyn Reporter>,
+    /// How often progress is published and read (`None`: the defaults, 1 s and 0.5 s; a
+    /// loopback demo whose epochs take a tenth of a second needs faster).
+    pub progress_interval: Option<Duration>,
+}
+
+/// How a session ended.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The epoch it ended in.
+    pub epoch: u64,
+    /// The final evaluation.
+    pub eval: Eval,
+    /// Whether it reached the run's last epoch (not stopped early).
+    pub finished: bool,
+    /// Samples this peer trained on.
+    pub samples: u64,
+}
+
+/// The optimizer the manifest names, for `len` parameters.
+pub fn optimizer_config(m: &RunManifest) -> OptimizerConfig {
+    let o = &m.optimizer;
+    match o.kind {
+        OptimizerKind::Adamw => {
+            OptimizerConfig::AdamW(AdamWConfig::new(o.lr).weight_decay(o.weight_decay))
+        }
+        OptimizerKind::Sgd => OptimizerConfig::Sgd(
+            SgdConfig::new(o.lr)
+                .momentum(o.momentum)
+                .nesterov(o.momentum > 0.0)
+                .weight_decay(o.weight_decay),
+        ),
+    }
+}
+
+/// The collaborative optimizer's configuration for the manifest.
+pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
+    let mode = match m.mode {
+        ModeSpec::Gradients => Mode::Gradients,
+        ModeSpec::Diloco { inner_steps, .. } => Mode::LocalSgd { inner_steps },
+    };
+    let mut cfg = CollaborativeConfig::new(m.name.clone(), m.target_batch_size, mode);
+    cfg.averager.codec = m
+        .codec
+        .parse::<Codec>()
+        .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?;
+    cfg.averaging_timeout = Duration::from_secs(15);
+    if let ModeSpec::Diloco {
+        outer_lr,
+        outer_momentum,
+        ..
+    } = m.mode
+    {
+        cfg.outer = SgdConfig::new(outer_lr)
+            .momentum(outer_momentum)
+            .nesterov(outer_momentum > 0.0);
+    }
+    Ok(cfg)
+}
+
+/// The context length of the manifest's model (text windows), 0 for images.
+fn context_of(m: &RunManifest) -> usize {
+    match m.model {
+        ModelSpec::Charlm { context, .. } => context,
+        ModelSpec::Mlp { .. } => 0,
+    }
+}
+
+/// Checks that a checkpoint directory belongs to this run, or claims an empty one for it.
+pub fn check_checkpoint_dir(dir: &std::path::Path, signed: &SignedManifest) -> Result<bool> {
+    let path = dir.join(CHECKPOINT_MANIFEST);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let theirs = SignedManifest::from_json(&bytes)
+                .with_context(|| format!("reading {}", path.display()))?;
+            anyhow::ensure!(
+                theirs.manifest == signed.manifest && theirs.creator == signed.creator,
+                "--checkpoint-dir {} holds a checkpoint of another run (or another manifest of it): use another directory",
+                dir.display()
+            );
+            Ok(dir.join("checkpoint.json").exists())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// What training needs of a session once the model is unpacked.
+struct Ctx {
+    node: Node,
+    data: Arc<Dataset>,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_every: u64,
+    sample_seed: u64,
+    stop: Arc<AtomicBool>,
+    reporter: Arc<dyn Reporter>,
+}
+
+struct Trainer {
+    collab: CollaborativeOptimizer,
+    params: ParamSet,
+    binding: VarBinding,
+    net: Arc<dyn Net>,
+}
+
+impl Session {
+    /// Trains until the run's last epoch or until `stop` is set.
+    pub async fn run(self) -> Result<Outcome> {
+        let Session {
+            node,
+            manifest: m,
+            signed,
+            data,
+            built,
+            checkpoint_dir,
+            checkpoint_every,
+            sync_first,
+            sample_seed,
+            stop,
+            reporter,
+            progress_interval,
+        } = self;
+        let Built {
+            net,
+            mut params,
+            binding,
+        } = built;
+        let mut optimizer = optimizer_config(&m)
+            .build(params.len())
+            .map_err(|e| anyhow!("{e}"))?;
+        // A checkpoint of this run, if the directory has one.
+        let mut resumed = None;
+        if let Some(dir) = &checkpoint_dir {
+            if check_checkpoint_dir(dir, &signed)? {
+                let meta = Restore::new(&mut params)
+                    .optimizer("opt", optimizer.as_mut())
+                    .load(dir)
+                    .with_context(|| format!("restoring the checkpoint in {}", dir.display()))?;
+                resumed = Some(meta.epoch);
+            } else {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                std::fs::write(dir.join(CHECKPOINT_MANIFEST), signed.to_json())?;
+            }
+        }
+        let mut cfg = collaborative_config(&m)?;
+        if let Some(every) = progress_interval {
+            cfg.progress.publish_interval = every;
+            cfg.fetch_interval = every;
+        }
+        let mut collab =
+            CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
+        if let (Some(epoch), Some(dir)) = (resumed, &checkpoint_dir) {
+            collab.resume(epoch, &params);
+            reporter.event(&Event::Resumed {
+                epoch,
+                dir: dir.display().to_string(),
+            });
+        }
+        let server = StateServer::start(node.clone(), StateServerConfig::new(m.name.clone()))?;
+        let republish = tokio::spawn(republish(
+            node.clone(),
+            m.name.clone(),
+            signed.clone(),
+        ));
+        let mut t = Trainer {
+            collab,
+            params,
+            binding,
+            net,
+        };
+        if sync_first {
+            t.sync(&node, &m, reporter.as_ref(), 0).await;
+        }
+        t.binding.params_to_vars(&t.params)?;
+        t.collab.serve_state(server.clone(), &t.params).await;
+        let unigram = match data.as_ref() {
+            Dataset::Text(text) => Some(text.unigram_entropy()),
+            Dataset::Images(_) => None,
+        };
+        reporter.event(&Event::Started {
+            peer: node.peer_id().to_string(),
+            run: m.name.clone(),
+            model: m.model.name().into(),
+            params: t.params.len(),
+            epoch: t.collab.epoch(),
+            epochs: m.epochs,
+            unigram_entropy_nats: unigram,
+        });
+        let ctx = Ctx {
+            node,
+            data,
+            checkpoint_dir,
+            checkpoint_every,
+            sample_seed,
+            stop,
+            reporter,
+        };
+        let result = t.train(&ctx, &m).await;
+        republish.abort();
+        server.shutdown().await;
+        t.collab.shutdown().await;
+        result
+    }
+}
+
+impl Trainer {
+    /// Syncs state from the swarm (at least `min_epoch`); a failure is reported and training
+    /// goes on from the local values.
+    async fn sync(&mut self, node: &Node, m: &RunManifest, reporter: &dyn Reporter, min_epoch: u64) {
+        let layout = self.collab.state_view(&self.params).layout();
+        let mut cfg = SyncConfig::new(m.name.clone());
+        cfg.min_epoch = min_epoch;
+        cfg.deadline = SYNC_DEADLINE;
+        cfg.max_rounds = 5;
+        match sync_state(node, &cfg, &layout).await {
+            Ok((synced, report)) => match self.collab.restore_from(&mut self.params, &synced) {
+                Ok(()) => reporter.event(&Event::Synced {
+                    epoch: report.epoch,
+                    bytes: report.bytes,
+                    donors: report.donors.iter().filter(|d| d.chunks > 0).count(),
+                    seconds: report.seconds,
+                }),
+                Err(e) => tracing::warn!("state sync: the synced state does not apply: {e}"),
+            },
+            Err(SyncError::NoDonors { .. }) => {
+                tracing::info!("state sync: no donors yet; starting from the run's initial values")
+            }
+            Err(e) => tracing::warn!("state sync failed ({e}); training from local values"),
+        }
+    }
+
+    fn save(&self, dir: &std::path::Path, reporter: &dyn Reporter) {
+        let saved = Snapshot::new(&self.params)
+            .epoch(self.collab.epoch())
+            .optimizer("opt", self.collab.optimizer())
+            .save(dir);
+        match saved {
+            Ok(_) => reporter.event(&Event::Checkpoint {
+                epoch: self.collab.epoch(),
+                dir: dir.display().to_string(),
+            }),
+            Err(e) => tracing::warn!("saving a checkpoint in {} failed: {e}", dir.display()),
+        }
+    }
+
+    async fn train(&mut self, s: &Ctx, m: &RunManifest) -> Result<Outcome> {
+        let reporter = s.reporter.as_ref();
+        let diloco = matches!(m.mode, ModeSpec::Diloco { .. });
+        let context = context_of(m);
+        let mut sampler = Sampler::new(m.batch_size as usize, s.sample_seed);
+        let started = Instant::now();
+        let mut samples_total = 0u64;
+        let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
+        let mut rate = 0.0;
+        while self.collab.epoch() < m.epochs {
+            if s.stop.load(Ordering::Relaxed) {
+                if let Some(dir) = &s.checkpoint_dir {
+                    self.save(dir, reporter);
+                }
+                let eval = evaluate(self.net.clone(), &s.data).await?;
+                reporter.event(&Event::Left {
+                    epoch: self.collab.epoch(),
+                    reason: "interrupted".into(),
+                });
+                return Ok(Outcome {
+                    epoch: self.collab.epoch(),
+                    eval,
+                    samples: samples_total,
+                    finished: false,
+                });
+            }
+            // One batch's gradient, computed off the network's threads.
+            let batch = sampler.next(&s.data, context)?;
+            let samples = batch.samples;
+            let net = self.net.clone();
+            let binding = self.binding.clone();
+            let mut params = std::mem::take(&mut self.params);
+            let (params, loss) = tokio::task::spawn_blocking(move || -> Result<(ParamSet, f32)> {
+                let loss = net.loss(&batch)?;
+                let grads = loss.backward()?;
+                binding.grads_to_set(&grads, &mut params)?;
+                Ok((params, loss.to_scalar::<f32>()?))
+            })
+            .await??;
+            self.params = params;
+            anyhow::ensure!(
+                loss.is_finite(),
+                "the loss is {loss}: training diverged (lower --lr?)"
+            );
+            samples_total += samples;
+            window_samples += samples;
+            let before = self.collab.epoch();
+            let report = self.collab.step(&mut self.params, samples).await?;
+            if diloco || report.stepped {
+                self.binding.params_to_vars(&self.params)?;
+            }
+            let elapsed = window_start.elapsed().as_secs_f64();
+            if elapsed >= 1.0 {
+                rate = window_samples as f64 / elapsed;
+                (window_start, window_samples) = (Instant::now(), 0);
+            }
+            if report.stepped {
+                let swarm = report.swarm.clone();
+                reporter.event(&Event::Step {
+                    epoch: report.epoch,
+                    loss: loss as f64,
+                    samples_per_second: rate,
+                    swarm_samples_per_second: swarm.as_ref().map_or(rate, |s| s.samples_per_second),
+                    peers: swarm.as_ref().map_or(1, |s| s.peers.max(1)),
+                    waiting_seconds: report.timings.waiting.as_secs_f64(),
+                    averaging_seconds: report.timings.averaging.as_secs_f64(),
+                    group_size: report.group_size,
+                    averaging_error: report.averaging_error.clone(),
+                });
+                let epoch = report.epoch;
+                if epoch % m.eval_every == 0 && epoch < m.epochs {
+                    let eval = evaluate(self.net.clone(), &s.data).await?;
+                    reporter.event(&Event::eval(epoch, eval));
+                }
+                if let Some(dir) = &s.checkpoint_dir {
+                    if epoch % s.checkpoint_every.max(1) == 0 {
+                        self.save(dir, reporter);
+                    }
+                }
+            }
+            // More than one epoch behind the swarm: catch up by state sync.
+            if let Some(swarm) = &report.swarm {
+                if swarm.epoch > self.collab.epoch() + 1 && self.collab.epoch() == before {
+                    self.sync(&s.node, m, reporter, self.collab.epoch() + 1).await;
+                    self.binding.params_to_vars(&self.params)?;
+                }
+            }
+        }
+        let eval = evaluate(self.net.clone(), &s.data).await?;
+        let (test_accuracy, val_loss_nats) = split(eval);
+        if let Some(dir) = &s.checkpoint_dir {
+            self.save(dir, reporter);
+        }
+        reporter.event(&Event::Finished {
+            epoch: self.collab.epoch(),
+            test_accuracy,
+            val_loss_nats,
+            samples: samples_total,
+            seconds: started.elapsed().as_secs_f64(),
+        });
+        Ok(Outcome {
+            epoch: self.collab.epoch(),
+            eval,
+            samples: samples_total,
+            finished: true,
+        })
+    }
+}
+
+/// Evaluates off the network's threads.
+async fn evaluate(net: Arc<dyn Net>, data: &Arc<Dataset>) -> Result<Eval> {
+    let data = data.clone();
+    tokio::task::spawn_blocking(move || net.evaluate(&data)).await?
+}
+
+/// Keeps the run's signed manifest in the DHT while this peer trains.
+async fn republish(node: Node, name: String, signed: SignedManifest) {
+    loop {
+        if let Err(e) = manifest::publish(&node, &name, &signed).await {
+            tracing::debug!("re-publishing the run's manifest: {e:#}");
+        }
+        tokio::time::sleep(manifest::REPUBLISH_EVERY).await;
+    }
+}
