@@ -268,12 +268,21 @@ impl ProgressTracker {
         let expires = now + self.cfg.report_lifetime.as_millis() as u64;
         let t = self.cfg.request_timeout;
         let subkey = self.node.owner_marker();
-        timeout(
+        let stored = timeout(
             t,
             self.node.store(&self.cfg.key(), &subkey, &value, expires),
         )
         .await
-        .map_err(|_| ProgressError::Timeout(t))??;
+        .map_err(|_| ProgressError::Timeout(t))?;
+        match stored {
+            Ok(_) => {}
+            // Stored here but no other peer acknowledged it: a run's first peer, or one whose
+            // neighbours just left. Its own store answers the others' reads; not an error.
+            Err(NodeError::QuorumFailed { .. }) => {
+                tracing::debug!("progress stored locally only (no peer acknowledged it yet)")
+            }
+            Err(e) => return Err(e.into()),
+        }
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), local));
         Ok(())
     }

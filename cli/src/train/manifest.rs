@@ -533,10 +533,13 @@ pub async fn publish(node: &Node, name: &str, signed: &SignedManifest) -> Result
         signed.to_json(),
         now_ms() + PUBLISH_TTL.as_millis() as u64,
     );
-    node.put_entry(&run_key(name), entry)
-        .await
-        .with_context(|| format!("publishing run {name:?}'s manifest"))?;
-    Ok(())
+    match node.put_entry(&run_key(name), entry).await {
+        Ok(_) => Ok(()),
+        // A run's first peer has nobody to replicate to yet: its own store serves the manifest
+        // to those who join, and every joiner re-publishes it.
+        Err(starling_node::NodeError::QuorumFailed { .. }) => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("publishing run {name:?}'s manifest")),
+    }
 }
 
 /// Reads the run's manifest from the DHT, retrying until `timeout` (a node that just joined

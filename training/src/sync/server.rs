@@ -15,7 +15,7 @@ use futures::AsyncWriteExt;
 use starling_dht::now_ms;
 use starling_node::framing::{encode_msg, read_msg, write_msg, write_tagged_frame, FrameError};
 use starling_node::streams::{serve_inbound, InboundLimits};
-use starling_node::{Node, PeerId, Stream};
+use starling_node::{Node, NodeError, PeerId, Stream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
@@ -286,10 +286,14 @@ async fn announce(shared: &Shared) -> Result<(), SyncError> {
     };
     let expires = now_ms() + shared.cfg.announce_ttl.as_millis() as u64;
     let key = super::state_key(&shared.cfg.run);
-    timeout(t, node.store(&key, &node.owner_marker(), &value, expires))
+    match timeout(t, node.store(&key, &node.owner_marker(), &value, expires))
         .await
-        .map_err(|_| SyncError::Timeout(t))??;
-    Ok(())
+        .map_err(|_| SyncError::Timeout(t))?
+    {
+        // No peer acknowledged it (a run's first peer): its own store answers joiners' reads.
+        Ok(_) | Err(NodeError::QuorumFailed { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Renews the announcement every `announce_every` until stopped.
