@@ -2,79 +2,10 @@
 //! record through `starling dht put` / `starling dht get`; an expert server found by
 //! `starling experts ls`.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod procs;
 
-const BIN: &str = env!("CARGO_BIN_EXE_starling");
-
-/// Kills the child on drop so a failing test leaves no process behind.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    fn spawn(args: &[&str]) -> Proc {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starling binary runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Proc { child, lines }
-    }
-
-    /// Waits (bounded) for a stdout line satisfying `pred`.
-    fn wait_for(&self, what: &str, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if pred(&line) => return line,
-                Ok(_) => {}
-                Err(_) => panic!("timed out waiting for {what}"),
-            }
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn run(args: &[&str]) -> std::process::Output {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("starling {args:?} did not finish");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use procs::{run, Proc};
+use std::time::Duration;
 
 #[test]
 fn two_node_processes_connect_and_exchange_a_record() {

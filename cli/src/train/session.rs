@@ -24,6 +24,10 @@ use super::ui::{split, Event, Reporter};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
 const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
+/// Batches that may fail in a row (e.g. no remote experts reachable) before the session gives up.
+const MAX_BATCH_FAILURES: u32 = 60;
+/// Pause before retrying a failed batch.
+const BATCH_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Bound on a state sync at start or after falling behind.
 const SYNC_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -305,6 +309,7 @@ impl Trainer {
         let mut samples_total = 0u64;
         let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
         let mut rate = 0.0;
+        let mut failures = 0u32;
         while self.collab.epoch() < m.epochs {
             if s.stop.load(Ordering::Relaxed) {
                 if let Some(dir) = &s.checkpoint_dir {
@@ -328,14 +333,34 @@ impl Trainer {
             let net = self.net.clone();
             let binding = self.binding.clone();
             let mut params = std::mem::take(&mut self.params);
-            let (params, loss) = tokio::task::spawn_blocking(move || -> Result<(ParamSet, f32)> {
-                let loss = net.loss(&batch)?;
-                let grads = loss.backward()?;
-                binding.grads_to_set(&grads, &mut params)?;
-                Ok((params, loss.to_scalar::<f32>()?))
+            let (params, computed) = tokio::task::spawn_blocking(move || {
+                let computed = (|| -> Result<f32> {
+                    let loss = net.loss(&batch)?;
+                    let grads = loss.backward()?;
+                    binding.grads_to_set(&grads, &mut params)?;
+                    Ok(loss.to_scalar::<f32>()?)
+                })();
+                (params, computed)
             })
-            .await??;
+            .await?;
             self.params = params;
+            // A batch can fail for a while without anything being wrong here (a remote expert
+            // layer whose servers are not found yet, or just went down): retry, boundedly.
+            let loss = match computed {
+                Ok(loss) => {
+                    failures = 0;
+                    loss
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures >= MAX_BATCH_FAILURES {
+                        return Err(e.context(format!("{failures} batches in a row failed")));
+                    }
+                    tracing::warn!("a batch failed ({e:#}); retrying");
+                    tokio::time::sleep(BATCH_RETRY_PAUSE).await;
+                    continue;
+                }
+            };
             anyhow::ensure!(
                 loss.is_finite(),
                 "the loss is {loss}: training diverged (lower --lr?)"

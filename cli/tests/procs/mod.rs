@@ -1,0 +1,78 @@
+//! Runs the real `starling` binary from tests: long-running processes whose stdout lines are
+//! read as they come, and commands run to completion, all bounded in time.
+#![allow(dead_code)] // each test file uses a part
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_starling");
+
+/// Kills the child on drop so a failing test leaves no process behind.
+pub struct Proc {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    pub fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starling binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// Waits (bounded) for a stdout line satisfying `pred`.
+    pub fn wait_for(&self, what: &str, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if pred(&line) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("timed out waiting for {what}"),
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn run(args: &[&str]) -> std::process::Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("starling {args:?} did not finish");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
