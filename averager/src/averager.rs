@@ -22,7 +22,7 @@ use crate::router::Router;
 use crate::sync::lock;
 use crate::transport::Transport;
 use crate::wire::MemberInfo;
-use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
+use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport};
 
 /// Elements flattened and checked at a time (fits in L1/L2).
 const FLATTEN_PIECE: usize = 8192;
@@ -191,6 +191,48 @@ impl Averager {
         weight: f32,
         deadline: std::time::Instant,
     ) -> Result<RoundReport, AveragerError> {
+        self.step_impl(tensors, weight, deadline, None).await
+    }
+
+    /// [`Averager::step`] with error feedback for a lossy codec (see [`Residuals`]): the round
+    /// averages `tensors + residual`, and `residuals` keeps what quantization dropped of this
+    /// peer's contribution for the next round. Use one [`Residuals`] per tensor set (gradients,
+    /// say; not parameters, whose quantization error is not meant to be replayed). With the
+    /// exact codec `none` this is [`Averager::step`] and the residual stays empty. The residual
+    /// restarts from zero when the tensor sizes or the codec change; an `Aux` peer contributes
+    /// nothing and leaves it as it is.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager, mut grads: Vec<f32>) -> Result<(), starling_averager::AveragerError> {
+    /// use std::time::{Duration, Instant};
+    /// let mut residuals = starling_averager::Residuals::new();
+    /// for _ in 0..10 {
+    ///     // ... compute this batch's gradient into `grads` ...
+    ///     let deadline = Instant::now() + Duration::from_secs(30);
+    ///     averager
+    ///         .step_with_feedback(&mut [&mut grads[..]], 1.0, deadline, &mut residuals)
+    ///         .await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn step_with_feedback(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: std::time::Instant,
+        residuals: &mut Residuals,
+    ) -> Result<RoundReport, AveragerError> {
+        self.step_impl(tensors, weight, deadline, Some(residuals))
+            .await
+    }
+
+    async fn step_impl(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: std::time::Instant,
+        residuals: Option<&mut Residuals>,
+    ) -> Result<RoundReport, AveragerError> {
         if self.busy.swap(true, Ordering::AcqRel) {
             return Err(AveragerError::StepInProgress);
         }
@@ -206,7 +248,7 @@ impl Averager {
         tokio::select! {
             biased;
             _ = node.closed() => Err(NodeError::Closed.into()),
-            r = self.step_inner(tensors, weight, Instant::from_std(deadline)).instrument(span) => r,
+            r = self.step_inner(tensors, weight, Instant::from_std(deadline), residuals).instrument(span) => r,
         }
     }
 
@@ -281,6 +323,7 @@ impl Averager {
         tensors: &mut [&mut [f32]],
         weight: f32,
         deadline: Instant,
+        residuals: Option<&mut Residuals>,
     ) -> Result<RoundReport, AveragerError> {
         let cfg = &self.config;
         if !(weight.is_finite() && weight >= 0.0) {
@@ -294,8 +337,17 @@ impl Averager {
         } else {
             weight
         };
-        let flat = self.flatten(tensors)?;
+        let mut flat = self.flatten(tensors)?;
         let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
+        // Error feedback: the round averages the corrected contribution. Only a lossy codec
+        // leaves a residual, and only a peer that contributes (not `Aux`) carries one.
+        let feedback = residuals
+            .filter(|_| !cfg.codec.is_lossless() && cfg.mode != AveragingMode::Aux)
+            .map(|r| r.prepare(&sizes, cfg.codec));
+        if let Some(f) = feedback.as_deref() {
+            f.add_residual_to(&mut flat)
+                .map_err(|e| AveragerError::Schema(e.to_string()))?;
+        }
         let schema = Schema::of(&sizes, &cfg.codec.to_string());
         self.announce(&schema);
         let grid = *lock(&self.grid_index);
@@ -344,6 +396,7 @@ impl Averager {
             router: self.router.clone(),
             pool: self.pool.clone(),
             bandwidth: self.bandwidth.current(),
+            feedback: feedback.is_some(),
         };
         let mut outcome = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
         let allreduce_time = ar_start.elapsed();
@@ -353,6 +406,18 @@ impl Averager {
         }
         if cfg.group_bits > 0 {
             *lock(&self.grid_index) = group.my_index.0 % (1 << cfg.group_bits);
+        }
+        if let Some(f) = feedback {
+            // Averaged ranges start from zero (this peer's own reductions used its exact
+            // values); those sent quantized take what the reducer did not see. Ranges not
+            // averaged keep their residual: nothing of it went out. In range: the patches
+            // cover parts of the flattened vector the residual was sized for.
+            for (range, _) in &outcome.patches {
+                let _ = f.clear_residual(range.clone());
+            }
+            for (range, residual) in &outcome.residuals {
+                let _ = f.set_residual(range.start, residual);
+            }
         }
         if cfg.mode != AveragingMode::Aux {
             for (range, values) in &outcome.patches {

@@ -142,6 +142,7 @@ mod averager;
 mod bandwidth;
 mod config;
 mod error;
+mod feedback;
 mod group;
 pub mod local;
 mod matchmaking;
@@ -158,5 +159,6 @@ pub use config::{AveragerConfig, AveragingMode};
 #[cfg(feature = "testing")]
 pub use config::{Fault, Rogue};
 pub use error::AveragerError;
+pub use feedback::Residuals;
 pub use local::{Hierarchical, LocalGroup};
 pub use report::{RoundReport, SpanOutcome, SpanReport};

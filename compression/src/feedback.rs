@@ -62,6 +62,69 @@ impl ErrorFeedback {
         self.residual.fill(0.0);
     }
 
+    /// For callers that encode in pieces of their own (an all-reduce that quantizes chunk by
+    /// chunk inside spans): adds the residual to `values` in place, giving the corrected
+    /// contribution to encode. Record what each piece lost afterwards with
+    /// [`set_residual`](Self::set_residual) (or [`clear_residual`](Self::clear_residual) where
+    /// it went out exactly); where nothing went out, leave the residual as it is.
+    ///
+    /// ```
+    /// use starling_compression::{decode, encode, Codec, EncodeOptions, DecodeOptions, ErrorFeedback};
+    /// let grad = vec![0.3f32, -0.1, 0.05, 0.7];
+    /// let mut feedback = ErrorFeedback::new(4);
+    /// let mut corrected = grad.clone();
+    /// feedback.add_residual_to(&mut corrected)?;
+    /// // The first two values go out quantized, the last two exactly.
+    /// let frame = encode(Codec::Uniform4Bit, &corrected[..2], &EncodeOptions::default())?;
+    /// let sent = decode(&frame, &DecodeOptions::default())?;
+    /// let lost: Vec<f32> = corrected[..2].iter().zip(&sent).map(|(c, s)| c - s).collect();
+    /// feedback.set_residual(0, &lost)?;
+    /// feedback.clear_residual(2..4)?;
+    /// assert_eq!(&feedback.residual()[..2], &lost[..]);
+    /// assert_eq!(&feedback.residual()[2..], &[0.0, 0.0]);
+    /// # Ok::<(), starling_compression::Error>(())
+    /// ```
+    pub fn add_residual_to(&self, values: &mut [f32]) -> Result<()> {
+        if values.len() != self.residual.len() {
+            return Err(Error::LengthMismatch {
+                field: "contribution length",
+                expected: self.residual.len() as u64,
+                actual: values.len() as u64,
+            });
+        }
+        values
+            .iter_mut()
+            .zip(&self.residual)
+            .for_each(|(v, r)| *v += r);
+        Ok(())
+    }
+
+    /// Sets the residual of the elements `offset..offset + residual.len()` (what encoding that
+    /// piece of the corrected contribution lost: corrected minus decoded).
+    pub fn set_residual(&mut self, offset: usize, residual: &[f32]) -> Result<()> {
+        let range = self.piece(offset, residual.len())?;
+        self.residual[range].copy_from_slice(residual);
+        Ok(())
+    }
+
+    /// Zeroes the residual of `range` (that piece went out exactly).
+    pub fn clear_residual(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let range = self.piece(range.start, range.len())?;
+        self.residual[range].fill(0.0);
+        Ok(())
+    }
+
+    fn piece(&self, offset: usize, len: usize) -> Result<std::ops::Range<usize>> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.residual.len() => Ok(offset..end),
+            _ => Err(Error::LengthMismatch {
+                field: "residual piece end",
+                expected: self.residual.len() as u64,
+                actual: offset.saturating_add(len) as u64,
+            }),
+        }
+    }
+
     /// Encodes `grad + residual` into one frame and keeps the new residual. On error the residual is unchanged.
     pub fn encode(&mut self, codec: Codec, grad: &[f32], opts: &EncodeOptions) -> Result<Vec<u8>> {
         self.correct(grad)?;

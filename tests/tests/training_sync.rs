@@ -23,18 +23,23 @@ use starling_training::{
 };
 use tokio::sync::Barrier;
 
-/// Waits until `node` sees `n` announcements under the run's state key.
+/// Waits (at most 30 s, then fails the test saying so) until `node` sees `n` announcements
+/// under the run's state key.
 async fn wait_for_announcements(node: &Node, run: &str, n: usize) {
-    loop {
-        let seen = node
+    let limit = Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut seen = 0;
+    while tokio::time::Instant::now() < deadline {
+        seen = node
             .get::<StateAnnouncement>(&state_key(run))
             .await
-            .unwrap_or_default();
-        if seen.len() >= n {
+            .map_or(0, |a| a.len());
+        if seen >= n {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    panic!("{seen} of {n} state announcements after {limit:?}");
 }
 
 fn adamw(n: usize) -> AdamW {
@@ -87,6 +92,7 @@ fn sync_cfg(run: &str) -> SyncConfig {
     cfg.request_timeout = Duration::from_secs(10);
     cfg.chunk_timeout = Duration::from_secs(20);
     cfg.round_pause = Duration::from_millis(100);
+    cfg.deadline = Duration::from_secs(60);
     cfg
 }
 
@@ -487,10 +493,10 @@ async fn measure_sync_of_ten_million_params() {
 }
 
 /// Killing 1 of 4 peers mid-training: the other 3 keep stepping (groups of 3 once the window
-/// closes); the killed peer, restarted from the checkpoint it saved, finds itself behind, syncs
-/// the swarm's state and steps with the others again, bit-identical.
+/// closes, epoch after epoch, identical to each other); the killed peer, restarted from the
+/// checkpoint it saved, finds itself behind, syncs the swarm's state and steps with the others
+/// again, bit-identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: after a peer's death the restarted peer's sync_state does not finish within the bound (issue #12 note)"]
 async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
     init_tracing();
     const VICTIM: usize = DONORS;
@@ -530,8 +536,10 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
                         groups.push(epoch(&mut collab, &mut params, p).await);
                     }
                     gates.0.wait().await; // the victim is dead
+                    let mut without = Vec::new();
                     for _ in 0..WITHOUT {
                         groups.push(epoch(&mut collab, &mut params, p).await);
+                        without.push((collab.epoch(), params.params().to_vec()));
                     }
                     gates.1.wait().await; // the victim may restart
                     gates.2.wait().await; // the victim has caught up
@@ -541,12 +549,14 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
                         history.push(params.params().to_vec());
                     }
                     server.shutdown().await;
-                    (groups, history)
+                    (groups, without, history)
                 })
             })
             .collect();
 
-        // The victim trains 2 epochs, saves a checkpoint, and its node dies.
+        // The victim trains 2 epochs serving its state like the others (so its announcement
+        // outlives it in the DHT: a dead donor the joiner must not wait for), saves a
+        // checkpoint, and its node dies.
         let victim_node = cluster.nodes[VICTIM].clone();
         let mut params = model();
         let mut collab = CollaborativeOptimizer::new(
@@ -557,6 +567,9 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
         )
         .await
         .unwrap();
+        let victim_server =
+            StateServer::start(victim_node.clone(), StateServerConfig::new(run)).unwrap();
+        collab.serve_state(victim_server.clone(), &params).await;
         for _ in 0..BEFORE {
             epoch(&mut collab, &mut params, VICTIM).await;
         }
@@ -567,7 +580,9 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
             .save(dir.path())
             .unwrap();
         drop(collab);
+        // Killed: its node stops under its state server, which is never shut down.
         victim_node.shutdown().await;
+        let _dead_server = victim_server;
         gates.0.wait().await;
 
         // Restarted once the swarm moved on (a new node) from its checkpoint: 2 epochs behind.
@@ -597,13 +612,13 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
         wait_for_announcements(&node, run, DONORS).await;
         let layout = collab.state_view(&params).layout();
         let (synced, report) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
-        assert!(
-            report.epoch >= BEFORE + WITHOUT,
-            "synced epoch {}",
-            report.epoch
-        );
+        // The survivors wait at the third gate after BEFORE + WITHOUT epochs: that is the state
+        // they serve.
+        assert_eq!(report.epoch, BEFORE + WITHOUT, "synced epoch");
+        assert_eq!(report.bad_chunks, 0);
         collab.restore_from(&mut params, &synced).unwrap();
-        gates.1.wait().await;
+        assert_eq!(collab.epoch(), BEFORE + WITHOUT);
+        gates.2.wait().await;
         let mut history = Vec::new();
         let mut groups = Vec::new();
         for _ in 0..AFTER {
@@ -615,12 +630,26 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
             vec![DONORS + 1; AFTER as usize],
             "back in groups of 4"
         );
+        let mut first_without = None;
         for (p, s) in survivors.into_iter().enumerate() {
-            let (their_groups, their_history) = s.await.unwrap();
+            let (their_groups, without, their_history) = s.await.unwrap();
             assert_eq!(
                 their_groups[BEFORE as usize..(BEFORE + WITHOUT) as usize],
                 [DONORS; WITHOUT as usize],
                 "peer {p} kept stepping in groups of 3 without the victim"
+            );
+            // Every survivor took each global step while the victim was dead, and they stayed
+            // bit-identical (codec none).
+            let epochs: Vec<u64> = without.iter().map(|(e, _)| *e).collect();
+            assert_eq!(
+                epochs,
+                (BEFORE + 1..=BEFORE + WITHOUT).collect::<Vec<_>>(),
+                "peer {p}"
+            );
+            let first = first_without.get_or_insert_with(|| without.clone());
+            assert!(
+                *first == without,
+                "survivor {p} differs from survivor 0 while the victim was dead"
             );
             assert!(
                 their_history == history,

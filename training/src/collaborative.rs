@@ -14,6 +14,11 @@
 //!   learning rate 0.7) to the start-of-phase parameters, which every member then continues
 //!   from. Averaging happens `inner_steps` times less often.
 //!
+//! With a lossy codec, (pseudo-)gradients are averaged with error feedback
+//! ([`CollaborativeConfig::error_feedback`], on by default): what quantization dropped of this
+//! peer's contribution in one round goes into the next, so the codec's error does not pile up
+//! as a bias.
+//!
 //! A peer that finds no group steps with its own values, and the [`StepReport`] says so; so does
 //! a peer whose epoch is behind the swarm's (it should catch up by state sync).
 //!
@@ -42,7 +47,7 @@
 
 use std::time::{Duration, Instant};
 
-use starling_averager::{Averager, AveragerConfig, AveragerError, RoundReport};
+use starling_averager::{Averager, AveragerConfig, AveragerError, Residuals, RoundReport};
 use starling_node::Node;
 
 use crate::optim::{OptimError, Optimizer, Sgd, SgdConfig};
@@ -111,12 +116,18 @@ pub struct CollaborativeConfig {
     /// state (weight 1 each), so that groups smaller than the swarm, or rounds that averaged
     /// only part of the gradients, do not let peers drift apart. `None` never does.
     pub state_averaging_every: Option<u64>,
+    /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
+    /// with error feedback: what quantization dropped of this peer's contribution in one round
+    /// is added to the next (see `starling_averager::Residuals`; one `f32` per parameter).
+    /// Parameters and optimizer state are never averaged with feedback. No effect with the
+    /// exact codec `none`.
+    pub error_feedback: bool,
 }
 
 impl CollaborativeConfig {
     /// Defaults: groups of up to 16, the exact codec, 30 s per averaging round, swarm progress
     /// read at most twice a second, DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum
-    /// 0.9).
+    /// 0.9), error feedback on (it acts only with a lossy codec).
     pub fn new(run: impl Into<String>, target_batch_size: u64, mode: Mode) -> Self {
         let run = run.into();
         let mut averager = AveragerConfig::new(format!("{run}.train"));
@@ -132,6 +143,7 @@ impl CollaborativeConfig {
             fetch_interval: Duration::from_millis(500),
             outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
             state_averaging_every: Some(10),
+            error_feedback: true,
         }
     }
 }
@@ -185,6 +197,8 @@ pub struct CollaborativeOptimizer {
     epoch: u64,
     /// Gradient mode: sum over batches of (batch mean gradient x batch samples).
     accumulated: Vec<f32>,
+    /// Error feedback for the (pseudo-)gradients, when `error_feedback` is on.
+    residuals: Residuals,
     /// Samples accumulated in the current epoch (or local-SGD phase).
     samples: u64,
     /// Local steps in the current local-SGD phase.
@@ -229,6 +243,7 @@ impl CollaborativeOptimizer {
             len,
             epoch: 0,
             accumulated: vec![0.0; len],
+            residuals: Residuals::new(),
             samples: 0,
             inner: 0,
             rate: 0.0,
@@ -411,10 +426,14 @@ impl CollaborativeOptimizer {
         let began = Instant::now();
         report.timings.waiting = self.epoch_start.map_or(Duration::ZERO, |t| began - t);
         let deadline = began + self.cfg.averaging_timeout;
-        let averaged = self
-            .averager
-            .step(&mut [&mut grads[..]], self.samples as f32, deadline)
-            .await;
+        let averaged = average_gradients(
+            &self.averager,
+            self.cfg.error_feedback.then_some(&mut self.residuals),
+            &mut grads[..],
+            self.samples as f32,
+            deadline,
+        )
+        .await;
         note_round(&mut report, averaged)?;
         let averaged_at = Instant::now();
         report.timings.averaging = averaged_at - began;
@@ -487,10 +506,14 @@ impl CollaborativeOptimizer {
             .for_each(|(d, (a, p))| *d = a - p);
         let deadline = Instant::now() + self.cfg.averaging_timeout;
         let weight = self.samples.max(1) as f32;
-        let averaged = self
-            .averager
-            .step(&mut [&mut delta[..]], weight, deadline)
-            .await;
+        let averaged = average_gradients(
+            &self.averager,
+            self.cfg.error_feedback.then_some(&mut self.residuals),
+            &mut delta[..],
+            weight,
+            deadline,
+        )
+        .await;
         note_round(&mut report, averaged)?;
         // The outer step moves the phase's start along the (averaged) pseudo-gradient; every
         // member continues from there (the same bits with the exact codec).
@@ -569,6 +592,8 @@ impl CollaborativeOptimizer {
         };
         self.epoch = epoch;
         self.accumulated.fill(0.0);
+        // What earlier rounds owed belongs to the state this peer left behind.
+        self.residuals.reset();
         self.samples = 0;
         self.inner = 0;
         self.swarm = None;
@@ -602,6 +627,25 @@ impl CollaborativeOptimizer {
 /// no progress was read.
 fn swarm_peers(swarm: Option<&SwarmProgress>) -> Option<usize> {
     swarm.filter(|s| s.peers > 0).map(|s| s.peers.max(2))
+}
+
+/// Averages one (pseudo-)gradient buffer with the group, with error feedback when `residuals`
+/// is given (the averager applies it only with a lossy codec).
+async fn average_gradients(
+    averager: &Averager,
+    residuals: Option<&mut Residuals>,
+    grads: &mut [f32],
+    weight: f32,
+    deadline: Instant,
+) -> Result<RoundReport, AveragerError> {
+    match residuals {
+        Some(r) => {
+            averager
+                .step_with_feedback(&mut [grads], weight, deadline, r)
+                .await
+        }
+        None => averager.step(&mut [grads], weight, deadline).await,
+    }
 }
 
 /// `params` holds `expected` values, or the schema error that says so.

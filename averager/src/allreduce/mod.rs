@@ -53,12 +53,19 @@ pub(crate) struct RoundEnv {
     pub pool: Arc<BufPool>,
     /// This peer's bandwidth estimate (bytes/s), for transfer-time estimates.
     pub bandwidth: f64,
+    /// Error feedback is on: the flattened vector is the corrected contribution, and every
+    /// span sent to a reducer with a lossy codec comes back with its residual.
+    pub feedback: bool,
 }
 
 /// What a round produced for the local peer.
 pub(crate) struct Outcome {
     /// New values of the averaged ranges of the flattened vector; the rest keeps its values.
     pub patches: Vec<(Range<usize>, PoolBuf)>,
+    /// With error feedback: for the patches whose values went to a reducer quantized, what the
+    /// reducer did not see (corrected contribution minus its decoded copy). Patches not listed
+    /// here were averaged from this peer's exact values.
+    pub residuals: Vec<(Range<usize>, PoolBuf)>,
     pub group: Vec<PeerId>,
     pub spans: Vec<SpanReport>,
     pub failed_peers: Vec<PeerId>,
@@ -78,6 +85,7 @@ impl Outcome {
     fn nothing(group: Vec<PeerId>) -> Self {
         Outcome {
             patches: vec![],
+            residuals: vec![],
             group,
             spans: vec![],
             failed_peers: vec![],
@@ -254,6 +262,7 @@ async fn run(
     }
     let Phase1 {
         mut patches,
+        mut residuals,
         mut reports,
         failed,
         down,
@@ -269,6 +278,7 @@ async fn run(
         repair.drive(&mut repair_rx, None).await;
     }
     patches.append(&mut repair.patches);
+    residuals.append(&mut repair.residuals);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
     let repair_server = (!my_range.is_empty())
@@ -284,6 +294,7 @@ async fn run(
     let measured_bandwidth = Some(*lock(&counters.rate_sum)).filter(|r| *r > 0.0);
     Outcome {
         patches,
+        residuals,
         group: peers,
         spans: reports,
         failed_peers: failed,
@@ -341,6 +352,8 @@ fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, Task<send::Sent>)> {
 struct Phase1 {
     /// New values of the ranges averaged so far.
     patches: Vec<(Range<usize>, PoolBuf)>,
+    /// Error feedback: residuals of the patches sent quantized (see [`Outcome::residuals`]).
+    residuals: Vec<(Range<usize>, PoolBuf)>,
     reports: Vec<SpanReport>,
     /// Members seen failing in any role.
     failed: HashSet<MemberIdx>,
@@ -381,8 +394,11 @@ impl Phase1 {
     ) {
         let range = round.ranges[j.get()].clone();
         let outcome = match result {
-            Ok(Ok((segments, values))) => {
+            Ok(Ok((segments, values, residual))) => {
                 self.patches.push((range.clone(), values));
+                if let Some(residual) = residual {
+                    self.residuals.push((range.clone(), residual));
+                }
                 self.reports
                     .extend(segment_reports(round, j, &range, &segments, |c| {
                         SpanOutcome::Averaged { contributors: c }

@@ -15,8 +15,8 @@ use tracing::Instrument;
 
 use super::plan::{repair_plan, transfer_estimate};
 use super::reduce::{reduce_span, ReduceJob, Reduced};
-use super::send::{send_span, SendFail, SendKind};
-use super::{kept, segment_reports, Round, Segment, Task};
+use super::send::{send_span, SendKind};
+use super::{kept, segment_reports, Round, Task};
 use crate::config::AveragingMode;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
@@ -25,12 +25,7 @@ use crate::{SpanOutcome, SpanReport};
 
 /// A part sent to another reducer came back (or not): `(failed reducer, part's reducer, part,
 /// result)`.
-type PartDone = (
-    MemberIdx,
-    MemberIdx,
-    Range<usize>,
-    Result<(Vec<Segment>, PoolBuf), SendFail>,
-);
+type PartDone = (MemberIdx, MemberIdx, Range<usize>, super::send::Sent);
 
 /// A part this peer needs back: its reducer, its range, and why the failed reducer's span is
 /// being repaired.
@@ -59,6 +54,9 @@ pub(super) struct Repair {
     part_tasks: FuturesUnordered<Task<PartDone>>,
     /// New values of the parts this peer needed, to write into its result.
     pub patches: Vec<(Range<usize>, PoolBuf)>,
+    /// Error feedback: residuals of the needed parts sent to other reducers quantized (parts
+    /// this peer reduced itself used its exact values).
+    pub residuals: Vec<(Range<usize>, PoolBuf)>,
     /// Reports of the parts (or whole spans) this peer needed.
     pub reports: Vec<SpanReport>,
 }
@@ -74,6 +72,7 @@ impl Repair {
             session_tasks: FuturesUnordered::new(),
             part_tasks: FuturesUnordered::new(),
             patches: Vec::new(),
+            residuals: Vec::new(),
             reports: Vec::new(),
         }
     }
@@ -298,13 +297,7 @@ impl Repair {
         ));
     }
 
-    fn part_done(
-        &mut self,
-        j: MemberIdx,
-        k: MemberIdx,
-        part: Range<usize>,
-        r: Result<(Vec<Segment>, PoolBuf), SendFail>,
-    ) {
+    fn part_done(&mut self, j: MemberIdx, k: MemberIdx, part: Range<usize>, r: super::send::Sent) {
         let round = self.round.clone();
         if let Err(fail) = &r {
             if fail.reducer_failed {
@@ -315,8 +308,11 @@ impl Repair {
             return; // a contribution to a span this peer did not lose
         };
         match r {
-            Ok((segments, values)) => {
+            Ok((segments, values, residual)) => {
                 self.patches.push((part.clone(), values));
+                if let Some(residual) = residual {
+                    self.residuals.push((part.clone(), residual));
+                }
                 let to = round.peer(k);
                 self.reports.extend(segment_reports(
                     &round,

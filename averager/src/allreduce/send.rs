@@ -64,9 +64,10 @@ impl SendFail {
     }
 }
 
-/// What sending a span gave: the contributors of each run of the range and the new values of
-/// the whole range, or why no result came back.
-pub(super) type Sent = Result<(Vec<Segment>, PoolBuf), SendFail>;
+/// What sending a span gave: the contributors of each run of the range, the new values of the
+/// whole range and, with error feedback and a lossy codec, the residual of the range (what the
+/// reducer did not see of our contribution); or why no result came back.
+pub(super) type Sent = Result<(Vec<Segment>, PoolBuf, Option<PoolBuf>), SendFail>;
 
 /// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
 /// surviving reducer `j`) and, at the same time, reads back the averaged deltas part by part as
@@ -149,17 +150,26 @@ pub(super) async fn send_span(
         // + delta. The exact codec `none` (no `as_sent` copy) carries the mean itself, so every
         // member holds the same bits.
         let mut result = delta;
-        if let Some(base) = as_sent {
+        let mut residual = None;
+        if let Some(mut base) = as_sent {
             result
                 .iter_mut()
                 .zip(base.iter())
                 .for_each(|(d, b)| *d += b);
+            // Error feedback: the copy becomes what quantization dropped, in place (the
+            // round's vector is the corrected contribution when feedback is on).
+            if round.env.feedback {
+                base.iter_mut()
+                    .zip(part)
+                    .for_each(|(s, corrected)| *s = corrected - *s);
+                residual = Some(base);
+            }
         }
         let segments = segments
             .into_iter()
             .map(|(r, c)| (range.start + r.start..range.start + r.end, c))
             .collect();
-        Ok((segments, result))
+        Ok((segments, result, residual))
     };
     timeout_at(round.deadline, work)
         .await

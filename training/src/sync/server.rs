@@ -150,10 +150,12 @@ impl StateServer {
             move |peer, hello: Hello, stream| session(shared.clone(), peer, hello, stream)
         };
         let mut stop_accept = shared.stop.clone();
+        let accept_node = node.clone();
         let accept = async move {
             tokio::select! {
                 _ = serve_inbound(incoming, limits, handler) => {}
                 _ = stop_accept.changed() => {}
+                _ = accept_node.closed() => {}
             }
         };
         let announce = announce_loop(shared.clone());
@@ -296,13 +298,16 @@ async fn announce(shared: &Shared) -> Result<(), SyncError> {
     }
 }
 
-/// Renews the announcement every `announce_every` until stopped.
+/// Renews the announcement every `announce_every` until stopped or until this peer's node
+/// stops (a dead peer's announcement then expires by itself, `announce_ttl` after its last
+/// renewal).
 async fn announce_loop(shared: Arc<Shared>) {
     let mut stop = shared.stop.clone();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(shared.cfg.announce_every) => {}
             _ = stop.changed() => return,
+            _ = shared.node.closed() => return,
         }
         let renewed = tokio::select! {
             r = announce(&shared) => r,
