@@ -13,6 +13,8 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_starling");
 pub struct Proc {
     pub child: Child,
     lines: mpsc::Receiver<String>,
+    /// Every stdout line read so far (also those `wait_for` passed over).
+    log: std::cell::RefCell<Vec<String>>,
 }
 
 impl Proc {
@@ -32,7 +34,11 @@ impl Proc {
                 }
             }
         });
-        Proc { child, lines }
+        Proc {
+            child,
+            lines,
+            log: Default::default(),
+        }
     }
 
     /// Waits (bounded) for a stdout line satisfying `pred`.
@@ -41,10 +47,36 @@ impl Proc {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(line) if pred(&line) => return line,
-                Ok(_) => {}
+                Ok(line) => {
+                    self.log.borrow_mut().push(line.clone());
+                    if pred(&line) {
+                        return line;
+                    }
+                }
                 Err(_) => panic!("timed out waiting for {what}"),
             }
+        }
+    }
+}
+
+impl Proc {
+    /// Waits (bounded) for the process to exit; returns whether it succeeded and every stdout
+    /// line it printed.
+    pub fn finish(mut self, what: &str, limit: Duration) -> (bool, Vec<String>) {
+        let deadline = Instant::now() + limit;
+        loop {
+            while let Ok(line) = self.lines.try_recv() {
+                self.log.borrow_mut().push(line);
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // The reader thread ends at EOF: take what it still holds.
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(2)) {
+                    self.log.borrow_mut().push(line);
+                }
+                return (status.success(), self.log.take());
+            }
+            assert!(Instant::now() < deadline, "{what} did not finish in {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }
@@ -56,6 +88,7 @@ impl Drop for Proc {
     }
 }
 
+/// Runs `starling args` to completion (at most 60 s).
 pub fn run(args: &[&str]) -> std::process::Output {
     let mut child = Command::new(BIN)
         .args(args)
