@@ -5,7 +5,8 @@
 mod procs;
 
 use procs::{run, Proc};
-use std::time::Duration;
+use std::process::Command;
+use std::time::{Duration, Instant};
 
 #[test]
 fn two_node_processes_connect_and_exchange_a_record() {

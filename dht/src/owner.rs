@@ -91,7 +91,10 @@ pub fn verify_document(
     };
     let bytes: [u8; 64] = signature.try_into().map_err(|_| bad())?;
     owner
-        .verify(&document_message(domain, msg), &Signature::from_bytes(&bytes))
+        .verify(
+            &document_message(domain, msg),
+            &Signature::from_bytes(&bytes),
+        )
         .map_err(|_| bad())
 }
 

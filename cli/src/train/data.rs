@@ -8,7 +8,7 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use rand::{seq::SliceRandom, rngs::StdRng, SeedableRng};
+use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 
 use super::manifest::DataSpec;
 
@@ -104,7 +104,11 @@ pub fn digits() -> Images {
     let take = |idx: &[usize]| {
         let x = idx
             .iter()
-            .flat_map(|&i| d.data[i * inputs..(i + 1) * inputs].iter().map(|v| v / 16.0))
+            .flat_map(|&i| {
+                d.data[i * inputs..(i + 1) * inputs]
+                    .iter()
+                    .map(|v| v / 16.0)
+            })
             .collect();
         let y = idx.iter().map(|&i| d.target[i] as u32).collect();
         (x, y)
@@ -179,7 +183,11 @@ fn find(dir: &Path, stem: &str) -> Option<PathBuf> {
 /// `train-labels-idx1-ubyte` (each optionally `.gz`), and `t10k-*` of the same kinds as the
 /// test set when present (otherwise the last fifth of the training files).
 pub fn read_idx_dir(dir: &Path) -> Result<Images> {
-    ensure!(dir.is_dir(), "--data {}: not a directory of IDX files", dir.display());
+    ensure!(
+        dir.is_dir(),
+        "--data {}: not a directory of IDX files",
+        dir.display()
+    );
     let need = |stem: &str| {
         find(dir, stem).with_context(|| {
             format!(
@@ -221,7 +229,11 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
         }
         (None, None) => {
             let n = train_y.len();
-            ensure!(n >= 5, "--data {}: too few images to split off a test set", dir.display());
+            ensure!(
+                n >= 5,
+                "--data {}: too few images to split off a test set",
+                dir.display()
+            );
             let cut = n - n / 5;
             (
                 train_x[..cut * inputs].to_vec(),
@@ -235,7 +247,11 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
             dir.display()
         ),
     };
-    let classes = train_y.iter().chain(&test_y).max().map_or(0, |m| *m as usize + 1);
+    let classes = train_y
+        .iter()
+        .chain(&test_y)
+        .max()
+        .map_or(0, |m| *m as usize + 1);
     let images = Images {
         inputs,
         classes: classes.max(2),
@@ -333,7 +349,14 @@ pub fn read_idx_labels(path: &Path) -> Result<Vec<u32>> {
 #[cfg(test)]
 /// Writes images and labels as IDX files (`{prefix}-images-idx3-ubyte`,
 /// `{prefix}-labels-idx1-ubyte`); pixels in [0, 1] become bytes.
-pub fn write_idx(dir: &Path, prefix: &str, x: &[f32], y: &[u32], rows: usize, cols: usize) -> Result<()> {
+pub fn write_idx(
+    dir: &Path,
+    prefix: &str,
+    x: &[f32],
+    y: &[u32],
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
     let mut img = vec![0, 0, 8, 3];
     for d in [y.len(), rows, cols] {
         img.extend_from_slice(&(d as u32).to_be_bytes());
@@ -368,10 +391,17 @@ pub fn read_text(path: &Path, vocab: Option<&[char]>) -> Result<Text> {
     })?;
     let vocab: Vec<char> = match vocab {
         Some(v) => v.to_vec(),
-        None => text.chars().collect::<BTreeSet<char>>().into_iter().collect(),
+        None => text
+            .chars()
+            .collect::<BTreeSet<char>>()
+            .into_iter()
+            .collect(),
     };
-    let index: std::collections::HashMap<char, u32> =
-        vocab.iter().enumerate().map(|(i, &c)| (c, i as u32)).collect();
+    let index: std::collections::HashMap<char, u32> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| (c, i as u32))
+        .collect();
     let mut tokens = Vec::with_capacity(text.len());
     let mut unknown = BTreeSet::new();
     for c in text.chars() {
@@ -439,13 +469,33 @@ mod tests {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         std::io::Write::write_all(&mut gz, &raw).unwrap();
         std::fs::remove_file(&labels).unwrap();
-        std::fs::write(dir.path().join("train-labels-idx1-ubyte.gz"), gz.finish().unwrap()).unwrap();
+        std::fs::write(
+            dir.path().join("train-labels-idx1-ubyte.gz"),
+            gz.finish().unwrap(),
+        )
+        .unwrap();
         assert_eq!(read_idx_dir(dir.path()).unwrap().train_y, back.train_y);
 
         // Inconsistent counts.
-        write_idx(dir.path(), "train", &d.train_x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
+        write_idx(
+            dir.path(),
+            "train",
+            &d.train_x[..64 * 10],
+            &d.train_y[..10],
+            8,
+            8,
+        )
+        .unwrap();
         std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte.gz")).unwrap();
-        write_idx(dir.path(), "tmp", &d.train_x[..64 * 9], &d.train_y[..9], 8, 8).unwrap();
+        write_idx(
+            dir.path(),
+            "tmp",
+            &d.train_x[..64 * 9],
+            &d.train_y[..9],
+            8,
+            8,
+        )
+        .unwrap();
         std::fs::rename(
             dir.path().join("tmp-labels-idx1-ubyte"),
             dir.path().join("train-labels-idx1-ubyte"),
@@ -465,7 +515,15 @@ mod tests {
 
         // Truncated data.
         let img = dir.path().join("train-images-idx3-ubyte");
-        write_idx(dir.path(), "train", &d.train_x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
+        write_idx(
+            dir.path(),
+            "train",
+            &d.train_x[..64 * 10],
+            &d.train_y[..10],
+            8,
+            8,
+        )
+        .unwrap();
         let bytes = std::fs::read(&img).unwrap();
         std::fs::write(&img, &bytes[..bytes.len() - 3]).unwrap();
         let err = read_idx_dir(dir.path()).unwrap_err().to_string();

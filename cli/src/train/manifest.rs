@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use starling_compression::Codec;
-use starling_dht::{owner::verify_document, now_ms, Entry, OwnerKey, VerifyingKey};
+use starling_dht::{now_ms, owner::verify_document, Entry, OwnerKey, VerifyingKey};
 use starling_node::{peer_id_of_owner, Node, PeerId};
 
 /// The manifest format this binary writes and the newest it reads.
@@ -205,8 +205,7 @@ impl RunManifest {
         positive_at_most("--lr", self.optimizer.lr, 10.0)?;
         in_range("--weight-decay", self.optimizer.weight_decay, 0.0, 1.0)?;
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
-        Codec::from_str(&self.codec)
-            .map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
+        Codec::from_str(&self.codec).map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
         if let ModeSpec::Diloco {
             inner_steps,
             outer_lr,
@@ -236,10 +235,7 @@ impl RunManifest {
                 in_range("--dim", *dim as f64, 4.0, 2048.0)?;
                 in_range("--layers", *layers as f64, 1.0, 24.0)?;
                 in_range("--heads", *heads as f64, 1.0, 64.0)?;
-                ensure!(
-                    dim % heads == 0,
-                    "--heads {heads} must divide --dim {dim}"
-                );
+                ensure!(dim % heads == 0, "--heads {heads} must divide --dim {dim}");
                 ensure!(
                     matches!(self.data, DataSpec::Text { .. }),
                     "model charlm trains on text: give --data FILE (UTF-8)"
@@ -361,7 +357,8 @@ impl SignedManifest {
             "the signed manifest is {} bytes; at most {MAX_MANIFEST_BYTES} are accepted",
             bytes.len()
         );
-        serde_json::from_slice(bytes).context("not a signed run manifest (JSON with manifest, creator, signature)")
+        serde_json::from_slice(bytes)
+            .context("not a signed run manifest (JSON with manifest, creator, signature)")
     }
 
     /// The creator's key, if the field is one.
@@ -544,7 +541,11 @@ pub async fn publish(node: &Node, name: &str, signed: &SignedManifest) -> Result
 
 /// Reads the run's manifest from the DHT, retrying until `timeout` (a node that just joined
 /// may not reach the copies at once).
-pub async fn fetch(node: &Node, run: &RunRef, timeout: Duration) -> Result<(RunManifest, SignedManifest)> {
+pub async fn fetch(
+    node: &Node,
+    run: &RunRef,
+    timeout: Duration,
+) -> Result<(RunManifest, SignedManifest)> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let record = node.get_record(&run_key(&run.name)).await;
@@ -658,22 +659,34 @@ mod tests {
         let plain: RunRef = "r".parse().unwrap();
         let (chosen, _) = choose(&plain, &[a.clone(), a_newer.clone(), forged.clone()]).unwrap();
         assert_eq!(chosen.created_ms, 9, "the newest of one creator's copies");
-        let err = choose(&plain, &[a.clone(), m.clone()]).unwrap_err().to_string();
+        let err = choose(&plain, &[a.clone(), m.clone()])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("2 creators"), "{err}");
 
         let alice_id = creator_label(&alice.public());
         let pinned: RunRef = format!("r@{alice_id}").parse().unwrap();
-        assert_eq!(choose(&pinned, &[m.clone(), a.clone()]).unwrap().0.created_ms, 1);
-        let err = choose(&pinned, &[m.clone()]).unwrap_err().to_string();
+        assert_eq!(
+            choose(&pinned, &[m.clone(), a.clone()])
+                .unwrap()
+                .0
+                .created_ms,
+            1
+        );
+        let err = choose(&pinned, std::slice::from_ref(&m))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("pinned to"), "{err}");
         let hex_pin: RunRef = format!("r@{}", hex::encode(alice.public().as_bytes()))
             .parse()
             .unwrap();
-        assert!(choose(&hex_pin, &[a.clone()]).is_ok());
+        assert!(choose(&hex_pin, std::slice::from_ref(&a)).is_ok());
 
         let err = choose(&plain, &[forged]).unwrap_err().to_string();
         assert!(err.contains("does not verify"), "{err}");
-        let err = choose(&"other".parse().unwrap(), &[a]).unwrap_err().to_string();
+        let err = choose(&"other".parse().unwrap(), &[a])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("refused"), "{err}");
         assert!("bad name!".parse::<RunRef>().is_err());
         assert!("r@notakey".parse::<RunRef>().is_err());

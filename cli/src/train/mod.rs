@@ -34,7 +34,12 @@ const MANIFEST_LOOKUP: Duration = Duration::from_secs(30);
 pub struct TrainArgs {
     /// Create a run with this name (1-64 of A-Z a-z 0-9 - _ .), publish its signed manifest,
     /// and train in it. Others join with --run NAME@<this peer's id>.
-    #[arg(long, value_name = "NAME", conflicts_with = "run", required_unless_present = "run")]
+    #[arg(
+        long,
+        value_name = "NAME",
+        conflicts_with = "run",
+        required_unless_present = "run"
+    )]
     new_run: Option<String>,
     /// Join a run: NAME, or NAME@KEY to accept only a manifest signed by KEY (the creator's peer
     /// id, as `--new-run` prints it, or its 64-digit hex key).
@@ -217,7 +222,10 @@ pub fn new_manifest(name: &str, model: &str, h: &HyperArgs, data: DataSpec) -> R
             ("--heads", h.heads.is_some()),
             ("--moe-grid", h.moe_grid.is_some()),
         ] {
-            ensure!(!given, "{flag} is a charlm option; model mlp does not take it");
+            ensure!(
+                !given,
+                "{flag} is a charlm option; model mlp does not take it"
+            );
         }
         ModelSpec::Mlp {
             hidden: h.hidden.unwrap_or(64),
@@ -262,7 +270,7 @@ pub fn new_manifest(name: &str, model: &str, h: &HyperArgs, data: DataSpec) -> R
         target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
         epochs,
         eval_every: h.eval_every.unwrap_or((epochs / 6).max(1)),
-        seed: h.seed.unwrap_or_else(|| starling_dht::now_ms()),
+        seed: h.seed.unwrap_or_else(starling_dht::now_ms),
         schema_hash: "0".into(),
         created_ms: starling_dht::now_ms(),
     };
@@ -421,7 +429,10 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         let signed = SignedManifest::sign(&manifest, node.owner_key())?;
         (manifest, signed, node, data, built, false)
     } else {
-        let run = args.run.clone().context("give --new-run NAME or --run NAME")?;
+        let run = args
+            .run
+            .clone()
+            .context("give --new-run NAME or --run NAME")?;
         let given = args.hyper.given();
         ensure!(
             given.is_empty() && args.model.is_none(),

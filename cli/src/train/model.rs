@@ -59,12 +59,15 @@ pub struct Built {
     pub binding: VarBinding,
 }
 
+/// Builds a model's remote mixture-of-experts layer from its variable builder.
+pub type MoeBuilder<'a> = dyn Fn(VarBuilder) -> Result<RemoteMixtureOfExperts> + 'a;
+
 /// Builds the manifest's model for `data`, its parameters initialised from the manifest's seed.
 /// `moe` builds the remote MoE layer when the model has one.
 pub fn build(
     manifest: &RunManifest,
     data: &Dataset,
-    moe: Option<&dyn Fn(VarBuilder) -> Result<RemoteMixtureOfExperts>>,
+    moe: Option<&MoeBuilder<'_>>,
 ) -> Result<Built> {
     let vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
@@ -92,7 +95,9 @@ pub fn build(
                 }
                 None => None,
             };
-            Arc::new(CharLm::new(vb, vocab, *context, *dim, *layers, *heads, layer)?)
+            Arc::new(CharLm::new(
+                vb, vocab, *context, *dim, *layers, *heads, layer,
+            )?)
         }
         _ => anyhow::bail!("model {} cannot train on this data", manifest.model.name()),
     };
@@ -238,7 +243,11 @@ impl Net for Mlp {
             let idx: Vec<usize> = (from..(from + 512).min(n)).collect();
             let b = images_batch(d, &idx, true)?;
             let pred: Vec<u32> = self.logits(&b.x)?.argmax(D::Minus1)?.to_vec1()?;
-            correct += pred.iter().zip(&d.test_y[from..]).filter(|(p, y)| p == y).count();
+            correct += pred
+                .iter()
+                .zip(&d.test_y[from..])
+                .filter(|(p, y)| p == y)
+                .count();
         }
         Ok(Eval::Accuracy(correct as f64 / n.max(1) as f64))
     }
@@ -425,7 +434,10 @@ mod tests {
         assert_eq!(a.params.len(), 64 * 16 + 16 + 16 * 10 + 10);
         let mut other = m.clone();
         other.seed = 4;
-        assert_ne!(build(&other, &data, None).unwrap().params.params(), a.params.params());
+        assert_ne!(
+            build(&other, &data, None).unwrap().params.params(),
+            a.params.params()
+        );
     }
 
     #[test]
@@ -452,7 +464,10 @@ mod tests {
         let Eval::ValLoss(loss) = built.net.evaluate(&data).unwrap() else {
             panic!("text evaluates to a loss");
         };
-        assert!((loss - 7f64.ln()).abs() < 0.3, "initial loss {loss} vs ln 7");
+        assert!(
+            (loss - 7f64.ln()).abs() < 0.3,
+            "initial loss {loss} vs ln 7"
+        );
         // Causality: changing the last token changes no earlier position's logits.
         let vars = VarMap::new();
         let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
@@ -464,7 +479,13 @@ mod tests {
         let a = logits(vec![0, 1, 2, 3, 4, 5, 6, 0]);
         let b = logits(vec![0, 1, 2, 3, 4, 5, 6, 5]);
         for pos in 0..7 {
-            assert!(a[pos].iter().zip(&b[pos]).all(|(x, y)| (x - y).abs() < 1e-6), "position {pos} saw the future");
+            assert!(
+                a[pos]
+                    .iter()
+                    .zip(&b[pos])
+                    .all(|(x, y)| (x - y).abs() < 1e-6),
+                "position {pos} saw the future"
+            );
         }
         assert!(a[7].iter().zip(&b[7]).any(|(x, y)| (x - y).abs() > 1e-6));
     }

@@ -204,8 +204,7 @@ impl Session {
             cfg.progress.publish_interval = every;
             cfg.fetch_interval = every;
         }
-        let mut collab =
-            CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
+        let mut collab = CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
         if let (Some(epoch), Some(dir)) = (resumed, &checkpoint_dir) {
             collab.resume(epoch, &params);
             reporter.event(&Event::Resumed {
@@ -214,11 +213,7 @@ impl Session {
             });
         }
         let server = StateServer::start(node.clone(), StateServerConfig::new(m.name.clone()))?;
-        let republish = tokio::spawn(republish(
-            node.clone(),
-            m.name.clone(),
-            signed.clone(),
-        ));
+        let republish = tokio::spawn(republish(node.clone(), m.name.clone(), signed.clone()));
         let mut t = Trainer {
             collab,
             params,
@@ -263,7 +258,13 @@ impl Session {
 impl Trainer {
     /// Syncs state from the swarm (at least `min_epoch`); a failure is reported and training
     /// goes on from the local values.
-    async fn sync(&mut self, node: &Node, m: &RunManifest, reporter: &dyn Reporter, min_epoch: u64) {
+    async fn sync(
+        &mut self,
+        node: &Node,
+        m: &RunManifest,
+        reporter: &dyn Reporter,
+        min_epoch: u64,
+    ) {
         let layout = self.collab.state_view(&self.params).layout();
         let mut cfg = SyncConfig::new(m.name.clone());
         cfg.min_epoch = min_epoch;
@@ -404,7 +405,8 @@ impl Trainer {
             // More than one epoch behind the swarm: catch up by state sync.
             if let Some(swarm) = &report.swarm {
                 if swarm.epoch > self.collab.epoch() + 1 && self.collab.epoch() == before {
-                    self.sync(&s.node, m, reporter, self.collab.epoch() + 1).await;
+                    self.sync(&s.node, m, reporter, self.collab.epoch() + 1)
+                        .await;
                     self.binding.params_to_vars(&self.params)?;
                 }
             }

@@ -75,7 +75,10 @@ impl Proc {
                 }
                 return (status.success(), self.log.take());
             }
-            assert!(Instant::now() < deadline, "{what} did not finish in {limit:?}");
+            assert!(
+                Instant::now() < deadline,
+                "{what} did not finish in {limit:?}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -108,4 +111,3 @@ pub fn run(args: &[&str]) -> std::process::Output {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
-
