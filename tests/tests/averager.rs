@@ -389,3 +389,36 @@ async fn an_aux_peer_reduces_a_span_and_contributes_no_weight() {
     })
     .await;
 }
+
+/// A group of the peers an averager was told to expect starts at once: with a target of 16 and
+/// a 60 s matchmaking window, 3 peers that expect 3 average well before the window could close
+/// (the step's 20 s deadline would cut a leader waiting out its window), and hold the exact mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_told_how_many_to_expect_start_without_waiting_out_the_window() {
+    init_tracing();
+    bounded(Duration::from_secs(90), async {
+        let swarm = AveragingSwarm::start(3, NodeConfig::default(), |_| {
+            let mut cfg = AveragerConfig::new("expect");
+            cfg.target_group_size = 16;
+            cfg.matchmaking_time = Duration::from_secs(60);
+            cfg
+        })
+        .await
+        .unwrap();
+        for a in swarm.averagers() {
+            a.expect_peers(Some(3));
+        }
+        let mut data: Vec<Vec<Vec<f32>>> = (0..3).map(|p| normal_tensors(&[1000], p)).collect();
+        let weights = [1.0, 2.0, 3.0];
+        let expected = exact_weighted_mean(&data, &weights);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let reports = swarm.step_all(&mut data, &weights, deadline).await;
+        for (p, r) in reports.iter().enumerate() {
+            let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            assert_eq!(r.group.len(), 3, "peer {p}");
+            assert!(rel_error(&data[p][0], &expected[0]) < 1e-6, "peer {p}");
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
