@@ -57,6 +57,9 @@ use crate::progress::{
 };
 use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
+/// The window over which a peer measures its own throughput.
+const RATE_WINDOW: Duration = Duration::from_secs(2);
+
 /// How the peers train together.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Mode {
@@ -205,9 +208,8 @@ pub struct CollaborativeOptimizer {
     inner: u64,
     /// Samples per second, smoothed.
     rate: f64,
-    /// Seconds per sample, smoothed (the rate's inverse).
-    secs_per_sample: f64,
-    last_batch: Option<Instant>,
+    /// The rate's current window: when it started and the samples since.
+    rate_window: Option<(Instant, u64)>,
     /// When the current epoch's first batch arrived.
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
@@ -247,8 +249,7 @@ impl CollaborativeOptimizer {
             samples: 0,
             inner: 0,
             rate: 0.0,
-            secs_per_sample: 0.0,
-            last_batch: None,
+            rate_window: None,
             epoch_start: None,
             swarm: None,
             cfg,
@@ -311,26 +312,32 @@ impl CollaborativeOptimizer {
         }
     }
 
-    /// Updates the sample count and the smoothed rate. The rate smooths seconds per sample
-    /// (then inverts): smoothing samples per second instead over-weights the fast batches and
-    /// misses the pauses for averaging, overstating the throughput many times over.
+    /// Updates the sample count and the rate: samples over wall time in windows of
+    /// [`RATE_WINDOW`], pauses for averaging included (smoothing per-batch rates instead
+    /// over-weights the fast batches and overstates the throughput several times over).
     fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
         let now = Instant::now();
         self.epoch_start.get_or_insert(now);
-        if let Some(prev) = self.last_batch {
-            let dt = now.duration_since(prev).as_secs_f64();
-            if dt > 0.0 && batch_samples > 0 {
-                let per_sample = dt / batch_samples as f64;
-                self.secs_per_sample = if self.secs_per_sample == 0.0 {
-                    per_sample
-                } else {
-                    0.8 * self.secs_per_sample + 0.2 * per_sample
-                };
-                self.rate = 1.0 / self.secs_per_sample;
-            }
+        let Some((start, samples)) = self.rate_window.as_mut() else {
+            // The first batch's time is unknown: the window starts at its end.
+            self.rate_window = Some((now, 0));
+            return;
+        };
+        *samples += batch_samples;
+        let elapsed = now.duration_since(*start).as_secs_f64();
+        if elapsed >= RATE_WINDOW.as_secs_f64() / 20.0 {
+            let current = *samples as f64 / elapsed.max(1e-6);
+            self.rate = if elapsed >= RATE_WINDOW.as_secs_f64() || self.rate == 0.0 {
+                current
+            } else {
+                // Early in a window: blend with the last full window's rate.
+                0.5 * (self.rate + current)
+            };
         }
-        self.last_batch = Some(now);
+        if elapsed >= RATE_WINDOW.as_secs_f64() {
+            self.rate_window = Some((now, 0));
+        }
     }
 
     fn local_progress(&self) -> LocalProgress {
