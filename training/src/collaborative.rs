@@ -57,6 +57,9 @@ use crate::progress::{
 };
 use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
+/// Why a step used only local values when the progress records show no other peer.
+const ALONE: &str = "no other peer in the run (by its progress records): stepped alone";
+
 /// The window over which a peer measures its own throughput.
 const RATE_WINDOW: Duration = Duration::from_secs(2);
 
@@ -433,15 +436,22 @@ impl CollaborativeOptimizer {
         let began = Instant::now();
         report.timings.waiting = self.epoch_start.map_or(Duration::ZERO, |t| began - t);
         let deadline = began + self.cfg.averaging_timeout;
-        let averaged = average_gradients(
-            &self.averager,
-            self.cfg.error_feedback.then_some(&mut self.residuals),
-            &mut grads[..],
-            self.samples as f32,
-            deadline,
-        )
-        .await;
-        note_round(&mut report, averaged)?;
+        // No other live peer in the run's progress (a run's first peer, before anyone joins):
+        // searching would only wait out a matchmaking window.
+        let alone = report.swarm.as_ref().is_some_and(|s| s.peers <= 1);
+        if alone {
+            report.averaging_error = Some(ALONE.into());
+        } else {
+            let averaged = average_gradients(
+                &self.averager,
+                self.cfg.error_feedback.then_some(&mut self.residuals),
+                &mut grads[..],
+                self.samples as f32,
+                deadline,
+            )
+            .await;
+            note_round(&mut report, averaged)?;
+        }
         let averaged_at = Instant::now();
         report.timings.averaging = averaged_at - began;
         self.optimizer.step_set(params)?;
@@ -453,6 +463,7 @@ impl CollaborativeOptimizer {
             .cfg
             .state_averaging_every
             .is_some_and(|n| n > 0 && self.epoch.is_multiple_of(n))
+            && !alone
         {
             self.average_state(params, &mut report).await?;
         }

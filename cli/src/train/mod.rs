@@ -80,8 +80,8 @@ pub struct TrainArgs {
     /// Epochs between checkpoints (one is also saved at the end and on Ctrl-C).
     #[arg(long, default_value_t = 10)]
     checkpoint_every: u64,
-    /// One JSON object per line (events: node, started, synced, step, eval, checkpoint,
-    /// finished, left) instead of a progress bar.
+    /// One JSON object per line (events: node, devices, started, synced, step, eval,
+    /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
     json: bool,
 }
@@ -483,6 +483,16 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     };
 
     let addrs = print_node(&node, args.json).await?;
+    // The same device line as `starling node` (GPUs and NCCL, or why there are none).
+    let devices = starling_averager::local::DeviceReport::probe();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({ "event": "devices", "report": devices.to_string() })
+        );
+    } else {
+        println!("{devices}");
+    }
     if let Some(path) = &args.save_manifest {
         std::fs::write(path, signed.to_json())
             .with_context(|| format!("writing {}", path.display()))?;
