@@ -215,6 +215,11 @@ async fn run_window(
                     continue;
                 };
                 saw_others |= entries.iter().any(|d| d.info.peer_id != me.peer_id);
+                let declared: Vec<Vec<u8>> = entries
+                    .iter()
+                    .filter(|d| d.info.peer_id != me.peer_id)
+                    .map(|d| d.info.peer_id.clone())
+                    .collect();
                 let now = Instant::now();
                 let best = entries
                     .into_iter()
@@ -232,10 +237,31 @@ async fn run_window(
                     following = Arc::new(AtomicBool::new(false));
                     let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
                     attempt = Some(asking.in_current_span().boxed());
+                } else if me.mode != AveragingMode::Client && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size) {
+                    // Nobody declared under the key is missing: the rest of the window could
+                    // only wait for latecomers or for peers that left (their declarations
+                    // expire with their windows), so the group starts now.
+                    tracing::debug!(me = %short(&me.peer_id), followers = followers.len(), "every declared peer joined: beginning");
+                    return Ok(Window::Group(begin(cfg, me, followers).await?));
                 }
             }
         }
     }
+}
+
+/// Whether a leader whose followers are `followers` has every other peer `declared` under its
+/// key among them, and enough of them (at least one, and `min_group_size` with itself).
+fn everyone_joined<'a>(
+    declared: &[Vec<u8>],
+    followers: impl Iterator<Item = &'a [u8]> + Clone,
+    min_group_size: usize,
+) -> bool {
+    let joined = followers.clone().count();
+    joined > 0
+        && joined + 1 >= min_group_size
+        && declared
+            .iter()
+            .all(|p| followers.clone().any(|f| f == p.as_slice()))
 }
 
 /// The declarations under `group_key` written by the peers they declare; `None` when the
@@ -480,6 +506,36 @@ async fn follow_inner(
 mod tests {
     use super::*;
     use starling_node::{owner_key_of, Keypair};
+
+    #[test]
+    fn a_leader_begins_only_once_every_declared_peer_joined() {
+        let (a, b, c) = (vec![1u8], vec![2u8], vec![3u8]);
+        let followers = |f: &[Vec<u8>]| f.to_vec();
+        let declared = vec![a.clone(), b.clone()];
+        let two = followers(&[a.clone(), b.clone()]);
+        let one = followers(&[a.clone()]);
+        fn ids(v: &[Vec<u8>]) -> Vec<&[u8]> {
+            v.iter().map(Vec::as_slice).collect()
+        }
+        assert!(everyone_joined(&declared, ids(&two).into_iter(), 2));
+        assert!(
+            !everyone_joined(&declared, ids(&one).into_iter(), 2),
+            "b declared, not joined"
+        );
+        assert!(
+            !everyone_joined(&declared, ids(&two).into_iter(), 4),
+            "below min_group_size"
+        );
+        assert!(
+            !everyone_joined(&[], std::iter::empty(), 1),
+            "nobody to average with"
+        );
+        let with_c = vec![a.clone(), b.clone(), c];
+        assert!(
+            everyone_joined(&declared, ids(&with_c).into_iter(), 2),
+            "a follower that joined without a visible declaration"
+        );
+    }
 
     fn declaration(peer: &PeerId) -> Declaration {
         Declaration {

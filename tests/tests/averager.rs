@@ -422,3 +422,64 @@ async fn peers_told_how_many_to_expect_start_without_waiting_out_the_window() {
     })
     .await;
 }
+
+/// Matchmaking does not wait for a peer who left: 4 peers (target 4, a 10 s window) average,
+/// one leaves; after its last declaration expired, the 3 left average with a deadline (5 s)
+/// shorter than the window, which a leader waiting for a fourth peer could not meet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_peer_leaves_the_rest_do_not_wait_out_the_window() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(4, NodeConfig::default(), |_| {
+            let mut cfg = AveragerConfig::new("leave");
+            cfg.target_group_size = 4;
+            cfg.min_group_size = 2;
+            cfg.matchmaking_time = Duration::from_secs(10);
+            cfg
+        })
+        .await
+        .unwrap();
+        let mut data: Vec<Vec<Vec<f32>>> = (0..4).map(|p| normal_tensors(&[500], p)).collect();
+        let reports = swarm
+            .step_all(
+                &mut data,
+                &[1.0; 4],
+                Instant::now() + Duration::from_secs(30),
+            )
+            .await;
+        assert!(reports
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|r| r.group.len() == 4)));
+        swarm.nodes()[3].shutdown().await;
+        // Its declaration lives until its window's end (10 s after it declared).
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let averagers = &swarm.averagers()[..3];
+        for round in 0..2 {
+            let mut data: Vec<Vec<Vec<f32>>> = (0..3)
+                .map(|p| normal_tensors(&[500], 10 * round + p))
+                .collect();
+            let expected = exact_weighted_mean(&data, &[1.0; 3]);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let steps = averagers
+                .iter()
+                .zip(data.iter_mut())
+                .map(|(a, t)| async move {
+                    let mut views: Vec<&mut [f32]> = t.iter_mut().map(Vec::as_mut_slice).collect();
+                    a.step(&mut views, 1.0, deadline).await
+                });
+            let reports = futures::future::join_all(steps).await;
+            for (p, r) in reports.iter().enumerate() {
+                let r = r
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("round {round}, peer {p}: {e}"));
+                assert_eq!(r.group.len(), 3, "round {round}, peer {p}");
+                assert!(
+                    rel_error(&data[p][0], &expected[0]) < 1e-6,
+                    "round {round}, peer {p}: not the mean"
+                );
+            }
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
