@@ -59,6 +59,17 @@ struct Report {
     forward_backward: Phase,
     server_batches: u64,
     mean_batch_samples: f64,
+    /// Server compute per sample, microseconds, by phase (forward batches; and of backward
+    /// batches, recomputing the forward, the gradients, the optimizer), over the whole run.
+    server_us_per_sample: PhaseCost,
+}
+
+#[derive(Serialize)]
+struct PhaseCost {
+    forward: f64,
+    recompute: f64,
+    gradients: f64,
+    optimizer: f64,
 }
 
 async fn phase(
@@ -158,10 +169,32 @@ pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
     }
     let base_batches = server.stats().batches.load(Ordering::Relaxed);
     let base_rows = server.stats().rows.load(Ordering::Relaxed);
+    let phase_ns = |s: &starling_experts::ServerStats| {
+        [
+            &s.forward_ns,
+            &s.recompute_ns,
+            &s.gradients_ns,
+            &s.optimizer_ns,
+        ]
+        .map(|a| a.load(Ordering::Relaxed))
+    };
+    let base_phases = phase_ns(server.stats());
     let forward = phase(&experts, &inputs, args.seconds, false, args.batch).await;
     let forward_backward = phase(&experts, &inputs, args.seconds, true, args.batch).await;
     let batches = server.stats().batches.load(Ordering::Relaxed) - base_batches;
     let rows = server.stats().rows.load(Ordering::Relaxed) - base_rows;
+    let phases = phase_ns(server.stats());
+    // Forward rows: those of the forward phase plus the forward half of forward+backward.
+    let fwd_rows =
+        ((forward.samples_per_s + forward_backward.samples_per_s) * args.seconds).max(1.0);
+    let bwd_rows = (forward_backward.samples_per_s * args.seconds).max(1.0);
+    let us = |i: usize, n: f64| (phases[i] - base_phases[i]) as f64 / 1e3 / n;
+    let server_us_per_sample = PhaseCost {
+        forward: us(0, fwd_rows),
+        recompute: us(1, bwd_rows),
+        gradients: us(2, bwd_rows),
+        optimizer: us(3, bwd_rows),
+    };
     let report = Report {
         clients: args.clients,
         batch: args.batch,
@@ -173,6 +206,7 @@ pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
         forward_backward,
         server_batches: batches,
         mean_batch_samples: rows as f64 / batches.max(1) as f64,
+        server_us_per_sample,
     };
     println!("{}", serde_json::to_string(&report)?);
     server.shutdown().await?;

@@ -5,12 +5,14 @@
 //! its `cuda` feature). Parameters live in a [`VarMap`], so checkpoints are safetensors files.
 
 use std::path::Path;
+use std::time::Instant;
 
 use candle_core::{DType as CDType, Device, Module, Tensor, Var, D};
 use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::ffn_step::{ffn_gradients, BackwardPhases, FfnVars, FlatAdamW};
 use crate::lock::lock;
 use crate::schema::{ExpertSchema, TensorSpec};
 use crate::{ExpertError, Result};
@@ -242,8 +244,17 @@ pub struct Expert {
     schema: ExpertSchema,
     varmap: VarMap,
     net: Net,
-    opt: AdamW,
+    trainer: Trainer,
     steps: u64,
+    last_phases: BackwardPhases,
+}
+
+/// How an expert computes its gradients and steps.
+enum Trainer {
+    /// Feed-forward experts: hand-derived gradients and a flat AdamW ([`crate::ffn_step`]).
+    Ffn(FfnVars, FlatAdamW),
+    /// Other architectures: candle's autograd and AdamW.
+    Autograd(AdamW),
 }
 
 impl Expert {
@@ -272,23 +283,45 @@ impl Expert {
         };
         seeded_init(&varmap, seed)?;
         let o = spec.optimizer;
-        let opt = AdamW::new(
-            varmap.all_vars(),
-            ParamsAdamW {
-                lr: o.lr,
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps,
-                weight_decay: o.weight_decay,
-            },
-        )?;
+        // `STARLING_EXPERTS_AUTOGRAD=1` trains feed-forward experts through candle's autograd
+        // and AdamW as before the hand-derived path, for comparisons.
+        let autograd = std::env::var_os("STARLING_EXPERTS_AUTOGRAD").is_some_and(|v| v == "1");
+        let trainer = match spec.kind {
+            ExpertKind::Ffn if !autograd => {
+                let data = lock(varmap.data());
+                let var = |name: &str| {
+                    data.get(name).cloned().ok_or_else(|| {
+                        ExpertError::Invalid(format!("internal: no variable {name}"))
+                    })
+                };
+                let vars = FfnVars {
+                    w1: var("ff1.weight")?,
+                    b1: var("ff1.bias")?,
+                    w2: var("ff2.weight")?,
+                    b2: var("ff2.bias")?,
+                };
+                let opt = FlatAdamW::new(o, &[&vars.w1, &vars.b1, &vars.w2, &vars.b2]);
+                Trainer::Ffn(vars, opt)
+            }
+            _ => Trainer::Autograd(AdamW::new(
+                varmap.all_vars(),
+                ParamsAdamW {
+                    lr: o.lr,
+                    beta1: o.beta1,
+                    beta2: o.beta2,
+                    eps: o.eps,
+                    weight_decay: o.weight_decay,
+                },
+            )?),
+        };
         Ok(Expert {
             schema: spec.schema(),
             spec: spec.clone(),
             varmap,
             net,
-            opt,
+            trainer,
             steps: 0,
+            last_phases: BackwardPhases::default(),
         })
     }
 
@@ -337,17 +370,46 @@ impl Expert {
                 "output gradient has {grad_batch} samples, input has {batch}"
             )));
         }
-        let xv = Var::from_tensor(x)?;
-        let y = self.net.forward(xv.as_tensor())?;
-        let loss = (y * grad_out)?.sum_all()?;
-        let grads = loss.backward()?;
-        let grad_x = grads
-            .get(xv.as_tensor())
-            .cloned()
-            .unwrap_or(x.zeros_like()?);
-        self.opt.step(&grads)?;
+        let grad_x = match &mut self.trainer {
+            Trainer::Ffn(vars, opt) => {
+                let (grad_x, grads, recompute, gradients) = ffn_gradients(vars, x, grad_out)?;
+                let stepped = Instant::now();
+                opt.step(&[&vars.w1, &vars.b1, &vars.w2, &vars.b2], &grads)?;
+                self.last_phases = BackwardPhases {
+                    recompute,
+                    gradients,
+                    optimizer: stepped.elapsed(),
+                };
+                grad_x
+            }
+            Trainer::Autograd(opt) => {
+                let started = Instant::now();
+                let xv = Var::from_tensor(x)?;
+                let y = self.net.forward(xv.as_tensor())?;
+                let loss = (y * grad_out)?.sum_all()?;
+                let recomputed = Instant::now();
+                let grads = loss.backward()?;
+                let grad_x = grads
+                    .get(xv.as_tensor())
+                    .cloned()
+                    .unwrap_or(x.zeros_like()?);
+                let stepped = Instant::now();
+                opt.step(&grads)?;
+                self.last_phases = BackwardPhases {
+                    recompute: recomputed - started,
+                    gradients: stepped - recomputed,
+                    optimizer: stepped.elapsed(),
+                };
+                grad_x
+            }
+        };
         self.steps += 1;
         Ok(grad_x)
+    }
+
+    /// Where the last [`Self::backward`]'s time went.
+    pub fn last_backward_phases(&self) -> BackwardPhases {
+        self.last_phases
     }
 
     /// Checks that `x` is an f32 `[batch, ..input shape]`; returns the batch size.

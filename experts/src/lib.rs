@@ -42,6 +42,7 @@
 pub mod backend;
 pub mod client;
 mod error;
+mod ffn_step;
 pub mod grid;
 mod lock;
 pub mod moe;
@@ -52,6 +53,7 @@ pub mod wire;
 pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
 pub use client::{ClientConfig, ExpertClient, RemoteExpert};
 pub use error::{ExpertError, RemoteError, RemoteErrorKind, Result};
+pub use ffn_step::BackwardPhases;
 pub use grid::{expand_uid_pattern, ExpertHost, ExpertUid};
 pub use moe::{MoeConfig, MoeStats, RemoteMixtureOfExperts};
 pub use schema::{DType, ExpertSchema, TensorSpec};

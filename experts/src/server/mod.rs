@@ -23,7 +23,7 @@ mod runtime;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,6 +106,39 @@ pub struct ServerStats {
     pub batches: AtomicU64,
     /// Samples run (forward and backward).
     pub rows: AtomicU64,
+    /// Nanoseconds spent in forward batches.
+    pub forward_ns: AtomicU64,
+    /// Nanoseconds backward batches spent recomputing the forward.
+    pub recompute_ns: AtomicU64,
+    /// Nanoseconds backward batches spent on gradients.
+    pub gradients_ns: AtomicU64,
+    /// Nanoseconds backward batches spent in the optimizer.
+    pub optimizer_ns: AtomicU64,
+}
+
+impl ServerStats {
+    /// Adds one batch's compute time to the per-phase totals.
+    pub(super) fn record_phases(
+        &self,
+        forward: bool,
+        total: std::time::Duration,
+        backward: crate::BackwardPhases,
+    ) {
+        let ns = |d: std::time::Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        match forward {
+            true => {
+                self.forward_ns.fetch_add(ns(total), Ordering::Relaxed);
+            }
+            false => {
+                self.recompute_ns
+                    .fetch_add(ns(backward.recompute), Ordering::Relaxed);
+                self.gradients_ns
+                    .fetch_add(ns(backward.gradients), Ordering::Relaxed);
+                self.optimizer_ns
+                    .fetch_add(ns(backward.optimizer), Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// Checks the settings and the experts (valid, distinct uids), creates the checkpoint directory

@@ -76,7 +76,13 @@ pub(super) fn run_runtime(
                     continue;
                 };
                 let rows: usize = tasks.iter().map(|t| t.rows).sum();
+                let started = std::time::Instant::now();
                 let result = run_batch(expert, kind, &tasks);
+                stats.record_phases(
+                    matches!(kind, Kind::Forward),
+                    started.elapsed(),
+                    expert.last_backward_phases(),
+                );
                 stats.batches.fetch_add(1, Ordering::Relaxed);
                 stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
                 match result {
