@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use starling_averager::gossip::{GossipConfig, Topology};
+use starling_averager::gossip::{ExchangeOutcome, GossipConfig, Topology};
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing, GossipSwarm};
 
@@ -118,4 +118,138 @@ fn fmt(v: &[f64]) -> String {
         .map(|x| format!("{x:.1e}"))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// 16 peers gossip (one-peer exponential); in round 3, four of them shut down (averager and
+/// node) while the others are mid-round. Every survivor finishes every round (the test is
+/// bounded; a step never waits past its deadline, and failed neighbours are backed off and
+/// left out of the graph), each fails at most a few exchanges, and the survivors converge to
+/// the weighted mean of what they held once the dead were gone, which stays put (1e-5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_four_of_sixteen_stalls_nobody_and_survivors_converge() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(PEERS, NodeConfig::default()).await.unwrap();
+        let cfg = config("kill", Topology::OnePeerExponential, "none");
+        let mut swarm = GossipSwarm::start(&cluster, &cfg, LEN, 2).await.unwrap();
+        for _ in 0..3 {
+            swarm.round().await;
+        }
+        assert!(swarm.settle_membership(50).await);
+        let doomed = [3usize, 7, 8, 13];
+        // The doomed peers' averagers leave the swarm (by value) and shut down, with their
+        // nodes, while the survivors step.
+        let dying: Vec<_> = doomed
+            .iter()
+            .map(|&i| (swarm.peers[i].take().unwrap(), cluster.nodes[i].clone()))
+            .collect();
+        let kill = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            for (averager, node) in dying {
+                node.shutdown().await;
+                averager.shutdown().await;
+            }
+        };
+        let (reports, ()) = futures::join!(swarm.round(), kill);
+        for (i, r) in reports {
+            r.unwrap_or_else(|e| panic!("survivor {i}: {e}"));
+        }
+        let after_kill = swarm.consensus().await;
+        let mut failed = vec![0usize; PEERS];
+        let mut averaged = vec![0usize; PEERS];
+        for _ in 0..10 {
+            for (i, r) in swarm.round().await {
+                let r = r.unwrap_or_else(|e| panic!("survivor {i}: {e}"));
+                for e in r.exchanges.iter().chain(&r.served) {
+                    if e.averaged() {
+                        averaged[i] += 1;
+                    } else if matches!(e.outcome, ExchangeOutcome::Failed(_)) {
+                        failed[i] += 1;
+                        assert!(doomed.iter().any(|&d| cluster.nodes[d].peer_id() == e.peer));
+                    }
+                }
+            }
+        }
+        let end = swarm.consensus().await;
+        let drift = end.mean_error(&after_kill);
+        eprintln!(
+            "survivors: distance {:.2e} -> {:.2e}; mean drift {drift:.1e}; failed exchanges {failed:?}; averaged {averaged:?}",
+            after_kill.distance, end.distance
+        );
+        for i in swarm.live() {
+            assert!(failed[i] <= doomed.len(), "peer {i} kept trying the dead: {failed:?}");
+            assert!(averaged[i] >= 5, "peer {i} averaged too little: {averaged:?}");
+        }
+        assert!(drift < 1e-5, "the survivors' mean moved by {drift:e}");
+        assert!(
+            end.distance < after_kill.distance * 1e-2,
+            "survivors converge: {:.2e} -> {:.2e}",
+            after_kill.distance,
+            end.distance
+        );
+        swarm.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// 8 peers gossip freely (no rounds in step): each computes for a while, then steps; one
+/// computes 10x longer. Counted within the same run, the fast peers complete several times
+/// more rounds than the slow one (if they waited on it they would complete as many), and the
+/// slow peer is still averaged with (it answers exchanges while it computes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ten_times_slower_peer_does_not_slow_the_others() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        const N: usize = 8;
+        const SLOW: usize = 5;
+        const SLOW_ROUNDS: usize = 6;
+        let cluster = LocalCluster::start(N, NodeConfig::default()).await.unwrap();
+        let cfg = config("slow", Topology::OnePeerExponential, "none");
+        let mut swarm = GossipSwarm::start(&cluster, &cfg, LEN, 3).await.unwrap();
+        swarm.round().await;
+        assert!(swarm.settle_membership(50).await);
+        let start = swarm.consensus().await;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let compute = Duration::from_millis(20);
+        let peers = swarm
+            .peers
+            .iter()
+            .zip(swarm.vectors.iter_mut())
+            .zip(&swarm.weights)
+            .enumerate()
+            .map(|(i, ((p, v), w))| {
+                let p = p.as_ref().unwrap();
+                let stop = &stop;
+                async move {
+                    let pause = if i == SLOW { compute * 10 } else { compute };
+                    let (mut rounds, mut averaged) = (0usize, 0usize);
+                    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                        tokio::time::sleep(pause).await; // "compute"
+                        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                        let r = p.step(&mut [&mut v[..]], *w as f32, deadline).await.unwrap();
+                        averaged += r.averaged_with().len();
+                        rounds += 1;
+                        if i == SLOW && rounds == SLOW_ROUNDS {
+                            stop.store(true, std::sync::atomic::Ordering::Release);
+                        }
+                    }
+                    (rounds, averaged)
+                }
+            });
+        let counts = futures::future::join_all(peers).await;
+        let end = swarm.consensus().await;
+        eprintln!("rounds and exchanges per peer (peer {SLOW} is slow): {counts:?}");
+        let slow = counts[SLOW].0;
+        for (i, (rounds, _)) in counts.iter().enumerate() {
+            if i != SLOW {
+                assert!(*rounds >= 3 * slow, "peer {i}: {rounds} rounds against the slow peer's {slow}");
+            }
+        }
+        assert!(counts[SLOW].1 >= SLOW_ROUNDS, "the slow peer was averaged with: {counts:?}");
+        assert!(end.mean_error(&start) < 1e-5);
+        swarm.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
 }
