@@ -395,8 +395,8 @@ impl GossipAverager {
 
     /// One gossip round on `tensors` (all of them as one flat vector): their change since the
     /// last step is added to the averager's copy (which holds what exchanges answered since
-    /// then did), this round's exchanges run, and the result is written back. `weight` (finite,
-    /// >= 0; e.g. samples behind the values) is this peer's weight in the weighted mean, also
+    /// then did), this round's exchanges run, and the result is written back. `weight` (finite
+    /// and at least 0; e.g. samples behind the values) is this peer's weight in the weighted mean, also
     /// for exchanges it answers until the next step. Returns when the round's exchanges are
     /// done, never after `deadline`; an exchange that failed or timed out changed nothing on
     /// this side, and the report says so.
