@@ -134,7 +134,12 @@ async fn killing_four_of_sixteen_stalls_nobody_and_survivors_converge() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         let cluster = LocalCluster::start(PEERS, NodeConfig::default()).await.unwrap();
-        let cfg = config("kill", Topology::OnePeerExponential, "none");
+        let mut cfg = config("kill", Topology::OnePeerExponential, "none");
+        // A back-off as long as the test's bound: each survivor tries each dead peer at most
+        // once, whatever the timing (with the default 1 s, doubling, it would retry a dead
+        // peer after 1, 3, 7 s ... until its declaration's TTL runs out).
+        cfg.backoff = Duration::from_secs(120);
+        cfg.max_backoff = cfg.backoff;
         let mut swarm = GossipSwarm::start(&cluster, &cfg, LEN, 2).await.unwrap();
         for _ in 0..3 {
             swarm.round().await;
@@ -362,6 +367,113 @@ async fn diloco_with_gossip_matches_group_averaging_on_digits() {
             gossip.accuracy,
             group.accuracy
         );
+    })
+    .await;
+}
+
+/// Background mode: 6 peers gossip continuously on shared buffers while their "training"
+/// adds a small step to every value now and then (the same on every peer, so the mean moves by
+/// a known amount). Once every loop has run 10 rounds (counted, not timed) they stop cleanly:
+/// the peers have converged and the mean is the start's plus the steps taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_loops_converge_on_shared_buffers_and_stop_cleanly() {
+    use starling_averager::gossip::{
+        consensus_distance, weighted_mean, GossipAverager, GossipBuffer,
+    };
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        const N: usize = 6;
+        const STEPS: usize = 5;
+        let cluster = LocalCluster::start(N, NodeConfig::default()).await.unwrap();
+        let cfg = config("background", Topology::RandomK(1), "none");
+        let mut peers = Vec::new();
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let g = GossipAverager::new(node.clone(), cfg.clone())
+                .await
+                .unwrap();
+            let v = starling_compression::synthetic::normal(LEN, 100 + i as u64);
+            let buf = GossipBuffer::new(v, 1.0 + i as f32).unwrap();
+            peers.push((g, buf));
+        }
+        let measure = |peers: &[(GossipAverager, GossipBuffer)]| {
+            let vs: Vec<Vec<f32>> = peers.iter().map(|(_, b)| b.snapshot()).collect();
+            let refs: Vec<&[f32]> = vs.iter().map(|v| &v[..]).collect();
+            let ws: Vec<f64> = peers.iter().map(|(_, b)| f64::from(b.weight())).collect();
+            (weighted_mean(&refs, &ws), consensus_distance(&refs, &ws))
+        };
+        let (mean0, d0) = measure(&peers);
+        let handles: Vec<_> = peers
+            .iter()
+            .map(|(g, b)| {
+                g.start_background(b.clone(), Duration::from_millis(10))
+                    .unwrap()
+            })
+            .collect();
+        for (g, _) in &peers {
+            let mut tries = 0;
+            while g.refresh_members().await.unwrap() < N && tries < 50 {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let start_rounds: Vec<u64> = handles.iter().map(|h| h.rounds()).collect();
+        let mut steps = 0;
+        while handles
+            .iter()
+            .zip(&start_rounds)
+            .any(|(h, s)| h.rounds() < s + 10)
+        {
+            if steps < STEPS {
+                for (_, b) in &peers {
+                    b.update(|v| v.iter_mut().for_each(|x| *x += 0.01));
+                }
+                steps += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for _ in steps..STEPS {
+            for (_, b) in &peers {
+                b.update(|v| v.iter_mut().for_each(|x| *x += 0.01));
+            }
+        }
+        for h in handles {
+            h.stop().await;
+        }
+        // Exchanges answered after the loops stopped are over once each lock is free.
+        for (g, _) in &peers {
+            g.values().await;
+        }
+        let (mean1, d1) = measure(&peers);
+        let shift = 0.01 * STEPS as f64;
+        let err = mean0
+            .iter()
+            .zip(&mean1)
+            .map(|(a, b)| (a + shift - b).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            / mean0
+                .iter()
+                .map(|a| (a + shift).powi(2))
+                .sum::<f64>()
+                .sqrt();
+        eprintln!("background: distance {d0:.2e} -> {d1:.2e}, mean error {err:.1e}");
+        assert!(err < 1e-5, "mean error {err:e}");
+        assert!(d1 < d0 * 1e-2, "distance {d0:.2e} -> {d1:.2e}");
+        // After stop, the buffers are no longer served: a step works again on the averager.
+        let mut v = vec![0.0f32; LEN];
+        let r = peers[0]
+            .0
+            .step(
+                &mut [&mut v[..]],
+                1.0,
+                std::time::Instant::now() + Duration::from_secs(5),
+            )
+            .await;
+        assert!(r.is_ok(), "{r:?}");
+        for (g, _) in peers {
+            g.shutdown().await;
+        }
+        cluster.shutdown().await;
     })
     .await;
 }
