@@ -128,7 +128,12 @@
 //! differences larger than measurement noise; reducers send deltas rather than averaged values;
 //! a failed reducer's span is re-delegated within the round.
 //!
-//! Not yet: gossip averaging.
+//! # Gossip
+//!
+//! [`gossip::GossipAverager`] averages with a few neighbours chosen by a topology over the
+//! run's live members instead of a whole group, asynchronously, with a mass-preserving
+//! pairwise exchange (see the [`gossip`] module docs); it shares this crate's transport, accept
+//! loops, framing and codecs, and can run beside an [`Averager`] on the same node.
 //!
 //! # Internals
 //!
@@ -143,6 +148,7 @@ mod bandwidth;
 mod config;
 mod error;
 mod feedback;
+pub mod gossip;
 mod group;
 pub mod local;
 mod matchmaking;

@@ -25,7 +25,7 @@ use crate::AveragerError;
 
 /// Inbound streams whose first message is being read at once, per protocol (bounds tasks and
 /// buffers).
-const MAX_INBOUND_HANDSHAKES: usize = 256;
+pub(crate) const MAX_INBOUND_HANDSHAKES: usize = 256;
 /// How often an inbound reduce stream looks again for its round (the reducer may learn of the
 /// round a little after the sender).
 const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
@@ -175,22 +175,17 @@ impl Router {
                 async move { router.on_reduce(peer, msg, stream).await }
             }
         };
-        let reduces = reduces.map(|(peer, s)| (peer, Lane::P2p(s)));
-        let mut tasks = vec![
-            tokio::spawn(serve_inbound(joins, limits, on_join.clone()).in_current_span()),
-            tokio::spawn(serve_inbound(reduces, limits, on_reduce.clone()).in_current_span()),
-        ];
-        // Senders reach a reducer over its fast lane when it has one (never in client mode).
-        if fast_lane && node.fast_lane_port().is_some() {
-            let mut lanes = node
-                .accept_fast(REDUCE_PROTOCOL)
-                .map_err(|_| AveragerError::AlreadyRunning)?;
-            let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx))
-                .map(|(peer, s)| (peer, Lane::Fast(Box::new(s))));
-            tasks.push(tokio::spawn(
-                serve_inbound(lanes, limits, on_reduce).in_current_span(),
-            ));
-        }
+        let mut tasks = vec![tokio::spawn(
+            serve_inbound(joins, limits, on_join.clone()).in_current_span(),
+        )];
+        tasks.extend(serve_lanes(
+            node,
+            reduces,
+            REDUCE_PROTOCOL,
+            fast_lane,
+            limits,
+            on_reduce,
+        )?);
         Ok(tasks)
     }
 
@@ -265,6 +260,42 @@ impl Router {
         let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
         let _ = timeout(self.request_timeout, write_control(&mut stream, &reply)).await;
     }
+}
+
+/// Serves `protocol` on libp2p streams (`streams`, already accepted) and, when `fast_lane` is
+/// set and the node listens for lanes, on fast lanes too: each stream's first control message is
+/// read under `limits`, then message and stream (as a [`Lane`]) go to `handle` on a task of
+/// their own. Returns the accept loops' tasks (abort them to stop serving). Shared by the
+/// all-reduce's reduce streams and gossip exchanges.
+pub(crate) fn serve_lanes<M, F, Fut>(
+    node: &Node,
+    streams: starling_node::IncomingStreams,
+    protocol: starling_node::StreamProtocol,
+    fast_lane: bool,
+    limits: InboundLimits,
+    handle: F,
+) -> Result<Vec<JoinHandle<()>>, AveragerError>
+where
+    M: serde::de::DeserializeOwned + Send + 'static,
+    F: Fn(PeerId, Control<M>, Lane) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let streams = streams.map(|(peer, s)| (peer, Lane::P2p(s)));
+    let mut tasks = vec![tokio::spawn(
+        serve_inbound(streams, limits, handle.clone()).in_current_span(),
+    )];
+    // Peers reach this one over its fast lane when it has one (never in client mode).
+    if fast_lane && node.fast_lane_port().is_some() {
+        let mut lanes = node
+            .accept_fast(protocol)
+            .map_err(|_| AveragerError::AlreadyRunning)?;
+        let lanes = futures::stream::poll_fn(move |cx| lanes.poll_recv(cx))
+            .map(|(peer, s)| (peer, Lane::Fast(Box::new(s))));
+        tasks.push(tokio::spawn(
+            serve_inbound(lanes, limits, handle).in_current_span(),
+        ));
+    }
+    Ok(tasks)
 }
 
 #[cfg(test)]

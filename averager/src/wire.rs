@@ -21,6 +21,10 @@ pub const MATCHMAKING_PROTOCOL: StreamProtocol =
 /// re-delegated part of a failed reducer's span to a surviving reducer).
 pub const REDUCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/averager/reduce/1");
 
+/// Gossip: one pairwise push-pull exchange (the initiator's values, the responder's difference
+/// back, the initiator's confirmation), see [`crate::gossip`].
+pub const GOSSIP_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/averager/gossip/1");
+
 /// Tag of a frame holding a postcard control message.
 pub const TAG_CONTROL: u8 = 0;
 /// Tag of a frame holding a compressed tensor chunk.
@@ -154,6 +158,56 @@ pub enum ReduceMsg {
         /// Elements in the part.
         len: u64,
     },
+}
+
+/// What a gossiping peer stores in the DHT under `{prefix}.gossip`, in a sub-key under its own
+/// owner marker (so only it can write it), with an expiration of the membership TTL.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GossipDeclaration {
+    /// The peer id, as bytes (must be the owner marker's peer).
+    pub peer_id: Vec<u8>,
+    /// Addresses it can be dialed at.
+    pub addrs: Vec<String>,
+    /// Hash of what it averages (element count and codec): only equal schemas exchange.
+    pub schema: u64,
+}
+
+/// Gossip exchange messages, in protocol order. The initiator opens with `Hello`; the responder
+/// answers `Ready` (then the initiator's value chunks and `SendDone`; the responder's difference
+/// chunks and `DiffDone`; the initiator's `Applied`) or refuses with `Busy`, `NotServing` or
+/// `Refused`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum GossipMsg {
+    /// Initiator to responder: an exchange of `len` values under the run `prefix`.
+    Hello {
+        /// The run (the gossip averager's prefix).
+        prefix: String,
+        /// Hash of element count and codec.
+        schema: u64,
+        /// Elements in the vector.
+        len: u64,
+        /// The initiator's weight (finite, >= 0).
+        weight: f64,
+        /// The mixing weight both sides apply (0 < alpha <= 1).
+        alpha: f64,
+    },
+    /// Responder to initiator: locked for this exchange; its weight.
+    Ready {
+        /// The responder's weight (finite, >= 0).
+        weight: f64,
+    },
+    /// Responder to initiator: in another exchange right now; try again shortly.
+    Busy,
+    /// Responder to initiator: it has no values to average yet (or any more).
+    NotServing,
+    /// Responder to initiator: the exchange cannot happen (reason): another run or schema.
+    Refused(String),
+    /// Initiator to responder: every value chunk has been sent.
+    SendDone,
+    /// Responder to initiator: every difference chunk has been sent.
+    DiffDone,
+    /// Initiator to responder: the difference was applied; apply yours.
+    Applied,
 }
 
 /// The reason in [`ReduceMsg::Excluded`] when the addressed peer is not (or no longer) running

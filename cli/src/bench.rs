@@ -27,6 +27,9 @@ pub enum BenchCommand {
     /// One peer of `bench allreduce --procs` (started by it).
     #[command(hide = true)]
     AllreduceWorker(crate::bench_allreduce::WorkerArgs),
+    /// N in-process peers gossip random vectors on a topology: exchanges per second and the
+    /// consensus distance after every round.
+    Gossip(crate::bench_gossip::GossipArgs),
     /// One-way throughput between two peers on 127.0.0.1: fast lane against libp2p stream.
     Lane(crate::bench_lane::LaneArgs),
     /// Where a collaborative global step's time goes (waiting, averaging, optimizer) for a
@@ -212,6 +215,7 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
         BenchCommand::Experts(args) => crate::bench_experts::run(args).await?,
         BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
+        BenchCommand::Gossip(args) => crate::bench_gossip::run(args).await?,
         BenchCommand::Training(args) => crate::bench_training::run(args).await?,
         BenchCommand::Local(args) => crate::bench_local::run(args)?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_allreduce;
 mod bench_experts;
+mod bench_gossip;
 mod bench_lane;
 mod bench_local;
 mod bench_training;

@@ -8,12 +8,17 @@
 //! - [`exact_weighted_mean`] and [`WeightedMean`]: the reference mean, in f64.
 //! - [`normal_tensors`] (and [`normal_vec`]): deterministic data from
 //!   [`starling_compression::synthetic`].
+//! - [`GossipSwarm`]: N gossip averagers stepped round by round, with the live peers'
+//!   weighted mean and consensus distance ([`Consensus`]).
 //! - [`bounded`], [`init_tracing`], [`rel_error`]: every test is time-bounded, logs through
 //!   `RUST_LOG`, and measures errors the same way.
 
 use std::time::Duration;
 
+mod gossip;
 mod swarm;
+
+pub use gossip::{Consensus, GossipSwarm};
 
 pub use swarm::{
     exact_weighted_mean, normal_tensors, AveragingSwarm, RoundCheck, WeightedMean, EXACT,

@@ -19,6 +19,13 @@
 //! peer's contribution in one round goes into the next, so the codec's error does not pile up
 //! as a bias.
 //!
+//! Local SGD can average through **gossip** instead of groups
+//! ([`CollaborativeConfig::averaging`] = [`Averaging::Gossip`]): at the end of a phase each
+//! peer runs one gossip round on its phase start and pseudo-gradient together (so both mix
+//! towards the swarm's), then takes its outer step from the mixed values. Nobody waits for a
+//! group to form, so slow peers do not hold fast ones; peers are no longer bit-identical (they
+//! converge towards each other instead). Gradient mode always averages in groups.
+//!
 //! A peer that finds no group steps with its own values, and the [`StepReport`] says so; so does
 //! a peer whose epoch is behind the swarm's (it should catch up by state sync).
 //!
@@ -47,6 +54,7 @@
 
 use std::time::{Duration, Instant};
 
+use starling_averager::gossip::{GossipAverager, GossipConfig, GossipReport};
 use starling_averager::{Averager, AveragerConfig, AveragerError, Residuals, RoundReport};
 use starling_node::Node;
 
@@ -77,6 +85,17 @@ pub enum Mode {
     },
 }
 
+/// How local SGD averages at the end of a phase.
+#[derive(Debug, Clone)]
+pub enum Averaging {
+    /// A group all-reduce (matchmaking, then butterfly): every member ends with the same
+    /// average.
+    Group,
+    /// One gossip round with neighbours of the configured topology (its prefix is set from
+    /// the run): no waiting for a group; peers converge towards each other.
+    Gossip(GossipConfig),
+}
+
 /// Why a collaborative step failed (averaging failures are not errors: see [`StepReport`]).
 #[derive(Debug, thiserror::Error)]
 pub enum TrainingError {
@@ -89,6 +108,9 @@ pub enum TrainingError {
     /// The averager could not start, or its node stopped.
     #[error(transparent)]
     Averager(#[from] AveragerError),
+    /// The configuration cannot work (what to change).
+    #[error("invalid collaborative configuration: {0}")]
+    Config(String),
     /// The parameters do not match what the optimizer was built for.
     #[error("the parameter set has {actual} values but the collaborative optimizer was built for {expected}")]
     Schema {
@@ -110,6 +132,9 @@ pub struct CollaborativeConfig {
     pub mode: Mode,
     /// The averaging configuration (its prefix is set from `run`).
     pub averager: AveragerConfig,
+    /// Local SGD: average in groups (the default) or through gossip. Gradient mode needs
+    /// `Group`.
+    pub averaging: Averaging,
     /// The progress tracker's configuration (run and target set from the fields above).
     pub progress: ProgressConfig,
     /// Bound on one averaging round, matchmaking included.
@@ -144,6 +169,7 @@ impl CollaborativeConfig {
             target_batch_size,
             mode,
             averager,
+            averaging: Averaging::Group,
             progress,
             averaging_timeout: Duration::from_secs(30),
             fetch_interval: Duration::from_millis(500),
@@ -171,8 +197,10 @@ pub struct StepReport {
     pub swarm: Option<SwarmProgress>,
     /// Whether this peer's epoch is behind the swarm's (it should sync state).
     pub behind: bool,
-    /// The averaging round, when one ran.
+    /// The averaging round, when one ran (group averaging).
     pub round: Option<RoundReport>,
+    /// The gossip round, when one ran (local SGD with [`Averaging::Gossip`]).
+    pub gossip: Option<GossipReport>,
     /// Where the time of a global (or outer) step went; zero when none was taken.
     pub timings: StepTimings,
 }
@@ -193,6 +221,8 @@ pub struct StepTimings {
 pub struct CollaborativeOptimizer {
     cfg: CollaborativeConfig,
     averager: Averager,
+    /// Local SGD with [`Averaging::Gossip`].
+    gossip: Option<GossipAverager>,
     tracker: ProgressTracker,
     optimizer: Box<dyn Optimizer>,
     /// Local SGD: the outer optimizer and the parameters at the start of the phase.
@@ -234,6 +264,20 @@ impl CollaborativeOptimizer {
         cfg.progress.run = cfg.run.clone();
         cfg.progress.target_batch_size = cfg.target_batch_size;
         let averager = Averager::new(node.clone(), cfg.averager.clone()).await?;
+        let gossip = match (&cfg.averaging, cfg.mode) {
+            (Averaging::Group, _) => None,
+            (Averaging::Gossip(g), Mode::LocalSgd { .. }) => {
+                let mut g = g.clone();
+                g.prefix = format!("{}.train", cfg.run);
+                Some(GossipAverager::new(node.clone(), g).await?)
+            }
+            (Averaging::Gossip(_), Mode::Gradients) => {
+                return Err(TrainingError::Config(
+                    "gradient mode averages in groups: use Averaging::Group, or Mode::LocalSgd for gossip"
+                        .into(),
+                ))
+            }
+        };
         let tracker = ProgressTracker::new(node, cfg.progress.clone());
         let outer = match cfg.mode {
             Mode::Gradients => None,
@@ -241,6 +285,7 @@ impl CollaborativeOptimizer {
         };
         Ok(CollaborativeOptimizer {
             averager,
+            gossip,
             tracker,
             optimizer,
             outer,
@@ -291,7 +336,16 @@ impl CollaborativeOptimizer {
         if let Some(server) = &self.state_server {
             server.shutdown().await;
         }
+        if let Some(g) = self.gossip {
+            g.shutdown().await;
+        }
         self.averager.shutdown().await;
+    }
+
+    /// The gossip averager, in local SGD with [`Averaging::Gossip`] (its
+    /// [`totals`](GossipAverager::totals) count every byte gossip moved).
+    pub fn gossip(&self) -> Option<&GossipAverager> {
+        self.gossip.as_ref()
     }
 
     /// The local (gradient mode: shared) optimizer.
@@ -402,6 +456,7 @@ impl CollaborativeOptimizer {
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
             behind: false,
             round: None,
+            gossip: None,
             timings: StepTimings::default(),
         }
     }
@@ -524,15 +579,23 @@ impl CollaborativeOptimizer {
             .for_each(|(d, (a, p))| *d = a - p);
         let deadline = Instant::now() + self.cfg.averaging_timeout;
         let weight = self.samples.max(1) as f32;
-        let averaged = average_gradients(
-            &self.averager,
-            self.cfg.error_feedback.then_some(&mut self.residuals),
-            &mut delta[..],
-            weight,
-            deadline,
-        )
-        .await;
-        note_round(&mut report, averaged)?;
+        if let Some(gossip) = &self.gossip {
+            // The phase start and the pseudo-gradient mix together, so the outer step below
+            // starts from values that move towards the swarm's.
+            let mut both: [&mut [f32]; 2] = [&mut anchor[..], &mut delta[..]];
+            let averaged = gossip.step(&mut both, weight, deadline).await;
+            note_gossip(&mut report, averaged)?;
+        } else {
+            let averaged = average_gradients(
+                &self.averager,
+                self.cfg.error_feedback.then_some(&mut self.residuals),
+                &mut delta[..],
+                weight,
+                deadline,
+            )
+            .await;
+            note_round(&mut report, averaged)?;
+        }
         // The outer step moves the phase's start along the (averaged) pseudo-gradient; every
         // member continues from there (the same bits with the exact codec).
         outer.step(anchor, delta)?;
@@ -663,6 +726,36 @@ async fn average_gradients(
                 .await
         }
         None => averager.step(&mut [grads], weight, deadline).await,
+    }
+}
+
+/// Records a gossip round's outcome in `report`: the peers averaged with (as `group_size`,
+/// this peer included); a round that averaged with nobody says why. Only this peer's node
+/// stopping is an error.
+fn note_gossip(
+    report: &mut StepReport,
+    averaged: Result<GossipReport, AveragerError>,
+) -> Result<(), TrainingError> {
+    match averaged {
+        Ok(round) => {
+            let mut peers = round.averaged_with();
+            peers.sort();
+            peers.dedup();
+            report.group_size = Some(peers.len() + 1);
+            if peers.is_empty() {
+                report.averaging_error = Some(format!(
+                    "gossip averaged with nobody this round ({} members)",
+                    round.members
+                ));
+            }
+            report.gossip = Some(round);
+            Ok(())
+        }
+        Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+        Err(e) => {
+            report.averaging_error = Some(e.to_string());
+            Ok(())
+        }
     }
 }
 

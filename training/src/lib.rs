@@ -54,7 +54,8 @@ pub mod sync;
 pub use candle::{BindError, VarBinding};
 pub use checkpoint::{CheckpointError, CheckpointMeta};
 pub use collaborative::{
-    CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, StepTimings, TrainingError,
+    Averaging, CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, StepTimings,
+    TrainingError,
 };
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OptimError, Optimizer, OptimizerConfig, Sgd, SgdConfig,

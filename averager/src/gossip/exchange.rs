@@ -1,0 +1,412 @@
+//! One exchange on the wire, both sides. The initiator holds its exclusive lock from the copy of
+//! its values to the application of its update; the responder takes its own with `try_lock` and
+//! answers `Busy` when it cannot, so a peer is in at most one exchange at a time and nobody
+//! waits on a lock while holding another (no deadlock; the initiator retries after a random
+//! pause).
+//!
+//! ```text
+//! initiator                                   responder
+//!   Hello{prefix, schema, len, w_a, alpha} ->
+//!                                          <- Ready{w_b} | Busy | NotServing | Refused(why)
+//!   value chunks of x_a, SendDone         ->
+//!                                             d = x_b - x̂_a, encoded; d̂ = its own decoding
+//!                                          <- difference chunks, DiffDone
+//!   x_a += c_a d̂; Applied                 ->
+//!                                             x_b -= c_b d̂
+//! ```
+
+use futures::AsyncWriteExt;
+use starling_compression::{ChunkHeader, DecodeOptions, Decoder};
+use starling_node::streams::{open_confirmed, OpenError, Retry};
+use starling_node::PeerId;
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::membership::Member;
+use super::mix::{coefficients, difference_in_place};
+use super::report::{Exchange, ExchangeOutcome, Role};
+use super::Shared;
+use crate::transport::{Lane, LaneReader, LaneWriter};
+use crate::wire::{
+    read_frame_into, write_chunk, write_control, ChunkOut, Control, Frame, GossipMsg, SpanChunks,
+    GOSSIP_PROTOCOL, MAX_CONTROL_BYTES,
+};
+
+/// Exchanges logged for the next report, at most.
+pub(crate) const MAX_SERVED_LOG: usize = 256;
+
+/// How one attempt at an exchange ended.
+enum Attempt {
+    Done(Exchange),
+    /// Busy or not serving: retry after a pause.
+    Busy(Exchange),
+}
+
+fn exchange(peer: PeerId, role: Role, my_weight: f64) -> Exchange {
+    Exchange {
+        peer,
+        role,
+        outcome: ExchangeOutcome::Busy,
+        my_weight,
+        peer_weight: 0.0,
+        moved: 0.0,
+        bytes_sent: 0,
+        bytes_received: 0,
+        fast_lane: false,
+    }
+}
+
+/// Exchanges with `target`, retrying while it is busy for up to the busy patience; never past
+/// `deadline`. A failure backs the target off.
+pub(crate) async fn initiate(shared: &Shared, target: &Member, deadline: Instant) -> Exchange {
+    let cfg = &shared.config;
+    let give_up = (Instant::now() + cfg.busy_patience).min(deadline);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let ex = match try_once(shared, target, deadline).await {
+            Attempt::Done(ex) => ex,
+            Attempt::Busy(ex) => {
+                let pause = std::time::Duration::from_millis(
+                    (5 + rand::random::<u64>() % 20) * u64::from(attempts.min(8)),
+                );
+                if Instant::now() + pause >= give_up {
+                    ex
+                } else {
+                    tokio::time::sleep(pause).await;
+                    continue;
+                }
+            }
+        };
+        let mut backoff = crate::sync::lock(&shared.backoff);
+        match &ex.outcome {
+            ExchangeOutcome::Averaged | ExchangeOutcome::Busy => backoff.ok(&target.peer),
+            ExchangeOutcome::Failed(why) => {
+                tracing::debug!(peer = %target.peer, "gossip exchange failed: {why}");
+                backoff.fail(target.peer, cfg.backoff, cfg.max_backoff, Instant::now());
+            }
+            ExchangeOutcome::Unconfirmed(_) => {}
+        }
+        return ex;
+    }
+}
+
+async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attempt {
+    let cfg = &shared.config;
+    let end = (Instant::now() + cfg.exchange_timeout).min(deadline);
+    let peer = target.peer;
+    let mut ex = exchange(peer, Role::Initiator, 0.0);
+    let fail = |mut ex: Exchange, why: String| {
+        ex.outcome = ExchangeOutcome::Failed(why);
+        Attempt::Done(ex)
+    };
+    // Our own exchanges (as responder) are bounded: wait for the one in flight.
+    let Ok(_guard) = timeout_at(end, shared.exclusive.clone().lock_owned()).await else {
+        return Attempt::Done(ex); // Busy: our own side stayed busy until the deadline
+    };
+    let Some(served) = shared.served() else {
+        return fail(ex, "this peer has no values to average".into());
+    };
+    let mut x = Vec::new();
+    let w_a = f64::from(served.buffer.copy_out(&mut x));
+    ex.my_weight = w_a;
+    let hello = GossipMsg::Hello {
+        prefix: cfg.prefix.clone(),
+        schema: served.schema,
+        len: x.len() as u64,
+        weight: w_a,
+        alpha: cfg.alpha,
+    };
+    let open_by = (Instant::now() + cfg.request_timeout).min(end);
+    let transport = &shared.transport;
+    let opened = open_confirmed(
+        || transport.open_lane(peer, &target.addrs, GOSSIP_PROTOCOL),
+        &Control::Control(&hello),
+        MAX_CONTROL_BYTES + 1,
+        open_by,
+        Retry {
+            attempts: 4,
+            pause: std::time::Duration::from_millis(25),
+        },
+    )
+    .await;
+    let confirmed = match opened {
+        Ok(c) => c,
+        Err(OpenError::Unanswered { last, .. }) => return fail(ex, format!("no answer: {last}")),
+        Err(OpenError::BadReply(e)) => return fail(ex, format!("bad answer: {e}")),
+    };
+    ex.bytes_sent += confirmed.sent as u64;
+    ex.fast_lane = confirmed.stream.is_fast();
+    let Control::Control(reply) = confirmed.reply;
+    let w_b = match reply {
+        GossipMsg::Ready { weight } => weight,
+        GossipMsg::Busy | GossipMsg::NotServing => return Attempt::Busy(ex),
+        GossipMsg::Refused(why) => return fail(ex, format!("refused: {why}")),
+        other => return fail(ex, format!("unexpected answer {other:?}")),
+    };
+    let Some((c_a, _)) = coefficients(cfg.alpha, w_a, w_b) else {
+        return fail(ex, format!("invalid weights {w_a} and {w_b}"));
+    };
+    ex.peer_weight = w_b;
+    let (mut rd, mut wr) = confirmed.stream.split();
+    let work = async {
+        ex.bytes_sent += write_vector(shared, &mut wr, &x, None).await? as u64;
+        ex.bytes_sent += write_control(&mut wr, &GossipMsg::SendDone)
+            .await
+            .map_err(|e| e.to_string())? as u64;
+        wr.flush().await.map_err(|e| e.to_string())?;
+        let mut d_hat = x; // reuse the copy's allocation
+        ex.bytes_received += read_vector(shared, &mut rd, &mut d_hat, |m| {
+            matches!(m, GossipMsg::DiffDone)
+        })
+        .await? as u64;
+        Ok::<_, String>(d_hat)
+    };
+    let d_hat = match timeout_at(end, work).await {
+        Ok(Ok(d)) => d,
+        Ok(Err(why)) => return fail(ex, why),
+        Err(_) => return fail(ex, "timed out".into()),
+    };
+    if !served.buffer.add_scaled(&d_hat, c_a) {
+        return fail(
+            ex,
+            "the local vector changed size during the exchange".into(),
+        );
+    }
+    // Applied: from here on a lost confirmation moves the pair's mass (see the report).
+    let confirm = async {
+        let n = write_control(&mut wr, &GossipMsg::Applied)
+            .await
+            .map_err(|e| e.to_string())?;
+        wr.flush().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(n)
+    };
+    match timeout_at(end, confirm).await {
+        Ok(Ok(n)) => {
+            ex.bytes_sent += n as u64;
+            ex.outcome = ExchangeOutcome::Averaged;
+            ex.moved = f64::from(c_a);
+        }
+        Ok(Err(why)) => {
+            ex.outcome = ExchangeOutcome::Unconfirmed(format!("confirmation not sent: {why}"))
+        }
+        Err(_) => ex.outcome = ExchangeOutcome::Unconfirmed("confirmation timed out".into()),
+    }
+    let _ = timeout(cfg.request_timeout, wr.close()).await;
+    shared.count(&ex);
+    Attempt::Done(ex)
+}
+
+/// Answers an inbound exchange (the stream's first message was `msg`).
+pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut lane: Lane) {
+    let cfg = &shared.config;
+    let GossipMsg::Hello {
+        prefix,
+        schema,
+        len,
+        weight: w_a,
+        alpha,
+    } = msg
+    else {
+        tracing::debug!(%peer, "gossip stream opened without a hello");
+        return;
+    };
+    let served = shared.served();
+    let refusal = match &served {
+        _ if prefix != cfg.prefix => Some(GossipMsg::Refused(format!(
+            "this peer gossips in {}",
+            cfg.prefix
+        ))),
+        None => Some(GossipMsg::NotServing),
+        Some(s) if s.schema != schema || s.buffer.len() as u64 != len => {
+            Some(GossipMsg::Refused(format!(
+                "schema mismatch: this peer averages {} values with codec {}",
+                s.buffer.len(),
+                cfg.codec
+            )))
+        }
+        Some(_) if alpha != cfg.alpha || coefficients(alpha, w_a, 1.0).is_none() => {
+            Some(GossipMsg::Refused(format!(
+                "alpha {alpha} or weight {w_a} refused (alpha here: {})",
+                cfg.alpha
+            )))
+        }
+        Some(_) => None,
+    };
+    let locked = match (refusal, served) {
+        (None, Some(s)) => match shared.exclusive.clone().try_lock_owned() {
+            Ok(guard) => Ok((guard, s)),
+            Err(_) => Err(GossipMsg::Busy),
+        },
+        (Some(r), _) => Err(r),
+        (None, None) => Err(GossipMsg::NotServing),
+    };
+    let (_guard, served) = match locked {
+        Ok(l) => l,
+        Err(answer) => {
+            let _ = timeout(cfg.request_timeout, async {
+                write_control(&mut lane, &answer).await?;
+                lane.flush().await?;
+                Ok::<_, crate::AveragerError>(())
+            })
+            .await;
+            return;
+        }
+    };
+    let mut ex = exchange(peer, Role::Responder, 0.0);
+    ex.fast_lane = lane.is_fast();
+    let w_b = f64::from(served.buffer.weight());
+    ex.my_weight = w_b;
+    ex.peer_weight = w_a;
+    let Some((_, c_b)) = coefficients(alpha, w_a, w_b) else {
+        let _ = timeout(
+            cfg.request_timeout,
+            write_control(
+                &mut lane,
+                &GossipMsg::Refused("both weights are zero".into()),
+            ),
+        )
+        .await;
+        return;
+    };
+    let (mut rd, mut wr) = lane.split();
+    let len = len as usize; // equals our buffer's length, checked above
+    let work = async {
+        ex.bytes_sent += write_control(&mut wr, &GossipMsg::Ready { weight: w_b })
+            .await
+            .map_err(|e| e.to_string())? as u64;
+        wr.flush().await.map_err(|e| e.to_string())?;
+        let mut d = vec![0.0f32; len];
+        ex.bytes_received += read_vector(shared, &mut rd, &mut d, |m| {
+            matches!(m, GossipMsg::SendDone)
+        })
+        .await? as u64;
+        let mut x_b = Vec::new();
+        served.buffer.copy_out(&mut x_b);
+        if x_b.len() != len {
+            return Err("the local vector changed size".to_string());
+        }
+        difference_in_place(&mut d, &x_b);
+        // What the initiator will decode of the difference, bit for bit: both sides apply it.
+        let mut d_hat = x_b;
+        ex.bytes_sent += write_vector(shared, &mut wr, &d, Some(&mut d_hat)).await? as u64;
+        ex.bytes_sent += write_control(&mut wr, &GossipMsg::DiffDone)
+            .await
+            .map_err(|e| e.to_string())? as u64;
+        wr.flush().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(d_hat)
+    };
+    let d_hat = match timeout(cfg.exchange_timeout, work).await {
+        Ok(Ok(d)) => Some(d),
+        Ok(Err(why)) => {
+            ex.outcome = ExchangeOutcome::Failed(why);
+            None
+        }
+        Err(_) => {
+            ex.outcome = ExchangeOutcome::Failed("timed out".into());
+            None
+        }
+    };
+    if let Some(d_hat) = d_hat {
+        let mut buf = Vec::new();
+        let confirmed = timeout(
+            cfg.exchange_timeout,
+            read_frame_into::<_, GossipMsg>(&mut rd, MAX_CONTROL_BYTES + 1, &mut buf),
+        )
+        .await;
+        ex.outcome = match confirmed {
+            Ok(Ok((Frame::Control(GossipMsg::Applied), n))) => {
+                ex.bytes_received += n as u64;
+                if served.buffer.add_scaled(&d_hat, -c_b) {
+                    ex.moved = f64::from(c_b);
+                    ExchangeOutcome::Averaged
+                } else {
+                    ExchangeOutcome::Unconfirmed("the local vector changed size".into())
+                }
+            }
+            Ok(Ok(_)) => ExchangeOutcome::Unconfirmed("expected the confirmation".into()),
+            Ok(Err(e)) => ExchangeOutcome::Unconfirmed(format!("no confirmation: {e}")),
+            Err(_) => ExchangeOutcome::Unconfirmed("confirmation timed out".into()),
+        };
+        if let ExchangeOutcome::Unconfirmed(why) = &ex.outcome {
+            tracing::warn!(%peer, "gossip exchange left unconfirmed, local values kept: {why}");
+        }
+    }
+    let _ = timeout(cfg.request_timeout, wr.close()).await;
+    shared.count(&ex);
+    shared.log_served(ex);
+}
+
+/// Writes `data` as chunks under the configured codec; with `decoded`, also writes there what
+/// the other side will decode of each chunk. Returns the bytes written.
+async fn write_vector(
+    shared: &Shared,
+    wr: &mut LaneWriter,
+    data: &[f32],
+    mut decoded: Option<&mut Vec<f32>>,
+) -> Result<usize, String> {
+    let cfg = &shared.config;
+    let mut chunks =
+        SpanChunks::new(cfg.codec, data, cfg.chunk_bytes).map_err(|e| e.to_string())?;
+    let mut sent = 0;
+    while let Some(chunk) = chunks.next_chunk() {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        if let Some(out) = decoded.as_deref_mut() {
+            match &chunk {
+                ChunkOut::Raw { values, offset, .. } => {
+                    out[*offset..*offset + values.len()].copy_from_slice(values)
+                }
+                ChunkOut::Encoded(bytes) => {
+                    let h = ChunkHeader::parse(bytes).map_err(|e| e.to_string())?;
+                    let at = h.offset as usize; // our own encoder's header: in range
+                    starling_compression::decode_into(bytes, &mut out[at..at + h.count])
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        sent += write_chunk(wr, &chunk).await.map_err(|e| e.to_string())?;
+    }
+    Ok(sent)
+}
+
+/// Reads a vector of `out.len()` elements sent as chunks in order, then the control message
+/// `done` accepts; every chunk must continue where the last ended. Returns the bytes read.
+async fn read_vector(
+    shared: &Shared,
+    rd: &mut LaneReader,
+    out: &mut [f32],
+    done: fn(&GossipMsg) -> bool,
+) -> Result<usize, String> {
+    let len = out.len();
+    let mut decoder = Decoder::new(DecodeOptions::default().with_max_elements(len.max(1)));
+    let mut buf = Vec::new();
+    let (mut got, mut bytes) = (0usize, 0usize);
+    loop {
+        let (frame, n) =
+            read_frame_into::<_, GossipMsg>(rd, shared.config.max_frame_bytes, &mut buf)
+                .await
+                .map_err(|e| e.to_string())?;
+        bytes += n;
+        match frame {
+            Frame::Data => {
+                let h = ChunkHeader::parse(&buf).map_err(|e| e.to_string())?;
+                let in_place = h.total == len as u64
+                    && h.offset == got as u64
+                    && got.checked_add(h.count).is_some_and(|end| end <= len);
+                if !in_place {
+                    return Err("chunk out of place".into());
+                }
+                decoder
+                    .decode_into(&buf, &mut out[got..got + h.count])
+                    .map_err(|e| e.to_string())?;
+                got += h.count;
+            }
+            Frame::Control(m) if done(&m) => {
+                if got != len {
+                    return Err(format!("{got} of {len} elements arrived"));
+                }
+                return Ok(bytes);
+            }
+            Frame::Control(m) => return Err(format!("unexpected message {m:?}")),
+        }
+    }
+}
