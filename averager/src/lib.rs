@@ -146,6 +146,7 @@ mod feedback;
 mod group;
 pub mod local;
 mod matchmaking;
+mod metrics;
 pub mod partition;
 mod pool;
 mod report;
