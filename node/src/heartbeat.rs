@@ -189,7 +189,10 @@ pub async fn publish(node: &Node, cfg: &HeartbeatConfig) -> Result<(), NodeError
 /// Every live node's heartbeat, sorted by peer id: only entries whose sub-key is the owner
 /// marker of the peer the heartbeat names (the DHT accepted them only with that owner's
 /// signature). Forged or malformed entries are dropped.
-pub async fn read_heartbeats(node: &Node, cfg: &HeartbeatConfig) -> Result<Vec<Heartbeat>, NodeError> {
+pub async fn read_heartbeats(
+    node: &Node,
+    cfg: &HeartbeatConfig,
+) -> Result<Vec<Heartbeat>, NodeError> {
     let entries = tokio::time::timeout(cfg.timeout, node.get::<Heartbeat>(&cfg.key))
         .await
         .map_err(|_| NodeError::Timeout("reading heartbeats"))??;

@@ -241,6 +241,15 @@ impl CollaborativeOptimizer {
         let averager = Averager::new(node.clone(), cfg.averager.clone()).await?;
         let metrics = TrainingMetrics::of(&node);
         let node_metrics = node.metrics().clone();
+        // The heartbeat says which run this peer trains in from the start.
+        node_metrics.update_board(|b| {
+            b.training = Some(starling_node::metrics::TrainingInfo {
+                run: cfg.run.clone(),
+                epoch: 0,
+                samples_per_second: 0.0,
+                loss: None,
+            })
+        });
         let tracker = ProgressTracker::new(node, cfg.progress.clone());
         let outer = match cfg.mode {
             Mode::Gradients => None,
@@ -340,11 +349,12 @@ impl CollaborativeOptimizer {
             return;
         }
         self.metrics.loss.set(loss);
-        self.node_metrics.push_loss(starling_node::metrics::LossPoint {
-            time_ms: starling_dht::now_ms(),
-            epoch: self.epoch,
-            loss,
-        });
+        self.node_metrics
+            .push_loss(starling_node::metrics::LossPoint {
+                time_ms: starling_dht::now_ms(),
+                epoch: self.epoch,
+                loss,
+            });
     }
 
     /// Updates the metrics and the node's board after a step.
@@ -355,7 +365,11 @@ impl CollaborativeOptimizer {
             }
         }
         self.metrics.epoch.set(self.epoch as i64);
-        let rate = if self.rate.is_finite() { self.rate } else { 0.0 };
+        let rate = if self.rate.is_finite() {
+            self.rate
+        } else {
+            0.0
+        };
         self.metrics.samples_per_second.set(rate);
         let (run, epoch) = (self.cfg.run.clone(), self.epoch);
         self.node_metrics.update_board(|b| {

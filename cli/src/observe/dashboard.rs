@@ -63,7 +63,9 @@ pub fn routes(
     }));
     let refresher = {
         let (node, view) = (node.clone(), view.clone());
-        let every = hb.interval.clamp(Duration::from_secs(1), Duration::from_secs(10));
+        let every = hb
+            .interval
+            .clamp(Duration::from_secs(1), Duration::from_secs(10));
         let span = node.span();
         tokio::spawn(
             async move {
@@ -113,10 +115,7 @@ pub fn routes(
         .route(
             "/api/swarm",
             get(move || {
-                let v = view
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
+                let v = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
                 async move { Json(v) }
             }),
         )

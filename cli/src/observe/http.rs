@@ -50,9 +50,11 @@ async fn refuse_bodies(req: Request<Body>, next: Next) -> Response {
             (StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n").into_response()
         }
         Some(Err(_)) => (StatusCode::BAD_REQUEST, "bad content-length\n").into_response(),
-        _ if req.headers().contains_key(header::TRANSFER_ENCODING) => {
-            (StatusCode::PAYLOAD_TOO_LARGE, "request bodies are not accepted\n").into_response()
-        }
+        _ if req.headers().contains_key(header::TRANSFER_ENCODING) => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request bodies are not accepted\n",
+        )
+            .into_response(),
         _ => next.run(req).await,
     }
 }

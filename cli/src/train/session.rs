@@ -384,7 +384,8 @@ impl Trainer {
             }
             if report.stepped {
                 // Metrics, the node's loss curve (dashboard) and its heartbeat.
-                self.collab.report_loss(loss_sum / f64::from(loss_batches.max(1)));
+                self.collab
+                    .report_loss(loss_sum / f64::from(loss_batches.max(1)));
                 (loss_sum, loss_batches) = (0.0, 0);
                 let swarm = report.swarm.clone();
                 reporter.event(&Event::Step {

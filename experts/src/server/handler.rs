@@ -295,6 +295,7 @@ mod tests {
             hosted: HashMap::new(),
             runtime,
             stats: Arc::new(ServerStats::default()),
+            metrics: ExpertMetrics::of(&starling_node::metrics::Metrics::new()),
         });
         let (incoming_tx, incoming) = futures::channel::mpsc::unbounded();
         let (stop_tx, stop) = watch::channel(false);

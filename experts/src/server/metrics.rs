@@ -9,7 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use starling_node::metrics::latency_buckets;
-use starling_node::Node;
+use starling_node::metrics::Metrics;
 
 use crate::wire::Request;
 
@@ -32,9 +32,9 @@ pub(crate) struct ExpertMetrics {
 }
 
 impl ExpertMetrics {
-    /// The expert metrics of `node` (registered on first use).
-    pub fn of(node: &Node) -> Self {
-        node.metrics().component(|r: &mut Registry| {
+    /// The expert metrics in `metrics` (a node's: registered on first use).
+    pub fn of(metrics: &Metrics) -> Self {
+        metrics.component(|r: &mut Registry| {
             let m = ExpertMetrics {
                 requests: Family::default(),
                 seconds: Family::new_with_constructor(|| Histogram::new(latency_buckets())),

@@ -266,7 +266,7 @@ impl ExpertServer {
             hosted,
             runtime: rt_tx,
             stats,
-            metrics: metrics::ExpertMetrics::of(&node),
+            metrics: metrics::ExpertMetrics::of(node.metrics()),
         });
         node.metrics().update_board(|b| b.experts = uids.clone());
         let incoming = node
