@@ -147,7 +147,8 @@ struct Inner {
     registry: Mutex<Registry>,
     components: Mutex<HashMap<TypeId, Box<dyn Any + Send + Sync>>>,
     node: NodeMetrics,
-    libp2p: Mutex<Option<libp2p::metrics::Metrics>>,
+    /// libp2p's metrics, set once at start (read on every swarm event: no lock).
+    libp2p: std::sync::OnceLock<libp2p::metrics::Metrics>,
     rounds: Mutex<VecDeque<RoundRecord>>,
     loss: Mutex<VecDeque<LossPoint>>,
     board: Mutex<Board>,
@@ -215,7 +216,7 @@ impl Metrics {
                 registry: Mutex::new(registry),
                 components: Mutex::new(HashMap::new()),
                 node,
-                libp2p: Mutex::new(None),
+                libp2p: std::sync::OnceLock::new(),
                 rounds: Mutex::new(VecDeque::new()),
                 loss: Mutex::new(VecDeque::new()),
                 board: Mutex::new(Board::default()),
@@ -253,12 +254,9 @@ impl Metrics {
 
     /// Registers libp2p's behaviour and swarm metrics (once).
     pub(crate) fn init_libp2p(&self) {
-        let mut slot = lock(&self.inner.libp2p);
-        if slot.is_none() {
-            *slot = Some(libp2p::metrics::Metrics::new(&mut lock(
-                &self.inner.registry,
-            )));
-        }
+        self.inner
+            .libp2p
+            .get_or_init(|| libp2p::metrics::Metrics::new(&mut lock(&self.inner.registry)));
     }
 
     /// Records a libp2p event in libp2p's metrics.
@@ -267,7 +265,7 @@ impl Metrics {
         libp2p::metrics::Metrics: libp2p::metrics::Recorder<E>,
     {
         use libp2p::metrics::Recorder;
-        if let Some(m) = lock(&self.inner.libp2p).as_ref() {
+        if let Some(m) = self.inner.libp2p.get() {
             m.record(event);
         }
     }
