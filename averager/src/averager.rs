@@ -245,11 +245,15 @@ impl Averager {
         // A node that stops (shutdown, crash) ends the step at once: its streams are gone, and
         // waiting out the deadline would only hold the caller up. The tensors are written in
         // one synchronous pass at the end, so a step cut short never leaves them half-written.
-        tokio::select! {
+        let result = tokio::select! {
             biased;
             _ = node.closed() => Err(NodeError::Closed.into()),
             r = self.step_inner(tensors, weight, Instant::from_std(deadline), residuals).instrument(span) => r,
-        }
+        };
+        self.transport
+            .metrics()
+            .record_step(node, &result, self.bandwidth.current());
+        result
     }
 
     /// [`Averager::step`] for synchronous training loops: blocks the calling thread until the

@@ -152,6 +152,7 @@ pub mod gossip;
 mod group;
 pub mod local;
 mod matchmaking;
+mod metrics;
 pub mod partition;
 mod pool;
 mod report;

@@ -13,6 +13,7 @@ use futures::{AsyncRead, AsyncWrite};
 use starling_node::{FastStream, Multiaddr, Node, PeerId, Stream, StreamProtocol};
 use tokio::time::{timeout, Instant};
 
+use crate::metrics::{AveragerMetrics, Counted};
 use crate::sync::lock;
 use crate::AveragerError;
 
@@ -35,18 +36,37 @@ struct Inner {
     request_timeout: Duration,
     /// Peers whose fast lane failed recently, and when.
     lane_failures: Mutex<HashMap<PeerId, Instant>>,
+    /// Byte counters per protocol and lane.
+    metrics: AveragerMetrics,
 }
 
 impl Transport {
     pub fn new(node: Node, fast_lane: bool, request_timeout: Duration) -> Self {
         Transport {
             inner: Arc::new(Inner {
-                node,
                 fast_lane,
                 request_timeout,
                 lane_failures: Mutex::new(HashMap::new()),
+                metrics: AveragerMetrics::of(&node),
+                node,
             }),
         }
+    }
+
+    /// The averager's metrics on this node.
+    pub fn metrics(&self) -> &AveragerMetrics {
+        &self.inner.metrics
+    }
+
+    /// [`Lane::split`], with every byte through either half counted in the averager's
+    /// `bytes_total{protocol, lane, direction}`.
+    pub fn split_counted(&self, lane: Lane, protocol: &'static str) -> (LaneReader, LaneWriter) {
+        let (received, sent) = self.inner.metrics.lane_bytes(protocol, lane.is_fast());
+        let (rd, wr) = lane.split();
+        (
+            Box::new(Counted::new(rd, received)),
+            Box::new(Counted::new(wr, sent)),
+        )
     }
 
     /// The node underneath.

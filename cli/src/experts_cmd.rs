@@ -11,6 +11,7 @@ use starling_experts::{
 };
 use starling_node::{Multiaddr, Node};
 
+use crate::observe::{ObserveArgs, Observer};
 use crate::JoinArgs;
 
 /// Expert architectures the CLI can host.
@@ -68,6 +69,8 @@ pub enum ExpertsCommand {
         json: bool,
         #[command(flatten)]
         join: JoinArgs,
+        #[command(flatten)]
+        observe: ObserveArgs,
     },
     /// List the live experts of a grid and the peers serving them.
     Ls {
@@ -105,6 +108,7 @@ pub async fn run(cmd: ExpertsCommand) -> Result<()> {
             status_interval,
             json,
             join,
+            observe,
         } => {
             let uids = expand_uid_pattern(&uids)?;
             let spec = match expert {
@@ -133,6 +137,8 @@ pub async fn run(cmd: ExpertsCommand) -> Result<()> {
                 ..ServerConfig::default()
             };
             let server = ExpertServer::start(node.clone(), experts, server_cfg).await?;
+            let observer = Observer::start(&node, &observe).await?;
+            observer.print(json);
             println!(
                 "serving {} {:?} experts ({} .. {}), {:.1} M parameters{}",
                 server.uids().len(),
@@ -179,6 +185,7 @@ pub async fn run(cmd: ExpertsCommand) -> Result<()> {
                 }
             }
             println!("shutting down (saving checkpoints if configured)");
+            observer.stop().await;
             let saved = server.shutdown().await;
             node.shutdown().await;
             saved.context("final checkpoint")?;

@@ -11,6 +11,8 @@ mod demo;
 mod dht_cmd;
 mod experts_cmd;
 mod node_cmd;
+mod observe;
+mod status_cmd;
 mod train;
 
 use std::path::PathBuf;
@@ -55,6 +57,8 @@ enum Command {
         #[command(subcommand)]
         command: experts_cmd::ExpertsCommand,
     },
+    /// List the live swarm (every node's heartbeat) by joining briefly as a client.
+    Status(status_cmd::StatusArgs),
     /// Benchmarks that print one JSON object.
     Bench {
         #[command(subcommand)]
@@ -182,6 +186,7 @@ fn main() {
             Command::Demo(args) => demo::run(args).await,
             Command::Dht { command } => dht_cmd::run(command).await,
             Command::Experts { command } => experts_cmd::run(command).await,
+            Command::Status(args) => status_cmd::run(args).await,
             Command::Bench { command } => bench::run(command).await,
         }
     });

@@ -7,6 +7,7 @@ use starling_averager::local::DeviceReport;
 use starling_node::{Multiaddr, NatEvent, Node, Reachability, RelayServerConfig};
 use tokio::sync::broadcast;
 
+use crate::observe::{ObserveArgs, Observer};
 use crate::{JoinArgs, NatArgs};
 
 /// How long `--dial` waits for autonat's verdict before dialing anyway.
@@ -51,6 +52,8 @@ pub struct NodeArgs {
     /// always prints this one line when it starts.
     #[arg(long)]
     gpus: bool,
+    #[command(flatten)]
+    observe: ObserveArgs,
 }
 
 pub async fn run(args: NodeArgs) -> Result<()> {
@@ -100,6 +103,8 @@ pub async fn run(args: NodeArgs) -> Result<()> {
         tokio::spawn(dial_when_judged(node.clone(), args.dial.clone()));
     }
     println!("{devices}");
+    let observer = Observer::start(&node, &args.observe).await?;
+    observer.print(args.json);
     let mut tick = tokio::time::interval(Duration::from_secs(args.status_interval.max(1)));
     tick.tick().await;
     loop {
@@ -121,6 +126,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
         }
     }
     println!("shutting down");
+    observer.stop().await;
     node.shutdown().await;
     Ok(())
 }

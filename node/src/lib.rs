@@ -19,6 +19,10 @@
 //!   authenticated libp2p stream, for transfers that would saturate one libp2p connection
 //!   ([`Node::open_fast`], [`Node::accept_fast`]).
 //!
+//! Observability: [`metrics`] (the node's Prometheus registry, shared by everything running on it,
+//! [`Node::metrics`]) and [`heartbeat`] (an owner-signed record per node in the DHT, from which
+//! `starling status` and dashboards list the live swarm).
+//!
 //! Modules for protocol authors: [`framing`] (length-prefixed postcard frames with a hard size
 //! limit, the one framing every stream protocol uses), [`streams`] (opening streams the other
 //! side really accepted, serving inbound ones), [`fastlane`], and [`cluster`] (many nodes on
@@ -52,7 +56,9 @@ mod config;
 mod error;
 pub mod fastlane;
 pub mod framing;
+pub mod heartbeat;
 mod identity;
+pub mod metrics;
 mod node;
 pub mod streams;
 mod swarm_key;

@@ -58,6 +58,8 @@ use starling_averager::gossip::{GossipAverager, GossipConfig, GossipReport};
 use starling_averager::{Averager, AveragerConfig, AveragerError, Residuals, RoundReport};
 use starling_node::Node;
 
+use crate::metrics::TrainingMetrics;
+
 use crate::optim::{OptimError, Optimizer, Sgd, SgdConfig};
 use crate::params::ParamSet;
 use crate::progress::{
@@ -247,6 +249,9 @@ pub struct CollaborativeOptimizer {
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
     swarm: Option<(Instant, SwarmProgress)>,
+    /// This run's metrics, and the node's (journals, board).
+    metrics: TrainingMetrics,
+    node_metrics: starling_node::metrics::Metrics,
 }
 
 impl CollaborativeOptimizer {
@@ -278,6 +283,17 @@ impl CollaborativeOptimizer {
                 ))
             }
         };
+        let metrics = TrainingMetrics::of(&node);
+        let node_metrics = node.metrics().clone();
+        // The heartbeat says which run this peer trains in from the start.
+        node_metrics.update_board(|b| {
+            b.training = Some(starling_node::metrics::TrainingInfo {
+                run: cfg.run.clone(),
+                epoch: 0,
+                samples_per_second: 0.0,
+                loss: None,
+            })
+        });
         let tracker = ProgressTracker::new(node, cfg.progress.clone());
         let outer = match cfg.mode {
             Mode::Gradients => None,
@@ -300,6 +316,8 @@ impl CollaborativeOptimizer {
             rate_window: None,
             epoch_start: None,
             swarm: None,
+            metrics,
+            node_metrics,
             cfg,
         })
     }
@@ -363,10 +381,60 @@ impl CollaborativeOptimizer {
     ) -> Result<StepReport, TrainingError> {
         same_len(self.len, params)?;
         self.note_batch(batch_samples);
-        match self.cfg.mode {
+        self.metrics.samples.inc_by(batch_samples);
+        let report = match self.cfg.mode {
             Mode::Gradients => self.gradient_step(params, batch_samples).await,
             Mode::LocalSgd { inner_steps } => self.local_step(params, inner_steps.max(1)).await,
+        };
+        self.record(&report);
+        report
+    }
+
+    /// Reports the training loss of the latest batch: the `training_loss` metric, the node's
+    /// loss curve (dashboards) and its heartbeat. Non-finite losses are ignored.
+    ///
+    /// ```no_run
+    /// # fn demo(opt: &starling_training::CollaborativeOptimizer) {
+    /// opt.report_loss(0.42);
+    /// # }
+    /// ```
+    pub fn report_loss(&self, loss: f64) {
+        if !loss.is_finite() {
+            return;
         }
+        self.metrics.loss.set(loss);
+        self.node_metrics
+            .push_loss(starling_node::metrics::LossPoint {
+                time_ms: starling_dht::now_ms(),
+                epoch: self.epoch,
+                loss,
+            });
+    }
+
+    /// Updates the metrics and the node's board after a step.
+    fn record(&self, report: &Result<StepReport, TrainingError>) {
+        if let Ok(r) = report {
+            if r.stepped {
+                self.metrics.steps.inc();
+            }
+        }
+        self.metrics.epoch.set(self.epoch as i64);
+        let rate = if self.rate.is_finite() {
+            self.rate
+        } else {
+            0.0
+        };
+        self.metrics.samples_per_second.set(rate);
+        let (run, epoch) = (self.cfg.run.clone(), self.epoch);
+        self.node_metrics.update_board(|b| {
+            let loss = b.training.as_ref().and_then(|t| t.loss);
+            b.training = Some(starling_node::metrics::TrainingInfo {
+                run,
+                epoch,
+                samples_per_second: rate,
+                loss,
+            });
+        });
     }
 
     /// Updates the sample count and the rate: samples over wall time in windows of
@@ -440,7 +508,9 @@ impl CollaborativeOptimizer {
         match self.cfg.mode {
             Mode::Gradients => {
                 self.tracker.report_final(self.local_progress()).await?;
-                self.try_global_step(params).await
+                let report = self.try_global_step(params).await;
+                self.record(&report);
+                report
             }
             Mode::LocalSgd { .. } => Ok(self.idle_report()),
         }

@@ -45,6 +45,7 @@
 pub mod candle;
 pub mod checkpoint;
 pub mod collaborative;
+mod metrics;
 pub mod optim;
 pub mod params;
 pub mod progress;

@@ -316,7 +316,7 @@ impl Reduction {
         }
         self.job.allowed.remove(&sender);
         self.job.expected.remove(&sender);
-        let (rd, wr) = stream.split();
+        let (rd, wr) = round.env.transport.split_counted(stream, "reduce");
         let len = range.len();
         // Read only below the sender's delivered prefix.
         let staging = Arc::new(Mutex::new(round.env.pool.take_dirty(len)));

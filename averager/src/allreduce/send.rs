@@ -120,7 +120,7 @@ pub(super) async fn send_span(
         if stream.is_fast() {
             round.counters.fast.fetch_add(1, Ordering::Relaxed);
         }
-        let (mut rd, mut wr) = stream.split();
+        let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
         let part = &round.flat[range.clone()];
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.

@@ -17,6 +17,7 @@ use clap::Args;
 use starling_experts::{ClientConfig, ExpertClient, MoeConfig, RemoteMixtureOfExperts};
 use starling_node::{Multiaddr, Node};
 
+use crate::observe::{ObserveArgs, Observer};
 use crate::{JoinArgs, NatArgs};
 use data::Dataset;
 use manifest::{
@@ -84,6 +85,8 @@ pub struct TrainArgs {
     /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    observe: ObserveArgs,
 }
 
 /// Hyper-parameters of a new run (a joiner takes them from the manifest).
@@ -483,6 +486,14 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     };
 
     let addrs = print_node(&node, args.json).await?;
+    let observer = match Observer::start(&node, &args.observe).await {
+        Ok(o) => o,
+        Err(e) => {
+            node.shutdown().await;
+            return Err(e);
+        }
+    };
+    observer.print(args.json);
     // The same device line as `starling node` (GPUs and NCCL, or why there are none).
     let devices = starling_averager::local::DeviceReport::probe();
     if args.json {
@@ -536,6 +547,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     };
     let outcome = session.run().await;
     watcher.abort();
+    observer.stop().await;
     node.shutdown().await;
     outcome.map(|_| ())
 }

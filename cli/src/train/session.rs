@@ -311,6 +311,8 @@ impl Trainer {
         let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
         let mut rate = 0.0;
         let mut failures = 0u32;
+        // The mean loss of the batches since the last step: what the loss curve reports.
+        let (mut loss_sum, mut loss_batches) = (0.0f64, 0u32);
         while self.collab.epoch() < m.epochs {
             if s.stop.load(Ordering::Relaxed) {
                 if let Some(dir) = &s.checkpoint_dir {
@@ -368,6 +370,8 @@ impl Trainer {
             );
             samples_total += samples;
             window_samples += samples;
+            loss_sum += f64::from(loss);
+            loss_batches += 1;
             let before = self.collab.epoch();
             let report = self.collab.step(&mut self.params, samples).await?;
             if diloco || report.stepped {
@@ -379,6 +383,10 @@ impl Trainer {
                 (window_start, window_samples) = (Instant::now(), 0);
             }
             if report.stepped {
+                // Metrics, the node's loss curve (dashboard) and its heartbeat.
+                self.collab
+                    .report_loss(loss_sum / f64::from(loss_batches.max(1)));
+                (loss_sum, loss_batches) = (0.0, 0);
                 let swarm = report.swarm.clone();
                 reporter.event(&Event::Step {
                     epoch: report.epoch,

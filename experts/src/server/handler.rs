@@ -10,6 +10,8 @@ use std::task::{Context, Poll};
 use futures::{AsyncRead, AsyncWrite, AsyncWriteExt, StreamExt};
 use starling_node::streams::{serve_inbound, InboundLimits};
 use starling_node::PeerId;
+
+use super::metrics::ExpertMetrics;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::timeout;
 use tracing::debug;
@@ -105,7 +107,10 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
     }
     loop {
         let next = read_msg::<_, Request>(&mut stream, cfg.max_frame_bytes);
-        let response = match timeout(cfg.idle_timeout, next).await {
+        let read = timeout(cfg.idle_timeout, next).await;
+        let started = std::time::Instant::now();
+        let mut kind = "malformed";
+        let response = match read {
             Err(_) => break, // idle
             Ok(Err(FrameError::Io(_))) => return,
             Ok(Err(FrameError::TooLarge { len, .. })) => {
@@ -115,6 +120,7 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
                     cfg.max_frame_bytes
                 );
                 debug!(client = %peer, "{msg}");
+                shared.metrics.observe("too_large", false, 0.0);
                 let refusal = RemoteError::new(RemoteErrorKind::TooLarge, msg);
                 let _ = write_msg(&mut stream, &Response::from(refusal)).await;
                 break;
@@ -122,8 +128,14 @@ async fn serve_requests<S: AsyncRead + AsyncWrite + Unpin>(
             Ok(Err(FrameError::Malformed(m))) => {
                 Err(RemoteError::new(RemoteErrorKind::Malformed, m))
             }
-            Ok(Ok(req)) => handle(shared, req).await,
+            Ok(Ok(req)) => {
+                kind = ExpertMetrics::kind_of(&req);
+                handle(shared, req).await
+            }
         };
+        shared
+            .metrics
+            .observe(kind, response.is_ok(), started.elapsed().as_secs_f64());
         let response = match response {
             Ok(r) => {
                 shared.stats.served.fetch_add(1, Ordering::Relaxed);
@@ -283,6 +295,7 @@ mod tests {
             hosted: HashMap::new(),
             runtime,
             stats: Arc::new(ServerStats::default()),
+            metrics: ExpertMetrics::of(&starling_node::metrics::Metrics::new()),
         });
         let (incoming_tx, incoming) = futures::channel::mpsc::unbounded();
         let (stop_tx, stop) = watch::channel(false);

@@ -18,6 +18,7 @@
 mod batcher;
 mod declare;
 mod handler;
+mod metrics;
 mod request;
 mod runtime;
 
@@ -202,6 +203,7 @@ struct Shared {
     hosted: HashMap<String, Hosted>,
     runtime: mpsc::Sender<Job>,
     stats: Arc<ServerStats>,
+    metrics: metrics::ExpertMetrics,
 }
 
 /// A running expert server. Stop it with [`ExpertServer::shutdown`].
@@ -297,7 +299,9 @@ impl ExpertServer {
             hosted,
             runtime: rt_tx,
             stats,
+            metrics: metrics::ExpertMetrics::of(node.metrics()),
         });
+        node.metrics().update_board(|b| b.experts = uids.clone());
         let incoming = node
             .stream_control()
             .accept(EXPERTS_PROTOCOL)

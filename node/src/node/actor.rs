@@ -26,6 +26,7 @@ use super::queries::{Kad, Queries, Reply};
 use super::transport::{direct_ip, on_remote_ip, peer_of};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
+use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
 /// How often expired DHT entries are swept from the local store.
@@ -65,6 +66,8 @@ pub(super) struct Actor {
     nat: Nat,
     /// Peers that announce this protocol in identify get into the routing table.
     kad_protocol: StreamProtocol,
+    /// libp2p's metrics and the node's gauges.
+    metrics: Metrics,
 }
 
 impl Actor {
@@ -76,6 +79,7 @@ impl Actor {
         validator: Validator,
         cfg: &NodeConfig,
         nat_events: &NatEvents,
+        metrics: Metrics,
     ) -> Result<Self, NodeError> {
         for addr in &cfg.external_addrs {
             swarm.add_external_address(addr.clone());
@@ -89,6 +93,7 @@ impl Actor {
             nat: Nat::new(cfg, nat_events.sender()),
             kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
+            metrics,
         })
     }
 
@@ -114,6 +119,7 @@ impl Actor {
                 _ = sweep.tick() => {
                     self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
                     self.nat.maintain(&mut self.swarm);
+                    self.update_gauges();
                 }
             }
         }
@@ -214,7 +220,26 @@ impl Actor {
         }
     }
 
+    /// Sets the node's gauges from the swarm's state (on connection changes and every sweep).
+    fn update_gauges(&mut self) {
+        let status = self.status();
+        let m = self.metrics.node();
+        m.peers_connected.set(status.connected_peers as i64);
+        m.routing_table.set(status.routing_table as i64);
+        m.dht_records.set(status.records as i64);
+        m.dht_record_bytes.set(status.record_bytes as i64);
+    }
+
     fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        self.metrics.record_libp2p(&event);
+        if matches!(
+            event,
+            SwarmEvent::ConnectionEstablished { .. } | SwarmEvent::ConnectionClosed { .. }
+        ) {
+            let m = self.metrics.node();
+            m.peers_connected
+                .set(self.swarm.connected_peers().count() as i64);
+        }
         match event {
             SwarmEvent::NewListenAddr {
                 listener_id,
@@ -299,6 +324,14 @@ impl Actor {
     }
 
     fn on_behaviour(&mut self, event: BehaviourEvent) {
+        match &event {
+            BehaviourEvent::Kad(e) => self.metrics.record_libp2p(e),
+            BehaviourEvent::Identify(e) => self.metrics.record_libp2p(e),
+            BehaviourEvent::Ping(e) => self.metrics.record_libp2p(e),
+            BehaviourEvent::RelayServer(e) => self.metrics.record_libp2p(e),
+            BehaviourEvent::Dcutr(e) => self.metrics.record_libp2p(e),
+            _ => {}
+        }
         match event {
             BehaviourEvent::Identify(identify::Event::Received {
                 connection_id,

@@ -25,12 +25,13 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tracing::Instrument;
 
 use crate::fastlane::{lane_ips, FastLane, FastStream, IncomingFast, PeerIpLookup};
+use crate::metrics::Metrics;
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 use actor::{Actor, Command};
 pub use nat::NatEvent;
 
 /// Whether this node can be dialed from outside, as far as autonat can tell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Reachability {
     /// Not yet determined (or no servers to ask).
     Unknown,
@@ -102,6 +103,7 @@ pub struct Node {
     request_timeout: Duration,
     fast: Option<Arc<FastLane>>,
     nat_events: Arc<nat::NatEvents>,
+    metrics: Metrics,
     /// `node{peer=<short id>}`: entered by the swarm task and every task the node spawns.
     span: tracing::Span,
 }
@@ -136,7 +138,9 @@ impl Node {
             .ok_or_else(|| NodeError::Config("identity must be an ed25519 key".into()))?;
         let listen = cfg.effective_listen();
         transport::check_private_swarm(&cfg, &listen)?;
-        let mut swarm = transport::build_swarm(&key, &cfg)?;
+        let metrics = Metrics::new();
+        metrics.init_libp2p();
+        let mut swarm = transport::build_swarm(&key, &cfg, &metrics)?;
         let peer_id = *swarm.local_peer_id();
         let stream = swarm.behaviour().stream.new_control();
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
@@ -144,7 +148,14 @@ impl Node {
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let fast = start_fast_lane(&cfg, &listen, stream.clone(), peer_ip_lookup(&tx)).await?;
         let nat_events = nat::NatEvents::new();
-        let actor = Actor::new(swarm, listen_addrs, validator.clone(), &cfg, &nat_events)?;
+        let actor = Actor::new(
+            swarm,
+            listen_addrs,
+            validator.clone(),
+            &cfg,
+            &nat_events,
+            metrics.clone(),
+        )?;
         tokio::spawn(actor.run(rx).instrument(span.clone()));
         let node = Node {
             tx,
@@ -155,6 +166,7 @@ impl Node {
             request_timeout: cfg.request_timeout,
             fast,
             nat_events,
+            metrics,
             span,
         };
         if !cfg.bootstrap.is_empty() {
@@ -249,6 +261,20 @@ impl Node {
     /// ```
     pub fn span(&self) -> tracing::Span {
         self.span.clone()
+    }
+
+    /// This node's metrics: its Prometheus registry (libp2p's metrics and the node's own), into
+    /// which components running on the node register theirs, and the journals and board that
+    /// dashboards and heartbeats read. See [`crate::metrics`].
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node) {
+    /// let text = node.metrics().encode(); // Prometheus text exposition format
+    /// assert!(text.contains("starling_node_peers_connected"));
+    /// # }
+    /// ```
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// The key that signs this node's owner-protected DHT entries.
@@ -368,10 +394,15 @@ impl Node {
             .into());
         }
         let record = Record::new(RecordKey::new(&key), value);
-        self.call_timeout("DHT put", self.request_timeout * 2, |tx| {
-            Command::Put(record, tx)
-        })
-        .await
+        let started = std::time::Instant::now();
+        let put = self
+            .call_timeout("DHT put", self.request_timeout * 2, |tx| {
+                Command::Put(record, tx)
+            })
+            .await;
+        self.metrics
+            .observe_query("put", put.is_ok(), started.elapsed());
+        put
     }
 
     /// Sends raw record bytes to every connected peer **without local validation or signing**.
@@ -410,10 +441,15 @@ impl Node {
     pub async fn get_record(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
         self.validator.validate_key(key.as_bytes())?;
         let rk = RecordKey::new(&key);
-        self.call_timeout("DHT get", self.request_timeout * 2, |tx| {
-            Command::Get(rk, tx)
-        })
-        .await
+        let started = std::time::Instant::now();
+        let got = self
+            .call_timeout("DHT get", self.request_timeout * 2, |tx| {
+                Command::Get(rk, tx)
+            })
+            .await;
+        self.metrics
+            .observe_query("get", got.is_ok(), started.elapsed());
+        got
     }
 
     /// Typed lookup: every live entry under `key` that decodes as `T`, as

@@ -17,6 +17,7 @@ use libp2p::swarm::SwarmEvent;
 use libp2p::{noise, tcp, yamux, Multiaddr, PeerId, Swarm, Transport};
 
 use crate::behaviour::{self, Behaviour};
+use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
 /// How long start-up waits for listeners to report their addresses.
@@ -36,9 +37,15 @@ pub(super) fn check_private_swarm(cfg: &NodeConfig, listen: &[Multiaddr]) -> Res
 
 /// Builds the swarm: the private (TCP + pnet) or public (TCP + QUIC) transport stack, DNS, the
 /// relay client and [`Behaviour`].
-pub(super) fn build_swarm(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behaviour>, NodeError> {
+pub(super) fn build_swarm(
+    key: &Keypair,
+    cfg: &NodeConfig,
+    metrics: &Metrics,
+) -> Result<Swarm<Behaviour>, NodeError> {
     let idle = cfg.idle_connection_timeout;
     let tr = |e: &dyn std::fmt::Display| NodeError::Transport(e.to_string());
+    // libp2p's transport metrics (bytes in and out per transport stack) go in the node's registry.
+    let mut registry = metrics.root();
     match cfg.swarm_key {
         Some(swarm_key) => {
             let psk = swarm_key.psk();
@@ -68,6 +75,7 @@ pub(super) fn build_swarm(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behav
                 .map_err(|e| tr(&e))?
                 .with_relay_client(noise::Config::new, yamux::Config::default)
                 .map_err(|e| tr(&e))?
+                .with_bandwidth_metrics(&mut registry)
                 .with_behaviour(|key, relay| {
                     behaviour::build(key, relay, cfg)
                         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
@@ -91,6 +99,7 @@ pub(super) fn build_swarm(key: &Keypair, cfg: &NodeConfig) -> Result<Swarm<Behav
                 .map_err(|e| tr(&e))?
                 .with_relay_client(noise::Config::new, yamux::Config::default)
                 .map_err(|e| tr(&e))?
+                .with_bandwidth_metrics(&mut registry)
                 .with_behaviour(|key, relay| {
                     behaviour::build(key, relay, cfg)
                         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
