@@ -513,7 +513,7 @@ mod tests {
         let followers = |f: &[Vec<u8>]| f.to_vec();
         let declared = vec![a.clone(), b.clone()];
         let two = followers(&[a.clone(), b.clone()]);
-        let one = followers(&[a.clone()]);
+        let one = followers(std::slice::from_ref(&a));
         fn ids(v: &[Vec<u8>]) -> Vec<&[u8]> {
             v.iter().map(Vec::as_slice).collect()
         }
