@@ -112,6 +112,26 @@ impl JoinArgs {
     }
 }
 
+/// Where a long-running peer listens (`node`, `train`).
+#[derive(Args, Clone, Debug)]
+pub struct ListenArgs {
+    /// Address to listen on. Repeatable. Default: TCP (and QUIC in public swarms) on all
+    /// interfaces with OS-chosen ports.
+    #[arg(long, value_name = "MULTIADDR")]
+    listen: Vec<Multiaddr>,
+    /// Client mode: accept no inbound connections (behind NAT, or by choice).
+    #[arg(long)]
+    client: bool,
+}
+
+impl ListenArgs {
+    /// Applies these options to `cfg`.
+    pub fn apply(&self, cfg: &mut NodeConfig) {
+        cfg.listen = self.listen.clone();
+        cfg.client_mode = self.client;
+    }
+}
+
 /// Reachability options of long-running nodes (`node`, benchmark workers).
 #[derive(Args, Clone, Debug)]
 pub struct NatArgs {

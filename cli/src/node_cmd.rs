@@ -8,7 +8,7 @@ use starling_node::{Multiaddr, NatEvent, Node, Reachability, RelayServerConfig};
 use tokio::sync::broadcast;
 
 use crate::observe::{ObserveArgs, Observer};
-use crate::{JoinArgs, NatArgs};
+use crate::{JoinArgs, ListenArgs, NatArgs};
 
 /// How long `--dial` waits for autonat's verdict before dialing anyway.
 const DIAL_AFTER_AT_MOST: Duration = Duration::from_secs(120);
@@ -23,13 +23,8 @@ pub struct NodeArgs {
     join: JoinArgs,
     #[command(flatten)]
     nat: NatArgs,
-    /// Address to listen on. Repeatable. Default: TCP (and QUIC in public swarms) on all
-    /// interfaces with OS-chosen ports.
-    #[arg(long, value_name = "MULTIADDR")]
-    listen: Vec<Multiaddr>,
-    /// Client mode: accept no inbound connections (behind NAT, or by choice).
-    #[arg(long)]
-    client: bool,
+    #[command(flatten)]
+    listen: ListenArgs,
     /// Serve as a circuit relay (v2) for peers behind NATs. The relay hands out reservations
     /// once it has a confirmed public address: give it with --external, or let autonat find it.
     #[arg(long)]
@@ -63,8 +58,7 @@ pub async fn run(args: NodeArgs) -> Result<()> {
         return Ok(());
     }
     let mut cfg = args.join.config()?;
-    cfg.listen = args.listen.clone();
-    cfg.client_mode = args.client;
+    args.listen.apply(&mut cfg);
     args.nat.apply(&mut cfg);
     if args.relay {
         cfg.relay_server = Some(RelayServerConfig {

@@ -15,25 +15,14 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use procs::{run, Proc};
+use procs::{json, run, serial, Proc, LOOPBACK};
 use prometheus_parse::{Scrape, Value};
 use serde_json::Value as Json;
 
-const LOOPBACK: &str = "/ip4/127.0.0.1/tcp/0";
 /// Bound on waiting for any one thing to happen.
 const WAIT: Duration = Duration::from_secs(120);
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn json(line: &str) -> Option<Json> {
-    serde_json::from_str(line).ok()
-}
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()

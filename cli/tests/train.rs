@@ -8,25 +8,13 @@
 mod procs;
 
 use std::path::Path;
-use std::sync::Mutex;
 use std::time::Duration;
 
-use procs::{run, Proc};
+use procs::{json, run, serial, Proc, LOOPBACK};
 use serde_json::Value;
 
-const LOOPBACK: &str = "/ip4/127.0.0.1/tcp/0";
 /// Bound on one training process.
 const LIMIT: Duration = Duration::from_secs(300);
-/// One multi-process test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn json(line: &str) -> Option<Value> {
-    serde_json::from_str(line).ok()
-}
 
 /// The events of one kind among a process's JSON lines.
 fn events(lines: &[String], kind: &str) -> Vec<Value> {

@@ -569,31 +569,42 @@ pub async fn fetch(
     }
 }
 
+/// A valid manifest for tests: AdamW at 0.01, gradient mode, codec none, batches of 32 of a
+/// 128-sample global batch, 10 epochs, seed 1.
+#[cfg(test)]
+pub(crate) fn test_manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
+    RunManifest {
+        format: MANIFEST_FORMAT,
+        name: "t".into(),
+        model,
+        data,
+        optimizer: OptimizerSpec {
+            kind: OptimizerKind::Adamw,
+            lr: 0.01,
+            weight_decay: 0.0,
+            momentum: 0.0,
+        },
+        mode: ModeSpec::Gradients,
+        codec: "none".into(),
+        batch_size: 32,
+        target_batch_size: 128,
+        epochs: 10,
+        eval_every: 5,
+        seed: 1,
+        schema_hash: "00ff".into(),
+        created_ms: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn manifest(name: &str, created_ms: u64) -> RunManifest {
         RunManifest {
-            format: MANIFEST_FORMAT,
             name: name.into(),
-            model: ModelSpec::Mlp { hidden: 64 },
-            data: DataSpec::Digits,
-            optimizer: OptimizerSpec {
-                kind: OptimizerKind::Adamw,
-                lr: 0.01,
-                weight_decay: 0.0,
-                momentum: 0.0,
-            },
-            mode: ModeSpec::Gradients,
-            codec: "none".into(),
-            batch_size: 32,
-            target_batch_size: 128,
-            epochs: 10,
-            eval_every: 5,
-            seed: 1,
-            schema_hash: "00ff".into(),
             created_ms,
+            ..test_manifest(ModelSpec::Mlp { hidden: 64 }, DataSpec::Digits)
         }
     }
 

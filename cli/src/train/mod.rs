@@ -18,7 +18,7 @@ use starling_experts::{ClientConfig, ExpertClient, MoeConfig, RemoteMixtureOfExp
 use starling_node::{Multiaddr, Node};
 
 use crate::observe::{ObserveArgs, Observer};
-use crate::{JoinArgs, NatArgs};
+use crate::{JoinArgs, ListenArgs, NatArgs};
 use data::Dataset;
 use manifest::{
     DataSpec, ModeSpec, ModelSpec, MoeSpec, OptimizerKind, OptimizerSpec, RunManifest, RunRef,
@@ -68,13 +68,8 @@ pub struct TrainArgs {
     join: JoinArgs,
     #[command(flatten)]
     nat: NatArgs,
-    /// Address to listen on. Repeatable. Default: TCP (and QUIC in public swarms) on all
-    /// interfaces with OS-chosen ports.
-    #[arg(long, value_name = "MULTIADDR")]
-    listen: Vec<Multiaddr>,
-    /// Client mode: accept no inbound connections (behind NAT, or by choice).
-    #[arg(long)]
-    client: bool,
+    #[command(flatten)]
+    listen: ListenArgs,
     /// Save checkpoints here, and resume from the one here at start.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
@@ -394,8 +389,7 @@ async fn print_node(node: &Node, json: bool) -> Result<Vec<Multiaddr>> {
 pub async fn run(args: TrainArgs) -> Result<()> {
     let rt = tokio::runtime::Handle::current();
     let mut cfg = args.join.config()?;
-    cfg.listen = args.listen.clone();
-    cfg.client_mode = args.client;
+    args.listen.apply(&mut cfg);
     args.nat.apply(&mut cfg);
     // Everything that can be refused is checked before anything is written or announced.
     let (manifest, signed, node, data, built, sync_first) = if let Some(name) = &args.new_run {

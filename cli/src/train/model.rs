@@ -397,29 +397,12 @@ fn eval_text(lm: &CharLm, t: &Text) -> Result<Eval> {
 mod tests {
     use super::*;
     use crate::train::data::digits;
-    use crate::train::manifest::{ModeSpec, OptimizerKind, OptimizerSpec, MANIFEST_FORMAT};
+    use crate::train::manifest::test_manifest;
 
     fn manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
         RunManifest {
-            format: MANIFEST_FORMAT,
-            name: "t".into(),
-            model,
-            data,
-            optimizer: OptimizerSpec {
-                kind: OptimizerKind::Adamw,
-                lr: 0.01,
-                weight_decay: 0.0,
-                momentum: 0.0,
-            },
-            mode: ModeSpec::Gradients,
-            codec: "none".into(),
-            batch_size: 8,
-            target_batch_size: 8,
-            epochs: 1,
-            eval_every: 1,
             seed: 3,
-            schema_hash: "0".into(),
-            created_ms: 0,
+            ..test_manifest(model, data)
         }
     }
 

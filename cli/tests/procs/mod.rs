@@ -8,6 +8,20 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_starling");
+/// Listen on 127.0.0.1, a port the OS picks.
+pub const LOOPBACK: &str = "/ip4/127.0.0.1/tcp/0";
+
+/// One multi-process test at a time (each starts several processes on a 2-core machine): hold
+/// the guard for the test's length.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A stdout line as JSON, if it is.
+pub fn json(line: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(line).ok()
+}
 
 /// Kills the child on drop so a failing test leaves no process behind.
 pub struct Proc {

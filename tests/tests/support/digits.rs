@@ -1,5 +1,5 @@
-//! The digits task of `training_collaborative.rs` (data, softmax model, gradient, accuracy,
-//! per-peer batches), shared by the gossip tests. Four peers, batches of 16.
+//! The digits task shared by `training_collaborative.rs` and `gossip.rs`: data, softmax model,
+//! gradient, accuracy, per-peer batches. Four peers, batches of 16.
 #![allow(dead_code)]
 
 use std::time::Duration;
