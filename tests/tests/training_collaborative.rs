@@ -12,12 +12,9 @@
 
 use std::time::Duration;
 
-use rand::{seq::SliceRandom, Rng, SeedableRng};
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
-use starling_training::{
-    CollaborativeConfig, CollaborativeOptimizer, Mode, Optimizer, ParamSet, Sgd, SgdConfig,
-};
+use starling_training::{CollaborativeOptimizer, Mode, Optimizer, Sgd, SgdConfig};
 
 #[path = "support/digits.rs"]
 mod digits;
