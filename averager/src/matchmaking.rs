@@ -182,6 +182,11 @@ async fn run_window(
                     if followers.len() + 1 >= cfg.target_group_size {
                         return Ok(Window::Group(begin(cfg, me, followers).await?));
                     }
+                    // Perhaps everyone searching has joined now: read the declarations at once
+                    // rather than at the next refresh (the read decides; see below).
+                    if followers.len() + 1 >= cfg.min_group_size {
+                        refresh.reset_immediately();
+                    }
                 }
             }
             (leader, result) = async { attempt.as_mut().expect("guarded").await }, if attempt.is_some() => {

@@ -39,6 +39,12 @@ pub struct AllreduceArgs {
     /// Move data over libp2p streams only, not the fast lane (for comparison).
     #[arg(long)]
     pub no_fast_lane: bool,
+    /// After the measured rounds, shut one peer's node down and run as many rounds again with
+    /// the others (groups may then start with one peer fewer; the default 5 s matchmaking
+    /// window): `after_kill` in the output has the same medians for those rounds. In-process
+    /// only.
+    #[arg(long, conflicts_with = "procs")]
+    pub kill: bool,
 }
 
 /// One worker's view of one round.
@@ -96,6 +102,9 @@ struct AllreduceBench {
     bytes_sent_per_peer: u64,
     max_rel_error: f64,
     incomplete_rounds: usize,
+    /// With `--kill`: the rounds after one peer was shut down, among the others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    after_kill: Option<Box<AllreduceBench>>,
 }
 
 /// Peer `index`'s data: the same in every mode and every process.
@@ -118,6 +127,12 @@ fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
     c.target_group_size = args.peers;
     c.min_group_size = args.peers;
     c.matchmaking_time = Duration::from_secs(30);
+    if args.kill {
+        // A peer will leave: the rest must be able to average without it, and a window as long
+        // as a user's (the default) bounds how long its last declaration is waited for.
+        c.min_group_size = (args.peers - 1).max(2);
+        c.matchmaking_time = AveragerConfig::new("defaults").matchmaking_time;
+    }
     c.sender_timeout = Duration::from_secs(30);
     c.reducer_timeout = Duration::from_secs(60);
     c.chunk_bytes = args.chunk_bytes;
@@ -242,6 +257,7 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         bytes_sent_per_peer: median(sent) as u64,
         max_rel_error: max_err,
         incomplete_rounds: incomplete,
+        after_kill: None,
     }
 }
 
@@ -270,8 +286,36 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
         .enumerate()
         .map(|(i, a)| worker_rounds(a, i, args, &mean));
     let per_peer = futures::future::try_join_all(futs).await;
+    let mut result = match per_peer {
+        Ok(per_peer) => summarize(args, per_peer),
+        Err(e) => {
+            swarm.shutdown().await;
+            return Err(e);
+        }
+    };
+    if args.kill {
+        let left = args.peers - 1;
+        swarm.nodes()[left].shutdown().await;
+        let after = AllreduceArgs {
+            peers: left,
+            ..args.clone()
+        };
+        let mean = exact_mean(left, args.size);
+        let futs = swarm.averagers()[..left]
+            .iter()
+            .enumerate()
+            .map(|(i, a)| worker_rounds(a, i, &after, &mean));
+        let per_peer = futures::future::try_join_all(futs).await;
+        match per_peer {
+            Ok(per_peer) => result.after_kill = Some(Box::new(summarize(&after, per_peer))),
+            Err(e) => {
+                swarm.shutdown().await;
+                return Err(e);
+            }
+        }
+    }
     swarm.shutdown().await;
-    Ok(summarize(args, per_peer?))
+    Ok(result)
 }
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
