@@ -151,6 +151,7 @@ async fn run_window(
     let mut attempt: Option<FollowFuture> = None;
     // Set once the leader of `attempt` accepted us: we are following, not just asking.
     let mut following = Arc::new(AtomicBool::new(false));
+    let opened = Instant::now();
     let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -242,7 +243,10 @@ async fn run_window(
                     following = Arc::new(AtomicBool::new(false));
                     let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
                     attempt = Some(asking.in_current_span().boxed());
-                } else if me.mode != AveragingMode::Client && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size) {
+                } else if me.mode != AveragingMode::Client
+                    && opened.elapsed() >= early_start_grace(cfg)
+                    && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size)
+                {
                     // Nobody declared under the key is missing: the rest of the window could
                     // only wait for latecomers or for peers that left (their declarations
                     // expire with their windows), so the group starts now.
@@ -252,6 +256,15 @@ async fn run_window(
             }
         }
     }
+}
+
+/// How long a leader's window must have been open before it begins with every declared peer
+/// and fewer than `target_group_size`: peers reaching the same step within moments of each
+/// other have declared by then (a tenth of the window, at most half a second), so a group does
+/// not start without a peer that was only a few milliseconds late; a peer that left costs this
+/// much instead of the whole window.
+fn early_start_grace(cfg: &AveragerConfig) -> Duration {
+    (cfg.matchmaking_time / 10).min(Duration::from_millis(500))
 }
 
 /// Whether a leader whose followers are `followers` has every other peer `declared` under its
