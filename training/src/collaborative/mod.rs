@@ -54,170 +54,27 @@
 
 use std::time::{Duration, Instant};
 
-use starling_averager::gossip::{GossipAverager, GossipConfig, GossipReport};
-use starling_averager::{Averager, AveragerConfig, AveragerError, Residuals, RoundReport};
+use starling_averager::gossip::{GossipAverager, GossipReport};
+use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
 use starling_node::Node;
 
 use crate::metrics::TrainingMetrics;
 
-use crate::optim::{OptimError, Optimizer, Sgd, SgdConfig};
+use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
-use crate::progress::{
-    LocalProgress, ProgressConfig, ProgressError, ProgressTracker, SwarmProgress,
-};
-use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
+use crate::progress::{LocalProgress, ProgressTracker, SwarmProgress};
+use crate::sync::StateServer;
+
+mod config;
+mod state;
+
+pub use config::{Averaging, CollaborativeConfig, Mode, StepReport, StepTimings, TrainingError};
 
 /// Why a step used only local values when the progress records show no other peer.
 const ALONE: &str = "no other peer in the run (by its progress records): stepped alone";
 
 /// The window over which a peer measures its own throughput.
 const RATE_WINDOW: Duration = Duration::from_secs(2);
-
-/// How the peers train together.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Mode {
-    /// Average gradients over a global batch of `target_batch_size` samples, then take one
-    /// shared optimizer step.
-    Gradients,
-    /// Take `inner_steps` local optimizer steps, then average the parameter deltas and apply the
-    /// outer optimizer (DiLoCo).
-    LocalSgd {
-        /// Local steps between averaging rounds (DiLoCo's H).
-        inner_steps: u64,
-    },
-}
-
-/// How local SGD averages at the end of a phase.
-#[derive(Debug, Clone)]
-pub enum Averaging {
-    /// A group all-reduce (matchmaking, then butterfly): every member ends with the same
-    /// average.
-    Group,
-    /// One gossip round with neighbours of the configured topology (its prefix is set from
-    /// the run): no waiting for a group; peers converge towards each other.
-    Gossip(GossipConfig),
-}
-
-/// Why a collaborative step failed (averaging failures are not errors: see [`StepReport`]).
-#[derive(Debug, thiserror::Error)]
-pub enum TrainingError {
-    /// The optimizer refused the buffers.
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-    /// Progress could not be read or published.
-    #[error(transparent)]
-    Progress(#[from] ProgressError),
-    /// The averager could not start, or its node stopped.
-    #[error(transparent)]
-    Averager(#[from] AveragerError),
-    /// The configuration cannot work (what to change).
-    #[error("invalid collaborative configuration: {0}")]
-    Config(String),
-    /// The parameters do not match what the optimizer was built for.
-    #[error("the parameter set has {actual} values but the collaborative optimizer was built for {expected}")]
-    Schema {
-        /// Values it was built for.
-        expected: usize,
-        /// Values passed.
-        actual: usize,
-    },
-}
-
-/// Everything tunable about collaborative training.
-#[derive(Debug, Clone)]
-pub struct CollaborativeConfig {
-    /// The run's name: the averager's prefix and the progress key derive from it.
-    pub run: String,
-    /// Gradient mode: samples per global step.
-    pub target_batch_size: u64,
-    /// How the peers train together.
-    pub mode: Mode,
-    /// The averaging configuration (its prefix is set from `run`).
-    pub averager: AveragerConfig,
-    /// Local SGD: average in groups (the default) or through gossip. Gradient mode needs
-    /// `Group`.
-    pub averaging: Averaging,
-    /// The progress tracker's configuration (run and target set from the fields above).
-    pub progress: ProgressConfig,
-    /// Bound on one averaging round, matchmaking included.
-    pub averaging_timeout: Duration,
-    /// How often to read the swarm's progress (in between, the last reading is extrapolated).
-    pub fetch_interval: Duration,
-    /// DiLoCo's outer optimizer (local-SGD mode).
-    pub outer: SgdConfig,
-    /// Gradient mode: every this many epochs, also average the parameters and the optimizer
-    /// state (weight 1 each), so that groups smaller than the swarm, or rounds that averaged
-    /// only part of the gradients, do not let peers drift apart. `None` never does.
-    pub state_averaging_every: Option<u64>,
-    /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
-    /// with error feedback: what quantization dropped of this peer's contribution in one round
-    /// is added to the next (see `starling_averager::Residuals`; one `f32` per parameter).
-    /// Parameters and optimizer state are never averaged with feedback. No effect with the
-    /// exact codec `none`.
-    pub error_feedback: bool,
-}
-
-impl CollaborativeConfig {
-    /// Defaults: groups of up to 16, the exact codec, 30 s per averaging round, swarm progress
-    /// read at most twice a second, DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum
-    /// 0.9), error feedback on (it acts only with a lossy codec).
-    pub fn new(run: impl Into<String>, target_batch_size: u64, mode: Mode) -> Self {
-        let run = run.into();
-        let mut averager = AveragerConfig::new(format!("{run}.train"));
-        averager.target_group_size = 16;
-        let progress = ProgressConfig::new(run.clone(), target_batch_size);
-        CollaborativeConfig {
-            run,
-            target_batch_size,
-            mode,
-            averager,
-            averaging: Averaging::Group,
-            progress,
-            averaging_timeout: Duration::from_secs(30),
-            fetch_interval: Duration::from_millis(500),
-            outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
-            state_averaging_every: Some(10),
-            error_feedback: true,
-        }
-    }
-}
-
-/// What one call to [`CollaborativeOptimizer::step`] did.
-#[derive(Debug, Clone)]
-pub struct StepReport {
-    /// The epoch (global steps taken) after this call.
-    pub epoch: u64,
-    /// Whether a global step (gradient mode) or an outer step (local SGD) was taken.
-    pub stepped: bool,
-    /// Members of the averaging group when one formed (this peer included).
-    pub group_size: Option<usize>,
-    /// Why the step used only local values, when it did.
-    pub averaging_error: Option<String>,
-    /// Samples this peer had accumulated when it stepped (or has accumulated so far).
-    pub samples: u64,
-    /// The swarm's progress as last read.
-    pub swarm: Option<SwarmProgress>,
-    /// Whether this peer's epoch is behind the swarm's (it should sync state).
-    pub behind: bool,
-    /// The averaging round, when one ran (group averaging).
-    pub round: Option<RoundReport>,
-    /// The gossip round, when one ran (local SGD with [`Averaging::Gossip`]).
-    pub gossip: Option<GossipReport>,
-    /// Where the time of a global (or outer) step went; zero when none was taken.
-    pub timings: StepTimings,
-}
-
-/// Where the time of one global step went.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepTimings {
-    /// From the epoch's first batch until the step began: local compute plus waiting for the
-    /// swarm's global batch.
-    pub waiting: Duration,
-    /// Averaging (matchmaking and all-reduce).
-    pub averaging: Duration,
-    /// The optimizer update (and, when due, state averaging).
-    pub optimizer: Duration,
-}
 
 /// Trains one model with the swarm (see the module docs).
 pub struct CollaborativeOptimizer {
@@ -679,96 +536,6 @@ impl CollaborativeOptimizer {
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
-    }
-}
-
-/// State sync: the donor side and the joiner side.
-impl CollaborativeOptimizer {
-    /// Makes this peer a donor: `server` gets this peer's state now and after every global step
-    /// (gradient mode) or outer step (local SGD), taken at that boundary so it is consistent.
-    /// Each refresh copies the state once and hashes it off the network's threads; a failed
-    /// refresh is logged, never fails the step.
-    ///
-    /// ```no_run
-    /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, params: starling_training::ParamSet) -> Result<(), starling_training::SyncError> {
-    /// use starling_training::{StateServer, StateServerConfig};
-    /// opt.serve_state(StateServer::start(node, StateServerConfig::new("my-run"))?, &params).await;
-    /// # Ok(()) }
-    /// ```
-    pub async fn serve_state(&mut self, server: StateServer, params: &ParamSet) {
-        self.state_server = Some(server);
-        self.refresh_served_state(params).await;
-    }
-
-    /// This peer's state as state sync moves it: the epoch, the parameters and, in gradient
-    /// mode, the shared optimizer (`"opt"`); in local SGD, the outer optimizer (`"outer"`),
-    /// since inner optimizer state is each peer's own. Joiners pass its
-    /// [`layout`](StateView::layout) to [`sync_state`](crate::sync::sync_state).
-    pub fn state_view<'a>(&'a self, params: &'a ParamSet) -> StateView<'a> {
-        let view = StateView::new(self.epoch, params);
-        match &self.outer {
-            None => view.optimizer("opt", self.optimizer.as_ref()),
-            Some((outer, _)) => view.optimizer("outer", outer),
-        }
-    }
-
-    /// Writes a synced state into `params` and this optimizer (checking its layout first:
-    /// on a mismatch nothing is written), takes its epoch, and starts the epoch afresh (no
-    /// accumulated samples or gradients; in local SGD, a new phase from the synced parameters).
-    ///
-    /// ```no_run
-    /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, mut params: starling_training::ParamSet) -> Result<(), starling_training::SyncError> {
-    /// use starling_training::{sync_state, SyncConfig};
-    /// let layout = opt.state_view(&params).layout();
-    /// let (synced, _report) = sync_state(&node, &SyncConfig::new("my-run"), &layout).await?;
-    /// opt.restore_from(&mut params, &synced)?;
-    /// assert_eq!(opt.epoch(), synced.epoch());
-    /// # Ok(()) }
-    /// ```
-    pub fn restore_from(
-        &mut self,
-        params: &mut ParamSet,
-        synced: &SyncedState,
-    ) -> Result<(), SyncError> {
-        let target = StateTarget::new(params);
-        let epoch = match self.outer.as_mut() {
-            None => target
-                .optimizer("opt", self.optimizer.as_mut())
-                .apply(synced)?,
-            Some((outer, anchor)) => {
-                let epoch = target.optimizer("outer", outer).apply(synced)?;
-                anchor.copy_from_slice(params.params());
-                epoch
-            }
-        };
-        self.epoch = epoch;
-        self.accumulated.fill(0.0);
-        // What earlier rounds owed belongs to the state this peer left behind.
-        self.residuals.reset();
-        self.samples = 0;
-        self.inner = 0;
-        self.swarm = None;
-        Ok(())
-    }
-
-    /// Gives the state server, if any, the state at this step boundary. (`&mut self` keeps the
-    /// future `Send`: the boxed optimizer is `Send` but not `Sync`.)
-    async fn refresh_served_state(&mut self, params: &ParamSet) {
-        let Some(server) = self.state_server.clone() else {
-            return;
-        };
-        // A statement of its own: the view (which borrows the optimizer) ends before the await.
-        let snapshot = self.state_view(params).capture();
-        let updated = match snapshot {
-            Ok(snapshot) => server.update(snapshot).await.map(|_| ()),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = updated {
-            tracing::warn!(
-                epoch = self.epoch,
-                "state sync: serving the new state failed: {e}"
-            );
-        }
     }
 }
 

@@ -1,0 +1,156 @@
+//! What a collaborative optimizer is told ([`CollaborativeConfig`], [`Mode`], [`Averaging`])
+//! and what it reports ([`StepReport`], [`StepTimings`], [`TrainingError`]).
+
+use std::time::Duration;
+
+use starling_averager::gossip::{GossipConfig, GossipReport};
+use starling_averager::{AveragerConfig, AveragerError, RoundReport};
+
+use crate::optim::{OptimError, SgdConfig};
+use crate::progress::{ProgressConfig, ProgressError, SwarmProgress};
+
+/// How the peers train together.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// Average gradients over a global batch of `target_batch_size` samples, then take one
+    /// shared optimizer step.
+    Gradients,
+    /// Take `inner_steps` local optimizer steps, then average the parameter deltas and apply the
+    /// outer optimizer (DiLoCo).
+    LocalSgd {
+        /// Local steps between averaging rounds (DiLoCo's H).
+        inner_steps: u64,
+    },
+}
+
+/// How local SGD averages at the end of a phase.
+#[derive(Debug, Clone)]
+pub enum Averaging {
+    /// A group all-reduce (matchmaking, then butterfly): every member ends with the same
+    /// average.
+    Group,
+    /// One gossip round with neighbours of the configured topology (its prefix is set from
+    /// the run): no waiting for a group; peers converge towards each other.
+    Gossip(GossipConfig),
+}
+
+/// Why a collaborative step failed (averaging failures are not errors: see [`StepReport`]).
+#[derive(Debug, thiserror::Error)]
+pub enum TrainingError {
+    /// The optimizer refused the buffers.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// Progress could not be read or published.
+    #[error(transparent)]
+    Progress(#[from] ProgressError),
+    /// The averager could not start, or its node stopped.
+    #[error(transparent)]
+    Averager(#[from] AveragerError),
+    /// The configuration cannot work (what to change).
+    #[error("invalid collaborative configuration: {0}")]
+    Config(String),
+    /// The parameters do not match what the optimizer was built for.
+    #[error("the parameter set has {actual} values but the collaborative optimizer was built for {expected}")]
+    Schema {
+        /// Values it was built for.
+        expected: usize,
+        /// Values passed.
+        actual: usize,
+    },
+}
+
+/// Everything tunable about collaborative training.
+#[derive(Debug, Clone)]
+pub struct CollaborativeConfig {
+    /// The run's name: the averager's prefix and the progress key derive from it.
+    pub run: String,
+    /// Gradient mode: samples per global step.
+    pub target_batch_size: u64,
+    /// How the peers train together.
+    pub mode: Mode,
+    /// The averaging configuration (its prefix is set from `run`).
+    pub averager: AveragerConfig,
+    /// Local SGD: average in groups (the default) or through gossip. Gradient mode needs
+    /// `Group`.
+    pub averaging: Averaging,
+    /// The progress tracker's configuration (run and target set from the fields above).
+    pub progress: ProgressConfig,
+    /// Bound on one averaging round, matchmaking included.
+    pub averaging_timeout: Duration,
+    /// How often to read the swarm's progress (in between, the last reading is extrapolated).
+    pub fetch_interval: Duration,
+    /// DiLoCo's outer optimizer (local-SGD mode).
+    pub outer: SgdConfig,
+    /// Gradient mode: every this many epochs, also average the parameters and the optimizer
+    /// state (weight 1 each), so that groups smaller than the swarm, or rounds that averaged
+    /// only part of the gradients, do not let peers drift apart. `None` never does.
+    pub state_averaging_every: Option<u64>,
+    /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
+    /// with error feedback: what quantization dropped of this peer's contribution in one round
+    /// is added to the next (see `starling_averager::Residuals`; one `f32` per parameter).
+    /// Parameters and optimizer state are never averaged with feedback. No effect with the
+    /// exact codec `none`.
+    pub error_feedback: bool,
+}
+
+impl CollaborativeConfig {
+    /// Defaults: groups of up to 16, the exact codec, 30 s per averaging round, swarm progress
+    /// read at most twice a second, DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum
+    /// 0.9), error feedback on (it acts only with a lossy codec).
+    pub fn new(run: impl Into<String>, target_batch_size: u64, mode: Mode) -> Self {
+        let run = run.into();
+        let mut averager = AveragerConfig::new(format!("{run}.train"));
+        averager.target_group_size = 16;
+        let progress = ProgressConfig::new(run.clone(), target_batch_size);
+        CollaborativeConfig {
+            run,
+            target_batch_size,
+            mode,
+            averager,
+            averaging: Averaging::Group,
+            progress,
+            averaging_timeout: Duration::from_secs(30),
+            fetch_interval: Duration::from_millis(500),
+            outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
+            state_averaging_every: Some(10),
+            error_feedback: true,
+        }
+    }
+}
+
+/// What one call to [`CollaborativeOptimizer::step`] did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// The epoch (global steps taken) after this call.
+    pub epoch: u64,
+    /// Whether a global step (gradient mode) or an outer step (local SGD) was taken.
+    pub stepped: bool,
+    /// Members of the averaging group when one formed (this peer included).
+    pub group_size: Option<usize>,
+    /// Why the step used only local values, when it did.
+    pub averaging_error: Option<String>,
+    /// Samples this peer had accumulated when it stepped (or has accumulated so far).
+    pub samples: u64,
+    /// The swarm's progress as last read.
+    pub swarm: Option<SwarmProgress>,
+    /// Whether this peer's epoch is behind the swarm's (it should sync state).
+    pub behind: bool,
+    /// The averaging round, when one ran (group averaging).
+    pub round: Option<RoundReport>,
+    /// The gossip round, when one ran (local SGD with [`Averaging::Gossip`]).
+    pub gossip: Option<GossipReport>,
+    /// Where the time of a global (or outer) step went; zero when none was taken.
+    pub timings: StepTimings,
+}
+
+/// Where the time of one global step went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimings {
+    /// From the epoch's first batch until the step began: local compute plus waiting for the
+    /// swarm's global batch.
+    pub waiting: Duration,
+    /// Averaging (matchmaking and all-reduce).
+    pub averaging: Duration,
+    /// The optimizer update (and, when due, state averaging).
+    pub optimizer: Duration,
+}
