@@ -397,12 +397,8 @@ pub async fn run(args: TrainArgs) -> Result<()> {
             .model
             .as_deref()
             .context("--new-run needs --model (mlp or charlm)")?;
-        ensure!(
-            KNOWN_MODELS.contains(&model_name),
-            "unknown model {model_name:?}: this binary builds {}",
-            KNOWN_MODELS.join(", ")
-        );
-        // Sizes first (no data read for an invalid run), then the data, then the model.
+        // The model's name (`new_manifest` refuses unknown ones), the sizes (no data read for
+        // an invalid run), then the data, then the model.
         let placeholder = if model_name == "charlm" {
             DataSpec::Text { vocab: "ab".into() }
         } else {
