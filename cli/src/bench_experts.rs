@@ -35,6 +35,8 @@ pub struct ExpertsBenchArgs {
     /// Payload codec.
     #[arg(long, default_value = "none")]
     codec: String,
+    #[command(flatten)]
+    reuse: crate::experts_cmd::ReuseArgs,
 }
 
 #[derive(Serialize)]
@@ -62,6 +64,8 @@ struct Report {
     /// Server compute per sample, microseconds, by phase (forward batches; and of backward
     /// batches, recomputing the forward, the gradients, the optimizer), over the whole run.
     server_us_per_sample: PhaseCost,
+    /// Backward samples that reused their forward's activations instead of recomputing them.
+    reused_fraction: f64,
 }
 
 #[derive(Serialize)]
@@ -140,6 +144,7 @@ pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
     let server_cfg = ServerConfig {
         max_request_rows: args.batch.max(4096),
         max_queue_rows: (args.batch * args.clients * 2).max(32_768),
+        activation_reuse: args.reuse.reuse(),
         ..ServerConfig::default()
     };
     let server = ExpertServer::start(cluster.nodes[0].clone(), hosted, server_cfg).await?;
@@ -175,6 +180,8 @@ pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
             &s.recompute_ns,
             &s.gradients_ns,
             &s.optimizer_ns,
+            &s.reused_rows,
+            &s.backward_rows,
         ]
         .map(|a| a.load(Ordering::Relaxed))
     };
@@ -207,6 +214,8 @@ pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
         server_batches: batches,
         mean_batch_samples: rows as f64 / batches.max(1) as f64,
         server_us_per_sample,
+        reused_fraction: (phases[4] - base_phases[4]) as f64
+            / (phases[5] - base_phases[5]).max(1) as f64,
     };
     println!("{}", serde_json::to_string(&report)?);
     server.shutdown().await?;

@@ -12,7 +12,8 @@ use candle_nn::{linear, AdamW, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMa
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::ffn_step::{ffn_gradients, BackwardPhases, FfnVars, FlatAdamW};
+use crate::activations::{ActivationCache, ActivationReuse};
+use crate::ffn_step::{ffn_forward, ffn_gradients, BackwardPhases, FfnVars, FlatAdamW};
 use crate::lock::lock;
 use crate::schema::{ExpertSchema, TensorSpec};
 use crate::{ExpertError, Result};
@@ -247,6 +248,8 @@ pub struct Expert {
     trainer: Trainer,
     steps: u64,
     last_phases: BackwardPhases,
+    /// Forward activations kept for backwards ([`crate::activations`]; feed-forward only).
+    kept: ActivationCache,
 }
 
 /// How an expert computes its gradients and steps.
@@ -322,6 +325,7 @@ impl Expert {
             trainer,
             steps: 0,
             last_phases: BackwardPhases::default(),
+            kept: ActivationCache::new(ActivationReuse::default()),
         })
     }
 
@@ -352,13 +356,82 @@ impl Expert {
     /// Runs the expert on a batch `[batch, ..input shape]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.check_input(x)?;
-        Ok(self.net.forward(x)?.detach())
+        match &self.trainer {
+            Trainer::Ffn(vars, _) => Ok(ffn_forward(vars, x, false)?.0),
+            Trainer::Autograd(_) => Ok(self.net.forward(x)?.detach()),
+        }
+    }
+
+    /// How forwards keep activations for backwards (feed-forward experts; others always
+    /// recompute). See [`ActivationReuse`].
+    pub fn set_activation_reuse(&mut self, reuse: ActivationReuse) {
+        self.kept = ActivationCache::new(reuse);
+    }
+
+    /// The current [`ActivationReuse`].
+    pub fn activation_reuse(&self) -> ActivationReuse {
+        self.kept.reuse()
+    }
+
+    /// [`Self::forward`] on a batch made of `parts` (consecutive row counts, one per request)
+    /// that also keeps each part's hidden activations, so that [`Self::backward_parts`] on the
+    /// same inputs skips recomputing them.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use starling_experts::{Expert, ExpertSpec};
+    /// let mut expert = Expert::new(&ExpertSpec::ffn(8, 32), 7).unwrap();
+    /// let x = Tensor::randn(0f32, 1.0, (5, 8), &Device::Cpu).unwrap();
+    /// let y = expert.forward_parts(&x, &[2, 3]).unwrap();
+    /// // The backward of the second request alone reuses what its forward kept.
+    /// let second = x.narrow(0, 2, 3).unwrap();
+    /// expert.backward_parts(&second, &y.narrow(0, 2, 3).unwrap(), &[3]).unwrap();
+    /// assert_eq!(expert.last_backward_phases().reused_rows, 3);
+    /// ```
+    pub fn forward_parts(&mut self, x: &Tensor, parts: &[usize]) -> Result<Tensor> {
+        let rows = self.check_input(x)?;
+        check_parts(parts, rows)?;
+        let Trainer::Ffn(vars, _) = &self.trainer else {
+            return Ok(self.net.forward(x)?.detach());
+        };
+        if !self.kept.enabled() {
+            return Ok(ffn_forward(vars, x, false)?.0);
+        }
+        let (y, pre) = ffn_forward(vars, x, true)?;
+        let pre = pre.unwrap_or_default();
+        let inputs = x.flatten_all()?.to_vec1::<f32>()?;
+        let (width, hidden) = (inputs.len() / rows.max(1), pre.len() / rows.max(1));
+        let mut start = 0;
+        for &n in parts {
+            let (a, b) = (start, start + n);
+            self.kept.insert(
+                inputs[a * width..b * width].to_vec(),
+                pre[a * hidden..b * hidden].to_vec(),
+                self.steps,
+            );
+            start = b;
+        }
+        Ok(y)
     }
 
     /// Given the inputs of a forward pass and the gradient of the loss with respect to its
     /// outputs, returns the gradient with respect to the inputs and takes one AdamW step on the
     /// expert's parameters (the gradient used is that of `sum(y * grad_out)`).
     pub fn backward(&mut self, x: &Tensor, grad_out: &Tensor) -> Result<Tensor> {
+        let rows = self.check_input(x)?;
+        self.backward_parts(x, grad_out, &[rows])
+    }
+
+    /// [`Self::backward`] on a batch made of `parts` (consecutive row counts, one per request):
+    /// parts whose inputs a [`Self::forward_parts`] kept reuse its activations when every part
+    /// of the batch has them (within [`ActivationReuse::max_stale_steps`]); otherwise the
+    /// batch is recomputed with the current weights.
+    pub fn backward_parts(
+        &mut self,
+        x: &Tensor,
+        grad_out: &Tensor,
+        parts: &[usize],
+    ) -> Result<Tensor> {
         let batch = self.check_input(x)?;
         let grad_batch = self.schema.output.check_batch(
             "output gradient",
@@ -370,15 +443,22 @@ impl Expert {
                 "output gradient has {grad_batch} samples, input has {batch}"
             )));
         }
+        check_parts(parts, batch)?;
         let grad_x = match &mut self.trainer {
             Trainer::Ffn(vars, opt) => {
-                let (grad_x, grads, recompute, gradients) = ffn_gradients(vars, x, grad_out)?;
+                let pre = match self.kept.enabled() {
+                    true => take_kept(&mut self.kept, x, parts, self.steps)?,
+                    false => None,
+                };
+                let reused_rows = if pre.is_some() { batch } else { 0 };
+                let (grad_x, grads, recompute, gradients) = ffn_gradients(vars, x, grad_out, pre)?;
                 let stepped = Instant::now();
                 opt.step(&[&vars.w1, &vars.b1, &vars.w2, &vars.b2], &grads)?;
                 self.last_phases = BackwardPhases {
                     recompute,
                     gradients,
                     optimizer: stepped.elapsed(),
+                    reused_rows,
                 };
                 grad_x
             }
@@ -399,6 +479,7 @@ impl Expert {
                     recompute: recomputed - started,
                     gradients: stepped - recomputed,
                     optimizer: stepped.elapsed(),
+                    reused_rows: 0,
                 };
                 grad_x
             }
@@ -462,12 +543,55 @@ impl Expert {
                 var.set(t)?;
             }
         }
+        drop(data);
+        self.kept.clear();
         Ok(())
     }
 }
 
 /// Re-draws every parameter from a seeded generator: weights (rank 2) uniform in
 /// `±1/sqrt(fan_in)`, linear biases zero; layer-norm scales and shifts keep their constants.
+/// Checks that `parts` are positive row counts adding up to `rows`.
+fn check_parts(parts: &[usize], rows: usize) -> Result<()> {
+    if parts.contains(&0) || parts.iter().sum::<usize>() != rows {
+        return Err(ExpertError::Invalid(format!(
+            "parts {parts:?} do not add up to {rows} rows"
+        )));
+    }
+    Ok(())
+}
+
+/// The kept pre-activations of every part of `x`, concatenated; `None` (and whatever was
+/// taken is dropped) when any part has none.
+fn take_kept(
+    kept: &mut ActivationCache,
+    x: &Tensor,
+    parts: &[usize],
+    step: u64,
+) -> Result<Option<Vec<f32>>> {
+    let inputs = x.flatten_all()?.to_vec1::<f32>()?;
+    let rows: usize = parts.iter().sum();
+    let width = inputs.len() / rows.max(1);
+    let mut all: Option<Vec<f32>> = None;
+    let mut start = 0;
+    for &n in parts {
+        let Some(pre) = kept.take(&inputs[start * width..(start + n) * width], step) else {
+            return Ok(None);
+        };
+        start += n;
+        match &mut all {
+            None if parts.len() == 1 => return Ok(Some(pre)),
+            None => {
+                let mut v = Vec::with_capacity(pre.len() / n * rows);
+                v.extend_from_slice(&pre);
+                all = Some(v);
+            }
+            Some(v) => v.extend_from_slice(&pre),
+        }
+    }
+    Ok(all)
+}
+
 fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
     let data = lock(varmap.data());
     let mut names: Vec<&String> = data.keys().collect();
@@ -564,6 +688,66 @@ mod tests {
         a.backward(&x, &ya.ones_like().unwrap()).unwrap();
         assert!(max_rel(&a.forward(&x).unwrap(), &ya) > 1e-4);
         assert_eq!(a.steps(), 1);
+    }
+
+    /// A backward that reuses its forward's activations is the backward that recomputes them
+    /// while the expert has not stepped; after a step it is reused only within
+    /// `max_stale_steps`; bad part lists and a checkpoint restore are handled.
+    #[test]
+    fn kept_activations_are_exact_until_a_step_and_bounded_after() {
+        let spec = ExpertSpec::ffn(16, 64);
+        let x = randn(&[10, 16], 1);
+        let g = randn(&[10, 16], 2);
+        // Batched as two requests, backward as one batch of both: reused and exact.
+        let mut kept = Expert::new(&spec, 3).unwrap();
+        let mut plain = Expert::new(&spec, 3).unwrap();
+        plain.set_activation_reuse(ActivationReuse::off());
+        let y = kept.forward_parts(&x, &[4, 6]).unwrap();
+        assert_eq!(max_rel(&y, &plain.forward(&x).unwrap()), 0.0);
+        let dx = kept.backward_parts(&x, &g, &[4, 6]).unwrap();
+        assert_eq!(kept.last_backward_phases().reused_rows, 10);
+        let reference = plain.backward(&x, &g).unwrap();
+        assert_eq!(plain.last_backward_phases().reused_rows, 0);
+        let e = max_rel(&dx, &reference);
+        assert!(e < 1e-6, "dx differs: {e}");
+        let (yk, yp) = (kept.forward(&x).unwrap(), plain.forward(&x).unwrap());
+        assert!(max_rel(&yk, &yp) < 1e-6, "weights after the step differ");
+        // A forward, another request's backward (one step), then its own backward.
+        let (x1, x2) = (randn(&[5, 16], 4), randn(&[5, 16], 5));
+        let late = |max_stale_steps| {
+            let mut e = Expert::new(&spec, 3).unwrap();
+            e.set_activation_reuse(ActivationReuse {
+                max_stale_steps,
+                ..ActivationReuse::default()
+            });
+            e.forward_parts(&x1, &[5]).unwrap();
+            e.forward_parts(&x2, &[5]).unwrap();
+            e.backward_parts(&x2, &g.narrow(0, 0, 5).unwrap(), &[5])
+                .unwrap();
+            let dx = e
+                .backward_parts(&x1, &g.narrow(0, 5, 5).unwrap(), &[5])
+                .unwrap();
+            (dx, e.last_backward_phases().reused_rows)
+        };
+        let (exact, reused_exact) = late(0);
+        let (delayed, reused_delayed) = late(1);
+        assert_eq!((reused_exact, reused_delayed), (0, 5));
+        // One AdamW step of lr 1e-3 apart: close, not equal.
+        let e = max_rel(&delayed, &exact);
+        assert!(e > 0.0 && e < 0.05, "delayed vs recomputed: {e}");
+        // Part lists must cover the batch.
+        for parts in [&[4usize, 5][..], &[10, 0], &[]] {
+            assert!(kept.forward_parts(&x, parts).is_err(), "{parts:?}");
+            assert!(kept.backward_parts(&x, &g, parts).is_err(), "{parts:?}");
+        }
+        // Restoring a checkpoint forgets what the old weights computed.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.safetensors");
+        plain.save(&path).unwrap();
+        kept.forward_parts(&x, &[10]).unwrap();
+        kept.load(&path).unwrap();
+        kept.backward_parts(&x, &g, &[10]).unwrap();
+        assert_eq!(kept.last_backward_phases().reused_rows, 0);
     }
 
     #[test]

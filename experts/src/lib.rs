@@ -39,6 +39,7 @@
 //! # Ok::<(), starling_experts::ExpertError>(())
 //! ```
 
+pub mod activations;
 pub mod backend;
 pub mod client;
 mod error;
@@ -50,6 +51,7 @@ mod schema;
 pub mod server;
 pub mod wire;
 
+pub use activations::ActivationReuse;
 pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
 pub use client::{ClientConfig, ExpertClient, RemoteExpert};
 pub use error::{ExpertError, RemoteError, RemoteErrorKind, Result};

@@ -1,5 +1,6 @@
 //! Remote experts and the remote MoE layer across peers on 127.0.0.1.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,6 +89,9 @@ async fn remote_expert_equals_local_expert() {
             assert!(e < 1e-5, "{uid}: forward after one step, rel. error {e}");
             assert_eq!(remote.info().await.unwrap().steps, 1);
         }
+        // The feed-forward expert's backward used what its forward kept (the block's recomputes).
+        let reused = server.stats().reused_rows.load(Ordering::Relaxed);
+        assert_eq!(reused, 7, "rows whose forward activations were reused");
         // The same through a lossy codec stays within the codec's bound.
         let f16 = ExpertClient::new(
             cluster.nodes[1].clone(),

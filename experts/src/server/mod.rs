@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{info, Instrument};
 
+use crate::activations::ActivationReuse;
 use crate::backend::Expert;
 use crate::grid::ExpertUid;
 use crate::schema::ExpertSchema;
@@ -74,6 +75,9 @@ pub struct ServerConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// How often to checkpoint (also done on shutdown).
     pub checkpoint_every: Duration,
+    /// Forward activations kept for backwards ([`ActivationReuse`]); `max_bytes` is for the
+    /// whole server, shared equally by the hosted experts.
+    pub activation_reuse: ActivationReuse,
 }
 
 impl Default for ServerConfig {
@@ -92,6 +96,7 @@ impl Default for ServerConfig {
             declare_every: Duration::from_secs(10),
             checkpoint_dir: None,
             checkpoint_every: Duration::from_secs(300),
+            activation_reuse: ActivationReuse::default(),
         }
     }
 }
@@ -115,6 +120,10 @@ pub struct ServerStats {
     pub gradients_ns: AtomicU64,
     /// Nanoseconds backward batches spent in the optimizer.
     pub optimizer_ns: AtomicU64,
+    /// Samples of backward batches.
+    pub backward_rows: AtomicU64,
+    /// Backward samples whose forward activations were reused, not recomputed.
+    pub reused_rows: AtomicU64,
 }
 
 impl ServerStats {
@@ -122,6 +131,7 @@ impl ServerStats {
     pub(super) fn record_phases(
         &self,
         forward: bool,
+        rows: usize,
         total: std::time::Duration,
         backward: crate::BackwardPhases,
     ) {
@@ -137,6 +147,9 @@ impl ServerStats {
                     .fetch_add(ns(backward.gradients), Ordering::Relaxed);
                 self.optimizer_ns
                     .fetch_add(ns(backward.optimizer), Ordering::Relaxed);
+                self.reused_rows
+                    .fetch_add(backward.reused_rows as u64, Ordering::Relaxed);
+                self.backward_rows.fetch_add(rows as u64, Ordering::Relaxed);
             }
         }
     }
@@ -163,8 +176,13 @@ fn restore(experts: Vec<(String, Expert)>, cfg: &ServerConfig) -> Result<HashMap
         })?;
     }
     let mut owned = HashMap::new();
+    let reuse = ActivationReuse {
+        max_bytes: cfg.activation_reuse.max_bytes / experts.len(),
+        ..cfg.activation_reuse
+    };
     for (uid, mut expert) in experts {
         ExpertUid::parse(&uid)?;
+        expert.set_activation_reuse(reuse);
         if let Some(dir) = &cfg.checkpoint_dir {
             let path = checkpoint_path(dir, &uid);
             if path.exists() {

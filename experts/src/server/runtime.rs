@@ -80,6 +80,7 @@ pub(super) fn run_runtime(
                 let result = run_batch(expert, kind, &tasks);
                 stats.record_phases(
                     matches!(kind, Kind::Forward),
+                    rows,
                     started.elapsed(),
                     expert.last_backward_phases(),
                 );
@@ -143,11 +144,12 @@ pub(super) fn run_batch(expert: &mut Expert, kind: Kind, tasks: &[Task]) -> Resu
         }
     };
     let x = cat(tasks.iter().map(|t| &t.inputs).collect())?;
+    let parts: Vec<usize> = tasks.iter().map(|t| t.rows).collect();
     match kind {
-        Kind::Forward => expert.forward(&x),
+        Kind::Forward => expert.forward_parts(&x, &parts),
         Kind::Backward => {
             let g = cat(tasks.iter().filter_map(|t| t.grads.as_ref()).collect())?;
-            expert.backward(&x, &g)
+            expert.backward_parts(&x, &g, &parts)
         }
     }
 }
