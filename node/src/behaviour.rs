@@ -56,7 +56,9 @@ pub(crate) fn build(
         .set_publication_interval(None)
         .set_provider_publication_interval(None)
         .set_replication_interval(cfg.replication_interval)
-        .set_caching(kad::Caching::Disabled);
+        // The closest peer that answered a lookup without the record gets it written back
+        // (`Queries::finish_get`), so later lookups end sooner.
+        .set_caching(kad::Caching::Enabled { max_peers: 1 });
     if let Some(k) = NonZeroUsize::new(cfg.replication_factor) {
         kad_cfg.set_replication_factor(k);
     }

@@ -22,7 +22,7 @@ use starling_dht::{now_ms, DictionaryRecord, Validator};
 use tokio::sync::{mpsc, oneshot};
 
 use super::nat::{Nat, NatEvents};
-use super::queries::{Kad, Queries, Reply};
+use super::queries::{GetMode, Kad, Queries, Reply};
 use super::transport::{direct_ip, on_remote_ip, peer_of};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
@@ -43,7 +43,7 @@ pub(super) enum Command {
     /// Fault injection: a record sent to every connected peer as it is.
     #[cfg(feature = "testing")]
     PutRawToConnected(Record, Reply<PutReport>),
-    Get(RecordKey, Reply<Option<DictionaryRecord>>),
+    Get(RecordKey, GetMode, Reply<Option<DictionaryRecord>>),
     GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
     PeerIp(PeerId, oneshot::Sender<Option<IpAddr>>),
     Shutdown(oneshot::Sender<()>),
@@ -154,7 +154,9 @@ impl Actor {
                 self.queries
                     .put_to(kad(&mut self.swarm), record, peers, reply);
             }
-            Command::Get(key, reply) => self.queries.get(kad(&mut self.swarm), key, reply),
+            Command::Get(key, mode, reply) => {
+                self.queries.get(kad(&mut self.swarm), key, mode, reply)
+            }
             Command::GetLocal(key, reply) => {
                 let store = kad(&mut self.swarm).store_mut();
                 let _ = reply.send(store.get_live(key.as_ref(), now_ms()));

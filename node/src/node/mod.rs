@@ -29,6 +29,7 @@ use crate::metrics::Metrics;
 use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 use actor::{Actor, Command};
 pub use nat::NatEvent;
+use queries::GetMode;
 
 /// Whether this node can be dialed from outside, as far as autonat can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -436,30 +437,75 @@ impl Node {
             .await
     }
 
-    /// Looks `key` up across the swarm and merges what every responding peer (and the local
-    /// store) holds. Records that fail validation are dropped; expired entries never appear.
+    /// Looks `key` up across the swarm for its **latest** value: merges what every responding
+    /// peer (and the local store) holds, and answers when the query completes, that is once
+    /// the closest peers to the key have answered (or `request_timeout`). Records that fail
+    /// validation are dropped; expired entries never appear. The merged record is then written
+    /// back to the closest peer that answered without it, so later lookups end sooner.
+    ///
+    /// Cost: one lookup to the end, a few round trips on a large swarm. When any live value
+    /// will do, [`Self::get_record_first`] answers at the first one.
     pub async fn get_record(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.lookup(key, GetMode::Latest).await
+    }
+
+    /// Looks `key` up and answers with the **first** valid record that has a live entry (the
+    /// local store's, if it has one, without network traffic), ending the query there. Other
+    /// peers may hold newer or more sub-keys: use [`Self::get_record`] for those.
+    ///
+    /// ```no_run
+    /// # async fn f(node: starling_node::Node) -> Result<(), starling_node::NodeError> {
+    /// if let Some(record) = node.get_record_first("experts.ffn.0").await? {
+    ///     println!("{} live entries", record.entries().count());
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn get_record_first(&self, key: &str) -> Result<Option<DictionaryRecord>, NodeError> {
+        self.lookup(key, GetMode::First).await
+    }
+
+    async fn lookup(
+        &self,
+        key: &str,
+        mode: GetMode,
+    ) -> Result<Option<DictionaryRecord>, NodeError> {
         self.validator.validate_key(key.as_bytes())?;
         let rk = RecordKey::new(&key);
         let started = std::time::Instant::now();
         let got = self
             .call_timeout("DHT get", self.request_timeout * 2, |tx| {
-                Command::Get(rk, tx)
+                Command::Get(rk, mode, tx)
             })
             .await;
+        let label = match mode {
+            GetMode::First => "get_first",
+            GetMode::Latest => "get",
+        };
         self.metrics
-            .observe_query("get", got.is_ok(), started.elapsed());
+            .observe_query(label, got.is_ok(), started.elapsed());
         got
     }
 
-    /// Typed lookup: every live entry under `key` that decodes as `T`, as
-    /// `(subkey, value, expiration)`.
+    /// Typed [`Self::get_record`] (latest): every live entry under `key` that decodes as `T`,
+    /// as `(subkey, value, expiration)`.
     pub async fn get<T: DeserializeOwned>(
         &self,
         key: &str,
     ) -> Result<Vec<(String, T, DhtTime)>, NodeError> {
         Ok(self
             .get_record(key)
+            .await?
+            .map(|r| r.typed_entries(now_ms()))
+            .unwrap_or_default())
+    }
+
+    /// Typed [`Self::get_record_first`]: the live entries of the first record found.
+    pub async fn get_first<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Vec<(String, T, DhtTime)>, NodeError> {
+        Ok(self
+            .get_record_first(key)
             .await?
             .map(|r| r.typed_entries(now_ms()))
             .unwrap_or_default())

@@ -1,9 +1,12 @@
 //! Kademlia queries in flight and the Kademlia events that answer them.
 //!
 //! The swarm task starts a query on `kad::Behaviour` and parks the caller's reply here, keyed by
-//! the query id; Kademlia events then fill in and finish it. GETs merge every record found
-//! (after validation) into one dictionary and answer once the query's last step arrives; PUTs
-//! answer with the quorum outcome; bootstraps answer when no buckets remain to refresh.
+//! the query id; Kademlia events then fill in and finish it. A GET for the latest value merges
+//! every record found (after validation) into one dictionary, answers once the query's last
+//! step arrives, and writes the merged record back to the closest peer that lacked it (a
+//! cache, so the next lookup stops sooner); a GET for the first value answers, and ends the
+//! query, at the first valid record with a live entry. PUTs answer with the quorum outcome;
+//! bootstraps answer when no buckets remain to refresh.
 //! Inbound PUTs (`StoreInserts::FilterBoth`) are validated and merged by our own store here too.
 
 use std::collections::HashMap;
@@ -22,8 +25,19 @@ pub(super) type Kad = kad::Behaviour<DhtStore>;
 /// Where the answer to a caller's request goes.
 pub(super) type Reply<T> = oneshot::Sender<Result<T, NodeError>>;
 
+/// What a GET waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GetMode {
+    /// The first valid record with a live entry.
+    First,
+    /// Every record the query finds, merged.
+    Latest,
+}
+
 /// A GET in flight: what has been found so far.
 struct PendingGet {
+    mode: GetMode,
+    key: RecordKey,
     merged: DictionaryRecord,
     reply: Reply<Option<DictionaryRecord>>,
 }
@@ -90,12 +104,15 @@ impl Queries {
         &mut self,
         kad: &mut Kad,
         key: RecordKey,
+        mode: GetMode,
         reply: Reply<Option<DictionaryRecord>>,
     ) {
-        let id = kad.get_record(key);
+        let id = kad.get_record(key.clone());
         self.gets.insert(
             id,
             PendingGet {
+                mode,
+                key,
                 merged: DictionaryRecord::default(),
                 reply,
             },
@@ -139,14 +156,15 @@ impl Queries {
             }
             kad::Event::OutboundQueryProgressed {
                 id, result, step, ..
-            } => self.on_progress(id, result, step.last),
+            } => self.on_progress(kad, id, result, step.last),
             _ => {}
         }
     }
 
-    fn on_progress(&mut self, id: QueryId, result: QueryResult, last: bool) {
+    fn on_progress(&mut self, kad: &mut Kad, id: QueryId, result: QueryResult, last: bool) {
         match result {
             QueryResult::GetRecord(Ok(GetRecordOk::FoundRecord(peer_record))) => {
+                let mut done = last;
                 if let Some(pending) = self.gets.get_mut(&id) {
                     match self.validator.validate(
                         peer_record.record.key.as_ref(),
@@ -160,12 +178,24 @@ impl Queries {
                             tracing::debug!(peer = ?peer_record.peer, "dropped invalid record from GET: {e}");
                         }
                     }
+                    if pending.mode == GetMode::First {
+                        pending.merged.remove_expired(now_ms());
+                        if !pending.merged.is_empty() {
+                            done = true;
+                            if let Some(mut q) = kad.query_mut(&id) {
+                                q.finish();
+                            }
+                        }
+                    }
                 }
-                if last {
-                    self.finish_get(id);
+                if done {
+                    self.finish_get(kad, id, Vec::new());
                 }
             }
-            QueryResult::GetRecord(_) if last => self.finish_get(id),
+            QueryResult::GetRecord(Ok(GetRecordOk::FinishedWithNoAdditionalRecord {
+                cache_candidates,
+            })) if last => self.finish_get(kad, id, cache_candidates.into_values().collect()),
+            QueryResult::GetRecord(_) if last => self.finish_get(kad, id, Vec::new()),
             QueryResult::PutRecord(result) => {
                 if let Some((key, reply)) = self.puts.remove(&id) {
                     let r = match result {
@@ -205,10 +235,17 @@ impl Queries {
         }
     }
 
-    /// Answers a GET with what it found, expired entries removed (`None` when nothing is live).
-    fn finish_get(&mut self, id: QueryId) {
+    /// Answers a GET with what it found, expired entries removed (`None` when nothing is live),
+    /// and writes a latest GET's merged record back to `lacking` (the closest peers that
+    /// answered without it; fire and forget).
+    fn finish_get(&mut self, kad: &mut Kad, id: QueryId, lacking: Vec<libp2p::PeerId>) {
         if let Some(mut pending) = self.gets.remove(&id) {
             pending.merged.remove_expired(now_ms());
+            if pending.mode == GetMode::Latest && !lacking.is_empty() && !pending.merged.is_empty()
+            {
+                let record = Record::new(pending.key.clone(), pending.merged.encode());
+                kad.put_record_to(record, lacking.into_iter(), Quorum::One);
+            }
             let result = (!pending.merged.is_empty()).then_some(pending.merged);
             let _ = pending.reply.send(Ok(result));
         }
