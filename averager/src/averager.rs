@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use starling_node::{Node, NodeError, Reachability};
+use starling_node::{Node, NodeError, PeerId, Reachability};
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 use tracing::Instrument;
@@ -67,6 +67,9 @@ pub struct Averager {
     pool: Arc<BufPool>,
     /// This peer's group-key grid position (Moshpit rotation, `group_bits > 0`).
     grid_index: Mutex<u32>,
+    /// The other members of the last group this peer averaged in (matchmaking skips its
+    /// grace when they are all back or gone).
+    last_group: Mutex<Vec<PeerId>>,
     /// The last round's background repair server: at most one at a time.
     repair_server: Mutex<Option<JoinHandle<()>>>,
     /// The schema this peer last announced, and until when the announcement lasts.
@@ -138,6 +141,7 @@ impl Averager {
             router,
             pool: Arc::new(BufPool::default()),
             grid_index: Mutex::new(grid),
+            last_group: Mutex::new(Vec::new()),
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
@@ -383,11 +387,20 @@ impl Averager {
             config,
             router: self.router.clone(),
             transport: self.transport.clone(),
+            previous: lock(&self.last_group).clone(),
         };
         let group = match find_group(&mm, &group_key, me, deadline).await {
             Ok(group) => group,
             Err(e @ AveragerError::NoGroup { alone: true, .. }) => {
-                return Err(self.explain_loneliness(&schema, e).await)
+                // Alone in its grid cell: the others moved on (they re-key by their index in
+                // their last group), so staying would leave it alone in every round. Another
+                // cell, drawn at random, for the next one.
+                if cfg.group_bits > 0 {
+                    let cells = 1u32 << cfg.group_bits;
+                    let mut grid = lock(&self.grid_index);
+                    *grid = (*grid + 1 + rand::random::<u32>() % (cells - 1)) % cells;
+                }
+                return Err(self.explain_loneliness(&schema, e).await);
             }
             Err(e) => return Err(e),
         };
@@ -411,6 +424,13 @@ impl Averager {
         if cfg.group_bits > 0 {
             *lock(&self.grid_index) = group.my_index.0 % (1 << cfg.group_bits);
         }
+        *lock(&self.last_group) = group
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != group.my_index.0 as usize)
+            .map(|(_, m)| m.peer)
+            .collect();
         if let Some(f) = feedback {
             // Averaged ranges start from zero (this peer's own reductions used its exact
             // values); those sent quantized take what the reducer did not see. Ranges not

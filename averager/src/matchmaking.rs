@@ -36,6 +36,8 @@ pub(crate) struct Matchmaker {
     pub config: Arc<AveragerConfig>,
     pub router: Router,
     pub transport: Transport,
+    /// The other members of this peer's previous group (empty before its first).
+    pub previous: Vec<PeerId>,
 }
 
 /// Why asking a leader to take us did not end in a group.
@@ -88,7 +90,17 @@ pub(crate) async fn find_group(
             Err(e) => tracing::debug!("declaring under {group_key}: {e}"),
         }
         match run_window(mm, group_key, &me, window_end, window_end_ms, &mut rx).await? {
-            Window::Group(group) => return Ok(group),
+            Window::Group(group) => {
+                close_declaration(
+                    node,
+                    group_key,
+                    &subkey,
+                    &me,
+                    window_end_ms,
+                    cfg.request_timeout,
+                );
+                return Ok(group);
+            }
             Window::Again => {}
             // Nobody else searched under this key for a whole window: searching on until the
             // deadline would only hold the caller up (e.g. the odd peer out of a full grid key).
@@ -143,7 +155,7 @@ async fn run_window(
     let cfg = &mm.config;
     let node = mm.transport.node();
     let my_rank = rank(window_end_ms, &me.peer_id);
-    // Whether any other peer searched under the key during this window.
+    // Whether another peer searches under the key: as of the last read, or asked to join since.
     let mut saw_others = false;
     let mut followers: Vec<IncomingJoin> = Vec::new();
     let mut refused: HashSet<Vec<u8>> = HashSet::new();
@@ -220,7 +232,9 @@ async fn run_window(
                 let Some(entries) = read_declarations(node, group_key, cfg.request_timeout).await? else {
                     continue;
                 };
-                saw_others |= entries.iter().any(|d| d.info.peer_id != me.peer_id);
+                // Whether others search now: peers that found a group meanwhile closed their
+                // declarations, and a peer left out by all of them is alone, not "again".
+                saw_others = entries.iter().any(|d| d.info.peer_id != me.peer_id);
                 let declared: Vec<Vec<u8>> = entries
                     .iter()
                     .filter(|d| d.info.peer_id != me.peer_id)
@@ -244,8 +258,9 @@ async fn run_window(
                     let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
                     attempt = Some(asking.in_current_span().boxed());
                 } else if me.mode != AveragingMode::Client
-                    && opened.elapsed() >= early_start_grace(cfg)
                     && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size)
+                    && (opened.elapsed() >= early_start_grace(cfg)
+                        || last_group_here(node, missing_from_last_group(&mm.previous, &followers)).await)
                 {
                     // Nobody declared under the key is missing: the rest of the window could
                     // only wait for latecomers or for peers that left (their declarations
@@ -265,6 +280,40 @@ async fn run_window(
 /// much instead of the whole window.
 fn early_start_grace(cfg: &AveragerConfig) -> Duration {
     (cfg.matchmaking_time / 10).min(Duration::from_millis(500))
+}
+
+/// Whether every member of this peer's previous group either joined or is gone (no connection
+/// to it): then nobody the grace would wait for is merely late. A stable group, or one that
+/// lost a member whose connection closed, begins at once; a previous member still connected
+/// but not yet searching is waited for (the grace). `missing`: see [`missing_from_last_group`].
+async fn last_group_here(node: &starling_node::Node, missing: Option<Vec<PeerId>>) -> bool {
+    let Some(missing) = missing else {
+        return false;
+    };
+    if missing.is_empty() {
+        return true;
+    }
+    match node.connected_peers().await {
+        Ok(connected) => missing.iter().all(|p| !connected.contains(p)),
+        Err(_) => false,
+    }
+}
+
+/// The members of the previous group (`None` before the first) that have not joined.
+fn missing_from_last_group(previous: &[PeerId], followers: &[IncomingJoin]) -> Option<Vec<PeerId>> {
+    if previous.is_empty() {
+        return None;
+    }
+    Some(
+        previous
+            .iter()
+            .filter(|p| {
+                let id = p.to_bytes();
+                !followers.iter().any(|f| f.info.peer_id == id)
+            })
+            .copied()
+            .collect(),
+    )
 }
 
 /// Whether a leader whose followers are `followers` has every other peer `declared` under its
@@ -306,7 +355,39 @@ async fn read_declarations(
             "ignoring declarations under {group_key} not written under the declared peer's owner marker"
         );
     }
+    // Closed declarations (their peer is in a group: `close_declaration`) are not searching.
+    let now = now_ms();
+    let genuine = genuine.into_iter().filter(|d| d.window_end > now).collect();
     Ok(Some(genuine))
+}
+
+/// Replaces this peer's declaration under `group_key` (in the background) with one whose window
+/// has ended: it is in a group, so leaders still searching under the key stop counting on it
+/// (they begin with everyone still searching instead of waiting out their window). The DHT keeps
+/// the entry with the later expiration, hence one millisecond past the declaration's.
+fn close_declaration(
+    node: &starling_node::Node,
+    group_key: &str,
+    subkey: &str,
+    me: &MemberInfo,
+    window_end_ms: u64,
+    limit: Duration,
+) {
+    let closed = Declaration {
+        info: me.clone(),
+        window_end: now_ms(),
+    };
+    let (node, key, subkey) = (node.clone(), group_key.to_string(), subkey.to_string());
+    tokio::spawn(
+        async move {
+            let stored =
+                timeout(limit, node.store(&key, &subkey, &closed, window_end_ms + 1)).await;
+            if let Ok(Err(e)) = stored {
+                tracing::debug!("closing the declaration under {key}: {e}");
+            }
+        }
+        .in_current_span(),
+    );
 }
 
 /// Whether a declaration read under `(group_key, subkey)` was written by the peer it declares:
