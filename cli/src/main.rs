@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_allreduce;
+mod bench_dht;
 mod bench_experts;
 mod bench_gossip;
 mod bench_lane;

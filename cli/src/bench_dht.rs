@@ -1,0 +1,618 @@
+//! `starling bench dht`: what a user of the DHT sees, on N peers spread over K processes of
+//! this machine (127.0.0.1).
+//!
+//! Phases, each over records stored by random peers and read by other random peers:
+//! sequential (one operation at a time: the latency of a lone lookup) and concurrent
+//! (`--concurrency` in flight), for `store`, `get` (latest: the whole lookup) and `get_first`
+//! (the first live value). Then, with `--kill F`, a fraction of the peers (spread over the
+//! processes) stops and the survivors read every record again. Reported per operation: count,
+//! success rate, p50/p90/p99 milliseconds; and the resident memory per peer.
+//!
+//! With `--procs K` the first process hosts its share of the peers and starts K-1 copies of
+//! itself (`bench dht-worker`, hidden) that host the rest, bootstrapped from the first
+//! process's first peer. The coordinator sends each operation to the process that hosts the
+//! chosen peer as a JSON line on its stdin and reads the answer from its stdout.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use futures::{stream, StreamExt};
+use rand::seq::SliceRandom;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use starling_dht::now_ms;
+use starling_node::{Multiaddr, Node, NodeConfig};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use crate::bench::percentile;
+
+/// Arguments of `starling bench dht`.
+#[derive(Args, Debug, Clone)]
+pub struct DhtArgs {
+    /// Number of peers.
+    #[arg(long, default_value_t = 64)]
+    peers: usize,
+    /// Processes to spread the peers over (this one and K-1 workers).
+    #[arg(long, default_value_t = 1)]
+    procs: usize,
+    /// Records stored in the concurrent phase (default: one per peer).
+    #[arg(long)]
+    records: Option<usize>,
+    /// Records stored in the sequential phase (one operation at a time).
+    #[arg(long, default_value_t = 50)]
+    sequential: usize,
+    /// Operations in flight at once in the concurrent phase.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Fraction of peers stopped after the first phases (0 to 0.9); the survivors then read
+    /// every record again.
+    #[arg(long, alias = "churn", default_value_t = 0.0)]
+    kill: f64,
+}
+
+/// Arguments of a `bench dht --procs` worker process.
+#[derive(Args, Debug, Clone)]
+pub struct DhtWorkerArgs {
+    /// Peers this process hosts.
+    #[arg(long)]
+    peers: usize,
+    /// Where its peers bootstrap from.
+    #[arg(long)]
+    bootstrap: Multiaddr,
+}
+
+/// One operation, sent to the process hosting `peer`.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+#[serde(tag = "op", rename_all = "snake_case")]
+enum Op {
+    Store {
+        id: u64,
+        peer: usize,
+        key: String,
+    },
+    Get {
+        id: u64,
+        peer: usize,
+        key: String,
+    },
+    GetFirst {
+        id: u64,
+        peer: usize,
+        key: String,
+    },
+    /// Stop these local peers.
+    Kill {
+        id: u64,
+        peers: Vec<usize>,
+    },
+    /// Report resident memory.
+    Rss {
+        id: u64,
+    },
+}
+
+impl Op {
+    fn id(&self) -> u64 {
+        match self {
+            Op::Store { id, .. }
+            | Op::Get { id, .. }
+            | Op::GetFirst { id, .. }
+            | Op::Kill { id, .. }
+            | Op::Rss { id } => *id,
+        }
+    }
+}
+
+/// A worker's answer.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+struct Answer {
+    id: u64,
+    ok: bool,
+    ms: f64,
+    /// For `Rss`: resident kilobytes.
+    #[serde(default)]
+    rss_kb: u64,
+}
+
+/// The first line a worker prints: its peers are up.
+#[derive(Serialize, Deserialize)]
+struct Ready {
+    ready: bool,
+    /// Resident kilobytes before its peers started.
+    base_rss_kb: u64,
+}
+
+#[derive(Serialize, Default)]
+struct LatencyStats {
+    ops: usize,
+    success_rate: f64,
+    p50_ms: f64,
+    p90_ms: f64,
+    p99_ms: f64,
+}
+
+impl LatencyStats {
+    fn from(results: &[(bool, f64)]) -> Self {
+        let mut ms: Vec<f64> = results.iter().map(|(_, ms)| *ms).collect();
+        ms.sort_by(f64::total_cmp);
+        let ok = results.iter().filter(|(ok, _)| *ok).count();
+        LatencyStats {
+            ops: results.len(),
+            success_rate: ok as f64 / results.len().max(1) as f64,
+            p50_ms: percentile(&ms, 0.5),
+            p90_ms: percentile(&ms, 0.9),
+            p99_ms: percentile(&ms, 0.99),
+        }
+    }
+}
+
+/// Store, get (latest) and get-first latencies of one phase.
+#[derive(Serialize)]
+struct PhaseStats {
+    records: usize,
+    in_flight: usize,
+    store: LatencyStats,
+    get: LatencyStats,
+    get_first: LatencyStats,
+}
+
+#[derive(Serialize)]
+struct Report {
+    bench: &'static str,
+    peers: usize,
+    procs: usize,
+    startup_s: f64,
+    sequential: PhaseStats,
+    concurrent: PhaseStats,
+    killed: usize,
+    /// After `killed` peers stopped: gets (latest and first) of every record by survivors.
+    after_kill: Option<PhaseStats>,
+    /// Resident memory of all processes, megabytes, and per peer (growth since start, KiB).
+    rss_total_mb: f64,
+    rss_per_peer_kb: f64,
+}
+
+/// Resident set size of this process, KiB (0 where /proc is not readable).
+fn rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Runs one store / get / get-first on a local peer; (success, milliseconds).
+async fn run_local(node: &Node, op: &Op) -> (bool, f64) {
+    let t = Instant::now();
+    let ok = match op {
+        Op::Store { key, .. } => node.store(key, "v", key, now_ms() + 600_000).await.is_ok(),
+        Op::Get { key, .. } => node
+            .get::<String>(key)
+            .await
+            .is_ok_and(|v| v.iter().any(|(_, value, _)| value == key)),
+        Op::GetFirst { key, .. } => node
+            .get_first::<String>(key)
+            .await
+            .is_ok_and(|v| v.iter().any(|(_, value, _)| value == key)),
+        Op::Kill { .. } | Op::Rss { .. } => true,
+    };
+    (ok, t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Starts `n` peers bootstrapped from `boot` (or, without it, from the first of them).
+async fn start_peers(n: usize, boot: Option<Multiaddr>) -> Result<Vec<Node>> {
+    let template = NodeConfig {
+        listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
+        ..NodeConfig::default()
+    };
+    let mut nodes = Vec::with_capacity(n);
+    let boot = match boot {
+        Some(b) => b,
+        None => {
+            let first = Node::start(template.clone()).await?;
+            let addr = first
+                .listen_addrs()
+                .await?
+                .into_iter()
+                .next()
+                .context("first peer has no address")?;
+            nodes.push(first);
+            addr
+        }
+    };
+    // Start in waves so that one bootstrap peer is not asked by a thousand at once.
+    let remaining = n - nodes.len();
+    for wave in (0..remaining).collect::<Vec<_>>().chunks(64) {
+        let started = futures::future::join_all(
+            wave.iter()
+                .map(|_| Node::start(template.clone().bootstrap_from(boot.clone()))),
+        )
+        .await;
+        for node in started {
+            nodes.push(node?);
+        }
+    }
+    // A routing refresh each, so every table holds more than the bootstrap peer.
+    stream::iter(nodes.iter())
+        .for_each_concurrent(64, |n| async move {
+            if let Err(e) = n.bootstrap().await {
+                tracing::debug!("routing refresh: {e}");
+            }
+        })
+        .await;
+    Ok(nodes)
+}
+
+/// A worker process, from the coordinator's side.
+struct Worker {
+    stdin: Mutex<tokio::process::ChildStdin>,
+    waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>,
+    _child: tokio::process::Child,
+}
+
+impl Worker {
+    /// Starts a worker hosting `peers` peers; with its resident KiB before they started.
+    async fn spawn(peers: usize, boot: &Multiaddr) -> Result<(Worker, u64)> {
+        let exe = std::env::current_exe()?;
+        let mut child = tokio::process::Command::new(exe)
+            .args(["bench", "dht-worker", "--peers"])
+            .arg(peers.to_string())
+            .arg("--bootstrap")
+            .arg(boot.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting a dht worker")?;
+        let stdin = child.stdin.take().context("worker stdin")?;
+        let mut lines = BufReader::new(child.stdout.take().context("worker stdout")?).lines();
+        let first = tokio::time::timeout(Duration::from_secs(600), lines.next_line())
+            .await
+            .context("worker did not start within 600 s")??
+            .context("worker exited before it was ready")?;
+        let ready: Ready = serde_json::from_str(&first).context("worker's ready line")?;
+        ensure!(ready.ready, "worker not ready");
+        let waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>> = Arc::default();
+        let w = waiting.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<Answer>(&line) {
+                    Ok(a) => {
+                        if let Some(tx) = w.lock().await.remove(&a.id) {
+                            let _ = tx.send(a);
+                        }
+                    }
+                    Err(e) => tracing::warn!("bad worker line {line:?}: {e}"),
+                }
+            }
+            // The worker is gone: whoever still waits gets a failure.
+            w.lock().await.clear();
+        });
+        Ok((
+            Worker {
+                stdin: Mutex::new(stdin),
+                waiting,
+                _child: child,
+            },
+            ready.base_rss_kb,
+        ))
+    }
+
+    async fn call(&self, op: &Op) -> Result<Answer> {
+        let (tx, rx) = oneshot::channel();
+        self.waiting.lock().await.insert(op.id(), tx);
+        let mut line = serde_json::to_string(op)?;
+        line.push('\n');
+        self.stdin.lock().await.write_all(line.as_bytes()).await?;
+        tokio::time::timeout(Duration::from_secs(120), rx)
+            .await
+            .context("worker did not answer within 120 s")?
+            .context("worker exited")
+    }
+}
+
+/// The swarm: local peers (process 0) and workers hosting the rest.
+struct Swarm {
+    local: Vec<Option<Node>>,
+    workers: Vec<(Worker, usize)>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl Swarm {
+    fn peers(&self) -> usize {
+        self.local.len() + self.workers.iter().map(|(_, n)| n).sum::<usize>()
+    }
+
+    /// (process, local index) of global peer `i`.
+    fn locate(&self, mut i: usize) -> (usize, usize) {
+        if i < self.local.len() {
+            return (0, i);
+        }
+        i -= self.local.len();
+        for (w, (_, n)) in self.workers.iter().enumerate() {
+            if i < *n {
+                return (w + 1, i);
+            }
+            i -= n;
+        }
+        (0, 0)
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs a store / get / get-first for `key` on global peer `peer`.
+    async fn run(&self, kind: &str, peer: usize, key: &str) -> (bool, f64) {
+        let (proc, local) = self.locate(peer);
+        let id = self.id();
+        let key = key.to_string();
+        let op = match kind {
+            "store" => Op::Store {
+                id,
+                peer: local,
+                key,
+            },
+            "get" => Op::Get {
+                id,
+                peer: local,
+                key,
+            },
+            _ => Op::GetFirst {
+                id,
+                peer: local,
+                key,
+            },
+        };
+        if proc == 0 {
+            return match &self.local[local] {
+                Some(node) => run_local(node, &op).await,
+                None => (false, 0.0),
+            };
+        }
+        match self.workers[proc - 1].0.call(&op).await {
+            Ok(a) => (a.ok, a.ms),
+            Err(e) => {
+                tracing::warn!("worker {proc}: {e:#}");
+                (false, 0.0)
+            }
+        }
+    }
+
+    /// Total resident KiB of every process.
+    async fn rss_kb(&self) -> u64 {
+        let mut total = rss_kb();
+        for (w, _) in &self.workers {
+            if let Ok(a) = w.call(&Op::Rss { id: self.id() }).await {
+                total += a.rss_kb;
+            }
+        }
+        total
+    }
+}
+
+/// `ops` of `kind` (peer, key) with `in_flight` at once.
+async fn timed(
+    swarm: &Swarm,
+    kind: &str,
+    ops: &[(usize, String)],
+    in_flight: usize,
+) -> Vec<(bool, f64)> {
+    stream::iter(ops.iter())
+        .map(|(peer, key)| swarm.run(kind, *peer, key))
+        .buffer_unordered(in_flight.max(1))
+        .collect()
+        .await
+}
+
+/// Stores `keys` from random live peers, then reads each (latest, then first) from another
+/// random live peer.
+async fn phase(swarm: &Swarm, live: &[usize], keys: &[String], in_flight: usize) -> PhaseStats {
+    let pick = |rng: &mut rand::rngs::ThreadRng| live[rng.gen_range(0..live.len())];
+    let mut rng = rand::thread_rng();
+    let stores: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
+    let gets: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
+    let firsts: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
+    let store = timed(swarm, "store", &stores, in_flight).await;
+    let get = timed(swarm, "get", &gets, in_flight).await;
+    let get_first = timed(swarm, "get_first", &firsts, in_flight).await;
+    PhaseStats {
+        records: keys.len(),
+        in_flight,
+        store: LatencyStats::from(&store),
+        get: LatencyStats::from(&get),
+        get_first: LatencyStats::from(&get_first),
+    }
+}
+
+/// Reads every key (latest, then first) from random live peers.
+async fn reads(swarm: &Swarm, live: &[usize], keys: &[String], in_flight: usize) -> PhaseStats {
+    let mut rng = rand::thread_rng();
+    let mut pick = || live[rng.gen_range(0..live.len())];
+    let gets: Vec<(usize, String)> = keys.iter().map(|k| (pick(), k.clone())).collect();
+    let firsts: Vec<(usize, String)> = keys.iter().map(|k| (pick(), k.clone())).collect();
+    let get = timed(swarm, "get", &gets, in_flight).await;
+    let get_first = timed(swarm, "get_first", &firsts, in_flight).await;
+    PhaseStats {
+        records: keys.len(),
+        in_flight,
+        store: LatencyStats::default(),
+        get: LatencyStats::from(&get),
+        get_first: LatencyStats::from(&get_first),
+    }
+}
+
+/// `starling bench dht`.
+pub async fn run(args: DhtArgs) -> Result<()> {
+    ensure!(args.peers >= 2, "--peers must be at least 2");
+    ensure!(
+        args.procs >= 1 && args.procs <= args.peers,
+        "--procs must be between 1 and --peers"
+    );
+    ensure!(
+        (0.0..=0.9).contains(&args.kill),
+        "--kill must be between 0 and 0.9"
+    );
+    let base_rss = rss_kb();
+    let started = Instant::now();
+    let share = args.peers / args.procs;
+    let first_share = args.peers - share * (args.procs - 1);
+    let local = start_peers(first_share, None).await?;
+    let boot = local[0]
+        .listen_addrs()
+        .await?
+        .into_iter()
+        .next()
+        .context("first peer has no address")?;
+    let mut workers = Vec::new();
+    let mut base_rss_all = base_rss;
+    for _ in 1..args.procs {
+        // One at a time: each bootstraps from the same peer.
+        let (w, base) = Worker::spawn(share, &boot).await?;
+        base_rss_all += base;
+        workers.push((w, share));
+    }
+    let mut swarm = Swarm {
+        local: local.into_iter().map(Some).collect(),
+        workers,
+        next_id: Default::default(),
+    };
+    let startup_s = started.elapsed().as_secs_f64();
+    eprintln!(
+        "{} peers up in {startup_s:.1} s over {} processes",
+        swarm.peers(),
+        args.procs
+    );
+    let run_id: u64 = rand::random();
+    let key = |phase: &str, i: usize| format!("bench.{run_id:x}.{phase}.{i}");
+    let all: Vec<usize> = (0..swarm.peers()).collect();
+    let seq_keys: Vec<String> = (0..args.sequential).map(|i| key("s", i)).collect();
+    let sequential = phase(&swarm, &all, &seq_keys, 1).await;
+    let conc_keys: Vec<String> = (0..args.records.unwrap_or(args.peers))
+        .map(|i| key("c", i))
+        .collect();
+    let concurrent = phase(&swarm, &all, &conc_keys, args.concurrency).await;
+    let rss_total = swarm.rss_kb().await;
+    let mut killed = 0;
+    let mut after_kill = None;
+    if args.kill > 0.0 {
+        let mut order = all.clone();
+        order.shuffle(&mut rand::thread_rng());
+        let n = ((swarm.peers() as f64) * args.kill).round() as usize;
+        let victims: Vec<usize> = order[..n.min(swarm.peers() - 1)].to_vec();
+        let live: Vec<usize> = order[victims.len()..].to_vec();
+        let mut per_proc: HashMap<usize, Vec<usize>> = HashMap::new();
+        for &v in &victims {
+            let (p, l) = swarm.locate(v);
+            per_proc.entry(p).or_default().push(l);
+        }
+        for (p, locals) in per_proc {
+            if p == 0 {
+                for l in locals {
+                    if let Some(node) = swarm.local[l].take() {
+                        node.shutdown().await;
+                    }
+                }
+            } else {
+                let op = Op::Kill {
+                    id: swarm.id(),
+                    peers: locals,
+                };
+                swarm.workers[p - 1].0.call(&op).await?;
+            }
+        }
+        killed = victims.len();
+        let mut every: Vec<String> = seq_keys.clone();
+        every.extend(conc_keys.iter().cloned());
+        after_kill = Some(reads(&swarm, &live, &every, args.concurrency).await);
+    }
+    futures::future::join_all(swarm.local.iter().flatten().map(|n| n.shutdown())).await;
+    let report = Report {
+        bench: "dht",
+        peers: args.peers,
+        procs: args.procs,
+        startup_s,
+        sequential,
+        concurrent,
+        killed,
+        after_kill,
+        rss_total_mb: rss_total as f64 / 1024.0,
+        rss_per_peer_kb: rss_total.saturating_sub(base_rss_all) as f64 / args.peers as f64,
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+/// `starling bench dht-worker`: hosts peers and runs the operations its stdin asks for.
+pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
+    let base_rss_kb = rss_kb();
+    let nodes = start_peers(args.peers, Some(args.bootstrap)).await?;
+    let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
+    let (tx, mut rx) = mpsc::channel::<String>(1024);
+    let mut out = tokio::io::stdout();
+    let ready = serde_json::to_string(&Ready {
+        ready: true,
+        base_rss_kb,
+    })?;
+    out.write_all(format!("{ready}\n").as_bytes()).await?;
+    out.flush().await?;
+    let writer = tokio::spawn(async move {
+        while let Some(line) = rx.recv().await {
+            if out.write_all(line.as_bytes()).await.is_err() || out.flush().await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        let op: Op = match serde_json::from_str(&line) {
+            Ok(op) => op,
+            Err(e) => bail!("bad op line {line:?}: {e}"),
+        };
+        let answer = |id, ok, ms, rss_kb| {
+            let a = Answer { id, ok, ms, rss_kb };
+            format!("{}\n", serde_json::to_string(&a).unwrap_or_default())
+        };
+        match &op {
+            Op::Kill { id, peers } => {
+                for &p in peers {
+                    if let Some(node) = nodes.get_mut(p).and_then(Option::take) {
+                        node.shutdown().await;
+                    }
+                }
+                let _ = tx.send(answer(*id, true, 0.0, 0)).await;
+            }
+            Op::Rss { id } => {
+                let _ = tx.send(answer(*id, true, 0.0, rss_kb())).await;
+            }
+            Op::Store { id, peer, .. }
+            | Op::Get { id, peer, .. }
+            | Op::GetFirst { id, peer, .. } => {
+                let (id, node) = (*id, nodes.get(*peer).cloned().flatten());
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let (ok, ms) = match node {
+                        Some(node) => run_local(&node, &op).await,
+                        None => (false, 0.0),
+                    };
+                    let _ = tx.send(answer(id, ok, ms, 0)).await;
+                });
+            }
+        }
+    }
+    // The coordinator closed our stdin: stop.
+    futures::future::join_all(nodes.iter().flatten().map(|n| n.shutdown())).await;
+    drop(tx);
+    let _ = writer.await;
+    Ok(())
+}
