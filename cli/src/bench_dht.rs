@@ -53,6 +53,10 @@ pub struct DhtArgs {
     /// every record again.
     #[arg(long, alias = "churn", default_value_t = 0.0)]
     kill: f64,
+    /// Seconds a connection may stay idle before it closes (the node's
+    /// `idle_connection_timeout`; default: the node default, 120).
+    #[arg(long)]
+    idle_timeout: Option<u64>,
 }
 
 /// Arguments of a `bench dht --procs` worker process.
@@ -64,6 +68,9 @@ pub struct DhtWorkerArgs {
     /// Where its peers bootstrap from.
     #[arg(long)]
     bootstrap: Multiaddr,
+    /// Idle connection timeout of its peers, seconds.
+    #[arg(long)]
+    idle_timeout: u64,
 }
 
 /// One operation, sent to the process hosting `peer`.
@@ -117,6 +124,9 @@ struct Answer {
     /// For `Rss`: resident kilobytes.
     #[serde(default)]
     rss_kb: u64,
+    /// For `Rss`: connections of its live peers, summed.
+    #[serde(default)]
+    connections: u64,
 }
 
 /// The first line a worker prints: its peers are up.
@@ -167,6 +177,7 @@ struct Report {
     peers: usize,
     procs: usize,
     startup_s: f64,
+    idle_timeout_s: u64,
     sequential: PhaseStats,
     concurrent: PhaseStats,
     killed: usize,
@@ -175,6 +186,9 @@ struct Report {
     /// Resident memory of all processes, megabytes, and per peer (growth since start, KiB).
     rss_total_mb: f64,
     rss_per_peer_kb: f64,
+    /// Open connections per peer when memory was read (libp2p keeps a connection open until it
+    /// has been idle for `idle_connection_timeout`, 120 s by default).
+    connections_per_peer: f64,
 }
 
 /// Resident set size of this process, KiB (0 where /proc is not readable).
@@ -207,10 +221,24 @@ async fn run_local(node: &Node, op: &Op) -> (bool, f64) {
     (ok, t.elapsed().as_secs_f64() * 1e3)
 }
 
-/// Starts `n` peers bootstrapped from `boot` (or, without it, from the first of them).
-async fn start_peers(n: usize, boot: Option<Multiaddr>) -> Result<Vec<Node>> {
+/// Open connections of the live `nodes`, summed.
+async fn connections_of(nodes: &[Option<Node>]) -> u64 {
+    let counts = futures::future::join_all(
+        nodes
+            .iter()
+            .flatten()
+            .map(|n| async move { n.connected_peers().await.map_or(0, |c| c.len() as u64) }),
+    )
+    .await;
+    counts.into_iter().sum()
+}
+
+/// Starts `n` peers bootstrapped from `boot` (or, without it, from the first of them), each as
+/// `Node::start` does for a user: dial the bootstrap peer, one Kademlia bootstrap.
+async fn start_peers(n: usize, boot: Option<Multiaddr>, idle: Duration) -> Result<Vec<Node>> {
     let template = NodeConfig {
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
+        idle_connection_timeout: idle,
         ..NodeConfig::default()
     };
     let mut nodes = Vec::with_capacity(n);
@@ -230,7 +258,7 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>) -> Result<Vec<Node>> {
     };
     // Start in waves so that one bootstrap peer is not asked by a thousand at once.
     let remaining = n - nodes.len();
-    for wave in (0..remaining).collect::<Vec<_>>().chunks(64) {
+    for wave in (0..remaining).collect::<Vec<_>>().chunks(16) {
         let started = futures::future::join_all(
             wave.iter()
                 .map(|_| Node::start(template.clone().bootstrap_from(boot.clone()))),
@@ -240,14 +268,6 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>) -> Result<Vec<Node>> {
             nodes.push(node?);
         }
     }
-    // A routing refresh each, so every table holds more than the bootstrap peer.
-    stream::iter(nodes.iter())
-        .for_each_concurrent(64, |n| async move {
-            if let Err(e) = n.bootstrap().await {
-                tracing::debug!("routing refresh: {e}");
-            }
-        })
-        .await;
     Ok(nodes)
 }
 
@@ -260,13 +280,15 @@ struct Worker {
 
 impl Worker {
     /// Starts a worker hosting `peers` peers; with its resident KiB before they started.
-    async fn spawn(peers: usize, boot: &Multiaddr) -> Result<(Worker, u64)> {
+    async fn spawn(peers: usize, boot: &Multiaddr, idle: Duration) -> Result<(Worker, u64)> {
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
             .args(["bench", "dht-worker", "--peers"])
             .arg(peers.to_string())
             .arg("--bootstrap")
             .arg(boot.to_string())
+            .arg("--idle-timeout")
+            .arg(idle.as_secs().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -389,15 +411,17 @@ impl Swarm {
         }
     }
 
-    /// Total resident KiB of every process.
-    async fn rss_kb(&self) -> u64 {
+    /// Total resident KiB of every process, and connections of every live peer.
+    async fn rss_kb(&self) -> (u64, u64) {
         let mut total = rss_kb();
+        let mut connections = connections_of(&self.local).await;
         for (w, _) in &self.workers {
             if let Ok(a) = w.call(&Op::Rss { id: self.id() }).await {
                 total += a.rss_kb;
+                connections += a.connections;
             }
         }
-        total
+        (total, connections)
     }
 }
 
@@ -423,9 +447,15 @@ async fn phase(swarm: &Swarm, live: &[usize], keys: &[String], in_flight: usize)
     let stores: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
     let gets: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
     let firsts: Vec<(usize, String)> = keys.iter().map(|k| (pick(&mut rng), k.clone())).collect();
+    let started = Instant::now();
     let store = timed(swarm, "store", &stores, in_flight).await;
     let get = timed(swarm, "get", &gets, in_flight).await;
     let get_first = timed(swarm, "get_first", &firsts, in_flight).await;
+    eprintln!(
+        "{} records, {in_flight} in flight: stored and read in {:.1} s",
+        keys.len(),
+        started.elapsed().as_secs_f64()
+    );
     PhaseStats {
         records: keys.len(),
         in_flight,
@@ -441,8 +471,14 @@ async fn reads(swarm: &Swarm, live: &[usize], keys: &[String], in_flight: usize)
     let mut pick = || live[rng.gen_range(0..live.len())];
     let gets: Vec<(usize, String)> = keys.iter().map(|k| (pick(), k.clone())).collect();
     let firsts: Vec<(usize, String)> = keys.iter().map(|k| (pick(), k.clone())).collect();
+    let started = Instant::now();
     let get = timed(swarm, "get", &gets, in_flight).await;
     let get_first = timed(swarm, "get_first", &firsts, in_flight).await;
+    eprintln!(
+        "{} records read by the survivors in {:.1} s",
+        keys.len(),
+        started.elapsed().as_secs_f64()
+    );
     PhaseStats {
         records: keys.len(),
         in_flight,
@@ -467,18 +503,33 @@ pub async fn run(args: DhtArgs) -> Result<()> {
     let started = Instant::now();
     let share = args.peers / args.procs;
     let first_share = args.peers - share * (args.procs - 1);
-    let local = start_peers(first_share, None).await?;
+    let idle = args
+        .idle_timeout
+        .map(Duration::from_secs)
+        .unwrap_or(NodeConfig::default().idle_connection_timeout);
+    let local = start_peers(first_share, None, idle).await?;
     let boot = local[0]
         .listen_addrs()
         .await?
         .into_iter()
         .next()
         .context("first peer has no address")?;
+    // Workers start together, each bootstrapping from another of this process's peers.
+    let mut boots = Vec::new();
+    for p in 0..args.procs.saturating_sub(1) {
+        let addr = local[p % local.len()]
+            .listen_addrs()
+            .await?
+            .into_iter()
+            .next();
+        boots.push(addr.unwrap_or_else(|| boot.clone()));
+    }
+    let spawned =
+        futures::future::join_all(boots.iter().map(|b| Worker::spawn(share, b, idle))).await;
     let mut workers = Vec::new();
     let mut base_rss_all = base_rss;
-    for _ in 1..args.procs {
-        // One at a time: each bootstraps from the same peer.
-        let (w, base) = Worker::spawn(share, &boot).await?;
+    for w in spawned {
+        let (w, base) = w?;
         base_rss_all += base;
         workers.push((w, share));
     }
@@ -502,7 +553,7 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         .map(|i| key("c", i))
         .collect();
     let concurrent = phase(&swarm, &all, &conc_keys, args.concurrency).await;
-    let rss_total = swarm.rss_kb().await;
+    let (rss_total, connections) = swarm.rss_kb().await;
     let mut killed = 0;
     let mut after_kill = None;
     if args.kill > 0.0 {
@@ -542,12 +593,14 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         peers: args.peers,
         procs: args.procs,
         startup_s,
+        idle_timeout_s: idle.as_secs(),
         sequential,
         concurrent,
         killed,
         after_kill,
         rss_total_mb: rss_total as f64 / 1024.0,
         rss_per_peer_kb: rss_total.saturating_sub(base_rss_all) as f64 / args.peers as f64,
+        connections_per_peer: connections as f64 / args.peers as f64,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
@@ -556,7 +609,8 @@ pub async fn run(args: DhtArgs) -> Result<()> {
 /// `starling bench dht-worker`: hosts peers and runs the operations its stdin asks for.
 pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
     let base_rss_kb = rss_kb();
-    let nodes = start_peers(args.peers, Some(args.bootstrap)).await?;
+    let idle = Duration::from_secs(args.idle_timeout);
+    let nodes = start_peers(args.peers, Some(args.bootstrap), idle).await?;
     let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
     let (tx, mut rx) = mpsc::channel::<String>(1024);
     let mut out = tokio::io::stdout();
@@ -579,8 +633,14 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
             Ok(op) => op,
             Err(e) => bail!("bad op line {line:?}: {e}"),
         };
-        let answer = |id, ok, ms, rss_kb| {
-            let a = Answer { id, ok, ms, rss_kb };
+        let answer = |id, ok, ms, rss_kb, connections| {
+            let a = Answer {
+                id,
+                ok,
+                ms,
+                rss_kb,
+                connections,
+            };
             format!("{}\n", serde_json::to_string(&a).unwrap_or_default())
         };
         match &op {
@@ -590,10 +650,11 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
                         node.shutdown().await;
                     }
                 }
-                let _ = tx.send(answer(*id, true, 0.0, 0)).await;
+                let _ = tx.send(answer(*id, true, 0.0, 0, 0)).await;
             }
             Op::Rss { id } => {
-                let _ = tx.send(answer(*id, true, 0.0, rss_kb())).await;
+                let connections = connections_of(&nodes).await;
+                let _ = tx.send(answer(*id, true, 0.0, rss_kb(), connections)).await;
             }
             Op::Store { id, peer, .. }
             | Op::Get { id, peer, .. }
@@ -605,7 +666,7 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
                         Some(node) => run_local(&node, &op).await,
                         None => (false, 0.0),
                     };
-                    let _ = tx.send(answer(id, ok, ms, 0)).await;
+                    let _ = tx.send(answer(id, ok, ms, 0, 0)).await;
                 });
             }
         }

@@ -332,3 +332,87 @@ async fn bootstrap_failure_is_a_clear_error() {
     })
     .await;
 }
+
+/// How many of `nodes` hold `key` in their own store.
+async fn holders(nodes: &[Node], key: &str) -> usize {
+    let held = futures::future::join_all(nodes.iter().map(|n| n.get_local(key))).await;
+    held.into_iter()
+        .filter(|r| matches!(r, Ok(Some(_))))
+        .count()
+}
+
+/// With each record on 3 of 24 peers: `get_first` from a peer that lacks it finds it over the
+/// network and answers nothing for a key nobody stored. Then 8 new peers join (they hold
+/// nothing); for some keys a newcomer is now among the closest, and a latest `get` writes the
+/// record back to it: over 16 keys, at least one gains a holder (all 16 missing one would take
+/// a chance of about 1e-6 in Kademlia distance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_first_finds_remote_records_and_latest_gets_cache_them() {
+    init_tracing();
+    bounded(Duration::from_secs(180), async {
+        let mut c = cfg();
+        c.replication_factor = 3;
+        let cluster = LocalCluster::start(24, c.clone())
+            .await
+            .expect("cluster starts");
+        let mut nodes = cluster.nodes;
+        const KEYS: usize = 16;
+        for i in 0..KEYS {
+            let key = format!("cached.{i}");
+            nodes[i]
+                .store(&key, "v", &(i as u64), now_ms() + 300_000)
+                .await
+                .expect("store succeeds");
+            // A reader that lacks it.
+            let mut reader = None;
+            for n in &nodes {
+                if matches!(n.get_local(&key).await, Ok(None)) {
+                    reader = Some(n.clone());
+                    break;
+                }
+            }
+            let reader = reader.expect("some peer lacks the record");
+            let first: Vec<(String, u64, u64)> = reader.get_first(&key).await.unwrap();
+            assert_eq!(first.len(), 1, "{key}: get_first");
+            assert_eq!(first[0].1, i as u64);
+        }
+        let none: Vec<(String, u64, u64)> = nodes[5].get_first("nobody.stored.this").await.unwrap();
+        assert!(none.is_empty());
+        // Newcomers, bootstrapped from the first peer.
+        let boot = nodes[0].listen_addrs().await.unwrap()[0].clone();
+        for _ in 0..8 {
+            let mut nc = c.clone();
+            nc.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+            nodes.push(Node::start(nc.bootstrap_from(boot.clone())).await.unwrap());
+        }
+        let mut before = Vec::new();
+        for i in 0..KEYS {
+            before.push(holders(&nodes, &format!("cached.{i}")).await);
+        }
+        for i in 0..KEYS {
+            let latest: Vec<(String, u64, u64)> = nodes[(i + 7) % 24]
+                .get(&format!("cached.{i}"))
+                .await
+                .unwrap();
+            assert_eq!(latest.len(), 1, "cached.{i}: get");
+        }
+        // The write-backs are sent after the answers: wait for one (bounded).
+        let mut gained = 0;
+        for _ in 0..50 {
+            gained = 0;
+            for (i, b) in before.iter().enumerate() {
+                if holders(&nodes, &format!("cached.{i}")).await > *b {
+                    gained += 1;
+                }
+            }
+            if gained > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!("{gained} of {KEYS} keys gained a holder through write-back");
+        assert!(gained > 0, "no latest get wrote its record back");
+        futures::future::join_all(nodes.iter().map(|n| n.shutdown())).await;
+    })
+    .await;
+}
