@@ -180,8 +180,9 @@ fn init_swarm(out: &std::path::Path) -> Result<()> {
 }
 
 /// Log filter when `RUST_LOG` is unset: warnings only, and not libp2p-kad's warning that a lone
-/// first node has nobody to bootstrap from.
-const DEFAULT_LOG_FILTER: &str = "warn,libp2p_kad=error";
+/// first node has nobody to bootstrap from, nor yamux's that a peer which already left did not
+/// take the close of its connection (every shutdown of many peers printed dozens).
+const DEFAULT_LOG_FILTER: &str = "warn,libp2p_kad=error,yamux=error";
 
 fn main() {
     tracing_subscriber::fmt()
