@@ -70,6 +70,8 @@ pub struct Averager {
     /// The other members of the last group this peer averaged in (matchmaking skips its
     /// grace when they are all back or gone).
     last_group: Mutex<Vec<PeerId>>,
+    /// The latest expiration this peer gave a matchmaking declaration (see `find_group`).
+    declared_until: Arc<std::sync::atomic::AtomicU64>,
     /// The last round's background repair server: at most one at a time.
     repair_server: Mutex<Option<JoinHandle<()>>>,
     /// The schema this peer last announced, and until when the announcement lasts.
@@ -142,6 +144,7 @@ impl Averager {
             pool: Arc::new(BufPool::default()),
             grid_index: Mutex::new(grid),
             last_group: Mutex::new(Vec::new()),
+            declared_until: Arc::default(),
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
@@ -388,6 +391,7 @@ impl Averager {
             router: self.router.clone(),
             transport: self.transport.clone(),
             previous: lock(&self.last_group).clone(),
+            declared_until: self.declared_until.clone(),
         };
         let group = match find_group(&mm, &group_key, me, deadline).await {
             Ok(group) => group,

@@ -38,6 +38,8 @@ pub(crate) struct Matchmaker {
     pub transport: Transport,
     /// The other members of this peer's previous group (empty before its first).
     pub previous: Vec<PeerId>,
+    /// The latest expiration this peer gave a declaration (unix ms; shared across rounds).
+    pub declared_until: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Why asking a leader to take us did not end in a group.
@@ -76,11 +78,16 @@ pub(crate) async fn find_group(
             info: me.clone(),
             window_end: window_end_ms,
         };
-        // Under our owner marker: signed by the node, so nobody else can overwrite it.
+        // Under our owner marker: signed by the node, so nobody else can overwrite it. The DHT
+        // keeps the entry that expires last, so this one must outlive every entry this peer
+        // wrote before under the key, closed ones included (a window cut short by the deadline
+        // can end before the last one did); readers go by `window_end`, not by the expiration.
         let subkey = node.owner_marker();
+        let expiration = window_end_ms.max(mm.declared_until.load(Ordering::Acquire) + 1);
+        mm.declared_until.fetch_max(expiration, Ordering::AcqRel);
         match timeout(
             cfg.request_timeout,
-            node.store(group_key, &subkey, &declaration, window_end_ms),
+            node.store(group_key, &subkey, &declaration, expiration),
         )
         .await
         .unwrap_or(Err(NodeError::Timeout("declare")))
@@ -91,12 +98,13 @@ pub(crate) async fn find_group(
         }
         match run_window(mm, group_key, &me, window_end, window_end_ms, &mut rx).await? {
             Window::Group(group) => {
+                let closed_until = mm.declared_until.fetch_add(1, Ordering::AcqRel) + 1;
                 close_declaration(
                     node,
                     group_key,
                     &subkey,
                     &me,
-                    window_end_ms,
+                    closed_until,
                     cfg.request_timeout,
                 );
                 return Ok(group);
@@ -364,13 +372,13 @@ async fn read_declarations(
 /// Replaces this peer's declaration under `group_key` (in the background) with one whose window
 /// has ended: it is in a group, so leaders still searching under the key stop counting on it
 /// (they begin with everyone still searching instead of waiting out their window). The DHT keeps
-/// the entry with the later expiration, hence one millisecond past the declaration's.
+/// the entry with the later expiration: `expiration` is one millisecond past the declaration's.
 fn close_declaration(
     node: &starling_node::Node,
     group_key: &str,
     subkey: &str,
     me: &MemberInfo,
-    window_end_ms: u64,
+    expiration: u64,
     limit: Duration,
 ) {
     let closed = Declaration {
@@ -380,8 +388,7 @@ fn close_declaration(
     let (node, key, subkey) = (node.clone(), group_key.to_string(), subkey.to_string());
     tokio::spawn(
         async move {
-            let stored =
-                timeout(limit, node.store(&key, &subkey, &closed, window_end_ms + 1)).await;
+            let stored = timeout(limit, node.store(&key, &subkey, &closed, expiration)).await;
             if let Ok(Err(e)) = stored {
                 tracing::debug!("closing the declaration under {key}: {e}");
             }
