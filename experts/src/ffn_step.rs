@@ -97,12 +97,39 @@ pub(crate) struct FfnVars {
     pub b2: Var,
 }
 
-/// Runs `f` on every row of the `[rows, width]` buffer `values`, rows spread over the cores in pieces of at least [`PAR_MIN`] elements.
+/// Rows of a `[rows, width]` buffer per parallel piece: pieces of at least [`PAR_MIN`] elements.
+fn rows_per_piece(width: usize) -> usize {
+    PAR_MIN.div_ceil(width.max(1)).max(1)
+}
+
+/// Runs `f` on every row of the `[rows, width]` buffer `values`, rows spread over the cores.
 fn par_rows(values: &mut [f32], width: usize, f: impl Fn(&mut [f32]) + Sync) {
-    let rows_per_piece = PAR_MIN.div_ceil(width.max(1)).max(1);
     values
-        .par_chunks_mut(width * rows_per_piece)
+        .par_chunks_mut(width * rows_per_piece(width))
         .for_each(|piece| piece.chunks_mut(width).for_each(&f));
+}
+
+/// Runs `f` on every pair of rows of two `[rows, width]` buffers, rows spread over the cores.
+fn par_row_pairs(
+    a: &mut [f32],
+    b: &mut [f32],
+    width: usize,
+    f: impl Fn(&mut [f32], &mut [f32]) + Sync,
+) {
+    let piece = width * rows_per_piece(width);
+    a.par_chunks_mut(piece)
+        .zip(b.par_chunks_mut(piece))
+        .for_each(|(pa, pb)| {
+            for (ra, rb) in pa.chunks_mut(width).zip(pb.chunks_mut(width)) {
+                f(ra, rb)
+            }
+        });
+}
+
+/// The GELU of `s`, given `t = gelu_tanh(s)`.
+#[inline(always)]
+fn gelu(s: f32, t: f32) -> f32 {
+    0.5 * s * (1.0 + t)
 }
 
 /// `x W1ᵀ + b1` as a flat `[rows, hidden]` buffer.
@@ -126,24 +153,19 @@ pub(crate) fn ffn_forward(
     let rows = h.len() / hidden.max(1);
     let kept = if keep {
         let mut pre = vec![0f32; h.len()];
-        let piece = hidden * PAR_MIN.div_ceil(hidden.max(1)).max(1);
-        h.par_chunks_mut(piece)
-            .zip(pre.par_chunks_mut(piece))
-            .for_each(|(hs, ps)| {
-                for (hr, pr) in hs.chunks_mut(hidden).zip(ps.chunks_mut(hidden)) {
-                    for ((v, keep), b) in hr.iter_mut().zip(pr.iter_mut()).zip(&bias) {
-                        let s = *v + b;
-                        *keep = s;
-                        *v = 0.5 * s * (1.0 + gelu_tanh(s));
-                    }
-                }
-            });
+        par_row_pairs(&mut h, &mut pre, hidden, |hr, pr| {
+            for ((v, keep), b) in hr.iter_mut().zip(pr.iter_mut()).zip(&bias) {
+                let s = *v + b;
+                *keep = s;
+                *v = gelu(s, gelu_tanh(s));
+            }
+        });
         Some(pre)
     } else {
         par_rows(&mut h, hidden, |row| {
             for (v, b) in row.iter_mut().zip(&bias) {
                 let s = *v + b;
-                *v = 0.5 * s * (1.0 + gelu_tanh(s));
+                *v = gelu(s, gelu_tanh(s));
             }
         });
         None
@@ -178,30 +200,23 @@ pub(crate) fn ffn_gradients(
     };
     let rows = h.len() / hidden.max(1);
     let mut slope = vec![0f32; h.len()];
-    let piece = hidden * PAR_MIN.div_ceil(hidden.max(1)).max(1);
-    h.par_chunks_mut(piece)
-        .zip(slope.par_chunks_mut(piece))
-        .for_each(|(hs, ds)| {
-            for (hr, dr) in hs.chunks_mut(hidden).zip(ds.chunks_mut(hidden)) {
-                let pass = |v: &mut f32, d: &mut f32, s: f32| {
-                    let t = gelu_tanh(s);
-                    *v = 0.5 * s * (1.0 + t);
-                    *d = gelu_derivative(s, t);
-                };
-                match &bias {
-                    Some(bias) => {
-                        for ((v, d), b) in hr.iter_mut().zip(dr.iter_mut()).zip(bias) {
-                            pass(v, d, *v + b)
-                        }
-                    }
-                    None => {
-                        for (v, d) in hr.iter_mut().zip(dr.iter_mut()) {
-                            pass(v, d, *v)
-                        }
-                    }
-                }
+    let pass = |v: &mut f32, d: &mut f32, s: f32| {
+        let t = gelu_tanh(s);
+        *v = gelu(s, t);
+        *d = gelu_derivative(s, t);
+    };
+    par_row_pairs(&mut h, &mut slope, hidden, |hr, dr| match &bias {
+        Some(bias) => {
+            for ((v, d), b) in hr.iter_mut().zip(dr.iter_mut()).zip(bias) {
+                pass(v, d, *v + b)
             }
-        });
+        }
+        None => {
+            for (v, d) in hr.iter_mut().zip(dr.iter_mut()) {
+                pass(v, d, *v)
+            }
+        }
+    });
     let h = Tensor::from_vec(h, (rows, hidden), &Device::Cpu)?;
     let recomputed = Instant::now();
     let dw2 = g.t()?.matmul(&h)?;
