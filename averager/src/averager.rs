@@ -461,6 +461,7 @@ impl Averager {
             bytes_sent: outcome.bytes_sent,
             bytes_received: outcome.bytes_received,
             fast_lane_transfers: outcome.fast_lanes,
+            warm_lane_transfers: outcome.warm_lanes,
             matchmaking_time,
             allreduce_time,
         })
@@ -571,6 +572,7 @@ impl Averager {
     /// peers see this peer as failed.
     pub async fn shutdown(mut self) {
         self.keep_repair_server(None);
+        self.router.stop_parked();
         for t in self.tasks.drain(..) {
             t.abort();
             let _ = t.await;
@@ -581,6 +583,7 @@ impl Averager {
 impl Drop for Averager {
     fn drop(&mut self) {
         self.keep_repair_server(None);
+        self.router.stop_parked();
         for t in &self.tasks {
             t.abort();
         }

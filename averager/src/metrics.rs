@@ -193,6 +193,16 @@ impl<T> Counted<T> {
     pub fn new(inner: T, bytes: Counter) -> Self {
         Counted { inner, bytes }
     }
+
+    /// The reader or writer inside.
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
+
+    /// A look at the reader or writer inside.
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {

@@ -82,6 +82,9 @@ pub struct RoundReport {
     /// How many of this peer's span transfers ran over a fast lane (the others used libp2p
     /// streams; see [`crate::AveragerConfig::fast_lane`]).
     pub fast_lane_transfers: usize,
+    /// Of those, how many reused a lane kept open from an earlier round with the same reducer
+    /// (no new connection, no handshake: one round trip for the hello).
+    pub warm_lane_transfers: usize,
     /// Time spent finding the group.
     pub matchmaking_time: Duration,
     /// Time spent in the all-reduce.

@@ -9,17 +9,17 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use starling_node::streams::{serve_inbound, InboundLimits};
-use starling_node::{Node, PeerId, Stream};
+use starling_node::{FastStream, Node, PeerId, Stream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::{timeout, Instant};
 use tracing::Instrument;
 
 use crate::sync::lock;
-use crate::transport::Lane;
+use crate::transport::{young, Lane, LANE_IDLE_IN};
 use crate::wire::{
-    write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason, MATCHMAKING_PROTOCOL,
-    MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
+    read_control, write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
+    MATCHMAKING_PROTOCOL, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::AveragerError;
 
@@ -33,6 +33,8 @@ const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
 const JOIN_QUEUE: usize = 64;
 /// Repair hellos queued per member of the group (a member sends at most one per failed span).
 const REPAIR_QUEUE_PER_MEMBER: usize = 4;
+/// Reducer ends of idle lanes waiting for their next hello, at most.
+const MAX_PARKED: usize = 256;
 
 /// A join request routed to the search in progress.
 pub(crate) struct IncomingJoin {
@@ -72,6 +74,8 @@ struct Routes {
 pub(crate) struct Router {
     routes: Arc<Mutex<Routes>>,
     request_timeout: Duration,
+    /// Tasks holding the reducer ends of idle lanes (see [`Router::park`]).
+    parked: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
 /// What a [`Registration`] keeps registered.
@@ -105,6 +109,41 @@ impl Router {
         Router {
             routes: Arc::default(),
             request_timeout,
+            parked: Arc::default(),
+        }
+    }
+
+    /// Keeps the reducer's end of a lane whose exchange ended cleanly: the next hello that
+    /// `peer` sends on it (within [`LANE_IDLE_IN`]) is routed like one on a new lane; a lane
+    /// that stays quiet, breaks, or finds [`MAX_PARKED`] lanes already waiting is dropped.
+    pub fn park(&self, peer: PeerId, mut lane: FastStream) {
+        let mut parked = lock(&self.parked);
+        parked.retain(|h| !h.is_finished());
+        // Only worn or old lanes are refused here: the sender's next hello may already have
+        // arrived (it is read below), so "quiet" is not asked for.
+        if parked.len() >= MAX_PARKED || !young(&lane) {
+            return;
+        }
+        let router = self.clone();
+        let task = async move {
+            let hello = timeout(LANE_IDLE_IN, read_control::<_, ReduceMsg>(&mut lane)).await;
+            match hello {
+                Ok(Ok(hello)) => {
+                    router
+                        .on_reduce(peer, hello, Lane::Fast(Box::new(lane)))
+                        .await
+                }
+                Ok(Err(e)) => tracing::trace!(%peer, "idle lane ended: {e}"),
+                Err(_) => tracing::trace!(%peer, "idle lane expired"),
+            }
+        };
+        parked.push(tokio::spawn(task.in_current_span()).abort_handle());
+    }
+
+    /// Drops every parked lane (the averager is shutting down).
+    pub fn stop_parked(&self) {
+        for h in lock(&self.parked).drain(..) {
+            h.abort();
         }
     }
 

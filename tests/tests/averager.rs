@@ -60,11 +60,40 @@ async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
     })
     .await
     .unwrap();
-    let mut tensors: Vec<Vec<Vec<f32>>> = (0..4).map(peer_tensors).collect();
+    let originals: Vec<Vec<Vec<f32>>> = (0..4).map(peer_tensors).collect();
     let weights = [1.0f32, 2.0, 0.5, 3.5];
-    let expected = exact_weighted_mean(&tensors, &weights);
-    let originals = tensors.clone();
-    let reports = run_round(&swarm, &mut tensors, &weights).await;
+    let expected = exact_weighted_mean(&originals, &weights);
+    // Three rounds from the same data: the later ones reuse the fast lanes the first one made.
+    for round in 0..3 {
+        let mut tensors = originals.clone();
+        let reports = run_round(&swarm, &mut tensors, &weights).await;
+        check_round(
+            codec, bound, no_lane, &swarm, &reports, &tensors, &originals, &expected,
+        );
+        for (p, report) in reports.iter().enumerate() {
+            let warm = if round == 0 {
+                0
+            } else {
+                report.fast_lane_transfers
+            };
+            assert_eq!(report.warm_lane_transfers, warm, "round {round}, peer {p}");
+        }
+    }
+    swarm.shutdown().await;
+}
+
+/// Checks one round of [`exact_mean_with`]: groups, lanes, and every peer's values.
+#[allow(clippy::too_many_arguments)]
+fn check_round(
+    codec: &str,
+    bound: f64,
+    no_lane: Option<usize>,
+    swarm: &AveragingSwarm,
+    reports: &[RoundReport],
+    tensors: &[Vec<Vec<f32>>],
+    originals: &[Vec<Vec<f32>>],
+    expected: &[Vec<f32>],
+) {
     for (p, report) in reports.iter().enumerate() {
         assert_eq!(report.group.len(), 4, "peer {p} was in a group of 4");
         assert!(report.failed_peers.is_empty());
@@ -102,8 +131,8 @@ async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
                 );
             }
         } else {
-            let flat = |v: &Vec<Vec<f32>>| v.concat();
-            let exp = flat(&expected);
+            let flat = |v: &[Vec<f32>]| v.concat();
+            let exp = flat(expected);
             let err = rel_error(&flat(&tensors[p]), &exp) / delta_scale(&flat(&originals[p]), &exp);
             assert!(err < bound, "{codec}: peer {p} rel error {err} >= {bound}");
         }
@@ -118,7 +147,6 @@ async fn exact_mean_with(codec: &str, bound: f64, no_lane: Option<usize>) {
             );
         }
     }
-    swarm.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -73,6 +73,8 @@ pub(crate) struct Outcome {
     pub bytes_received: u64,
     /// Span transfers sent over a fast lane.
     pub fast_lanes: usize,
+    /// Of those, transfers on a lane kept open from an earlier round.
+    pub warm_lanes: usize,
     /// This peer's upload rate (bytes/s) as seen on this round's streams, if enough was sent.
     pub measured_bandwidth: Option<f64>,
     /// The finished round, still serving other members' re-delegated parts for a while (see
@@ -92,6 +94,7 @@ impl Outcome {
             bytes_sent: 0,
             bytes_received: 0,
             fast_lanes: 0,
+            warm_lanes: 0,
             measured_bandwidth: None,
             repair_server: None,
         }
@@ -103,6 +106,8 @@ struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
     fast: AtomicU64,
+    /// Of those, transfers on a lane kept from an earlier round.
+    warm: AtomicU64,
     /// Sum over concurrent sender streams of bytes / seconds.
     rate_sum: Mutex<f64>,
 }
@@ -301,6 +306,7 @@ async fn run(
         bytes_sent: counters.sent.load(Ordering::Relaxed),
         bytes_received: counters.received.load(Ordering::Relaxed),
         fast_lanes: counters.fast.load(Ordering::Relaxed) as usize,
+        warm_lanes: counters.warm.load(Ordering::Relaxed) as usize,
         measured_bandwidth,
         repair_server,
     }

@@ -10,16 +10,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use starling_compression::ChunkHeader;
-use tokio::sync::mpsc;
+use starling_node::PeerId;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use super::part::{delta_into, Input, PartReducer};
 use super::send::decode_options;
 use super::{rogue, Round, Segment, Task};
 use crate::config::{AveragingMode, Fault, Rogue};
+use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
 use crate::sync::lock;
+use crate::transport::{unsplit_fast, LaneReader, LaneWriter};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
     SpanChunks,
@@ -321,6 +324,9 @@ impl Reduction {
         // Read only below the sender's delivered prefix.
         let staging = Arc::new(Mutex::new(round.env.pool.take_dirty(len)));
         let (out_tx, out_rx) = mpsc::channel(4);
+        // The read half comes back to the writer once the sender's part ended cleanly, so a
+        // fast lane can be kept for the next round.
+        let (rd_tx, rd_rx) = oneshot::channel();
         let receiver = Task::spawn(receive_part(
             round.clone(),
             rd,
@@ -328,8 +334,9 @@ impl Reduction {
             len,
             staging.clone(),
             self.events.clone(),
+            rd_tx,
         ));
-        let writer = Task::spawn(write_results(round.clone(), wr, out_rx));
+        let writer = Task::spawn(write_results(round.clone(), peer, wr, rd_rx, out_rx));
         let present = Present {
             weight,
             staging,
@@ -403,13 +410,14 @@ impl Reduction {
 
 /// Reads one sender's chunks (in order) into its staging buffer, reporting progress, until its
 /// `SendDone`; at most `sender_timeout` between frames.
-async fn receive_part<R: futures::AsyncRead + Unpin>(
+async fn receive_part(
     round: Arc<Round>,
-    mut rd: R,
+    mut rd: Counted<LaneReader>,
     sender: MemberIdx,
     len: usize,
     staging: Arc<Mutex<PoolBuf>>,
     events: mpsc::Sender<Inbound>,
+    done: oneshot::Sender<Counted<LaneReader>>,
 ) {
     let cfg = &round.env.config;
     let mut prefix = 0usize;
@@ -458,7 +466,10 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
                     return;
                 }
             }
-            Frame::Control(ReduceMsg::SendDone) if prefix == len => return,
+            Frame::Control(ReduceMsg::SendDone) if prefix == len => {
+                let _ = done.send(rd);
+                return;
+            }
             Frame::Control(ReduceMsg::SendDone) => break "sender's part is incomplete".to_string(),
             Frame::Control(other) => break format!("unexpected message {other:?}"),
         }
@@ -467,10 +478,14 @@ async fn receive_part<R: futures::AsyncRead + Unpin>(
 }
 
 /// Writes a sender's results as the reducer finishes parts: `Result` and the delta chunks of
-/// each part, then `ResultDone` and a clean close. Returns whether everything went out.
-async fn write_results<W: futures::AsyncWrite + Unpin>(
+/// each part, then `ResultDone`; then either parks a fast lane whose read half came back clean
+/// (`read_half`: the sender's `SendDone` was read) for the next round, or closes the stream.
+/// Returns whether everything went out.
+async fn write_results(
     round: Arc<Round>,
-    mut wr: W,
+    peer: PeerId,
+    mut wr: Counted<LaneWriter>,
+    read_half: oneshot::Receiver<Counted<LaneReader>>,
     mut parts: mpsc::Receiver<Outbound>,
 ) -> bool {
     let cfg = &round.env.config;
@@ -525,11 +540,30 @@ async fn write_results<W: futures::AsyncWrite + Unpin>(
             }
         }
         sent += write_control(&mut wr, &ReduceMsg::ResultDone).await?;
-        // Close (FIN) rather than drop (RST), so the last frames are never discarded in flight.
-        futures::AsyncWriteExt::close(&mut wr).await?;
         Ok::<_, AveragerError>(true)
     }
     .await;
+    if matches!(result, Ok(true)) {
+        // The sender's part normally ended before its last result went out; allow a moment.
+        let rd = match wr.get_ref() {
+            LaneWriter::Fast(_) => timeout(round.env.config.sender_timeout, read_half)
+                .await
+                .ok()
+                .and_then(Result::ok),
+            LaneWriter::P2p(_) => None,
+        };
+        match rd {
+            Some(rd) => {
+                if let Some(lane) = unsplit_fast(rd.into_inner(), wr.into_inner()) {
+                    round.env.router.park(peer, lane);
+                }
+            }
+            // Close (FIN) rather than drop (RST), so the last frames are never discarded.
+            None => {
+                let _ = futures::AsyncWriteExt::close(&mut wr).await;
+            }
+        }
+    }
     round
         .counters
         .sent

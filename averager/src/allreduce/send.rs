@@ -3,7 +3,7 @@
 //! and turn them into new values.
 
 use std::ops::Range;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
@@ -14,7 +14,7 @@ use super::{rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
 use crate::sync::lock;
-use crate::transport::Lane;
+use crate::transport::{unsplit_fast, Lane, LaneWriter};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control, Frame, MemberIdx,
     ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -116,9 +116,12 @@ pub(super) async fn send_span(
         if let Some(r) = rogue::of(cfg) {
             rogue::lie_in_hello(&mut hello, r);
         }
-        let (stream, hello_bytes) = open_with_hello(round, j, &hello, ack_wait).await?;
+        let (stream, hello_bytes, warm) = open_with_hello(round, j, &hello, ack_wait).await?;
         if stream.is_fast() {
             round.counters.fast.fetch_add(1, Ordering::Relaxed);
+        }
+        if warm {
+            round.counters.warm.fetch_add(1, Ordering::Relaxed);
         }
         let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
         let part = &round.flat[range.clone()];
@@ -143,8 +146,16 @@ pub(super) async fn send_span(
         if phase1 && sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
             *lock(&round.counters.rate_sum) += sent as f64 / t_sent.as_secs_f64();
         }
-        let _ = futures::AsyncWriteExt::close(&mut wr).await;
-        drop(rd);
+        // A fast lane whose exchange ended cleanly stays open for the next round; a libp2p
+        // stream is closed (streams are cheap to open).
+        let (rd, mut wr) = (rd.into_inner(), wr.into_inner());
+        if matches!(wr, LaneWriter::Fast(_)) {
+            if let Some(lane) = unsplit_fast(rd, wr) {
+                round.env.transport.keep_idle(round.peer(j), lane);
+            }
+        } else {
+            let _ = futures::AsyncWriteExt::close(&mut wr).await;
+        }
         tracing::debug!(reducer = j.0, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // With a lossy codec, turn the delta into the new values: (what the reducer saw of us)
         // + delta. The exact codec `none` (no `as_sent` copy) carries the mean itself, so every
@@ -356,12 +367,24 @@ async fn open_with_hello(
     j: MemberIdx,
     hello: &ReduceMsg,
     wait: Duration,
-) -> Result<(Lane, usize), SendFail> {
+) -> Result<(Lane, usize, bool), SendFail> {
     let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
     let transport = &round.env.transport;
+    // A lane kept from an earlier round first (one round trip: the hello), else a new one.
+    let warm = AtomicBool::new(false);
+    let open = || {
+        let idle = transport.take_idle(peer);
+        warm.store(idle.is_some(), Ordering::Relaxed);
+        async move {
+            match idle {
+                Some(lane) => Ok(Lane::Fast(Box::new(lane))),
+                None => transport.open_lane(peer, addrs, REDUCE_PROTOCOL).await,
+            }
+        }
+    };
     // The reducer may still be starting its round: allow for that, then give up.
     let opened = open_confirmed(
-        || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
+        open,
         &Control::Control(hello),
         MAX_CONTROL_BYTES + 1,
         Instant::now() + wait,
@@ -370,7 +393,9 @@ async fn open_with_hello(
     .await;
     match opened {
         Ok(c) => match c.reply {
-            Control::Control(ReduceMsg::Ready) => Ok((c.stream, c.sent)),
+            Control::Control(ReduceMsg::Ready) => {
+                Ok((c.stream, c.sent, warm.load(Ordering::Relaxed)))
+            }
             Control::Control(ReduceMsg::Excluded(why)) => Err(SendFail::excluded(why)),
             Control::Control(other) => {
                 Err(SendFail::reducer(format!("unexpected message {other:?}")))

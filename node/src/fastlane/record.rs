@@ -146,6 +146,7 @@ impl FastStream {
                 raw: 0..0,
                 plain: 0..0,
                 closed: false,
+                born: std::time::Instant::now(),
                 _guard: guard.clone(),
             },
             wr: FastWriter {
@@ -165,6 +166,66 @@ impl FastStream {
     pub fn into_split(self) -> (FastReader, FastWriter) {
         (self.rd, self.wr)
     }
+
+    /// Puts the halves of one lane back together (to keep the lane for later use); halves of
+    /// different lanes are handed back as they came.
+    ///
+    /// ```no_run
+    /// # fn f(lane: starling_node::FastStream) {
+    /// let (rd, wr) = lane.into_split();
+    /// let lane = starling_node::FastStream::unsplit(rd, wr).expect("halves of one lane");
+    /// # let _ = lane; }
+    /// ```
+    #[allow(clippy::result_large_err)]
+    pub fn unsplit(rd: FastReader, wr: FastWriter) -> Result<Self, (FastReader, FastWriter)> {
+        let same = match (&rd._guard, &wr._guard) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            // Only test lanes have no guard.
+            (None, None) => true,
+            _ => false,
+        };
+        if same && !rd.closed && !wr.close_sealed {
+            Ok(FastStream { rd, wr })
+        } else {
+            Err((rd, wr))
+        }
+    }
+
+    /// Records sealed or opened so far in the busier direction: a lane that is kept for reuse
+    /// is retired well before its counter nonces could matter.
+    pub fn records(&self) -> u64 {
+        self.rd.counter.max(self.wr.counter)
+    }
+
+    /// Time since the lane's keys were made.
+    pub fn age(&self) -> std::time::Duration {
+        self.rd.born.elapsed()
+    }
+
+    /// Whether an idle lane can still carry a new exchange: nothing is half-written, the peer
+    /// has not closed or reset it, and no bytes arrived that nobody has read (bytes that are
+    /// waiting in the socket are taken into the read buffer, never lost). Never blocks.
+    pub fn is_reusable(&mut self) -> bool {
+        if self.wr.sealed || self.wr.close_sealed || self.wr.buf.len() > HEAD || self.rd.closed {
+            return false;
+        }
+        let rd = &mut self.rd;
+        if !rd.raw.is_empty() || !rd.plain.is_empty() {
+            return false;
+        }
+        rd.raw = 0..0;
+        match rd.io.try_read(&mut rd.buf[..]) {
+            // Nothing waiting: the connection is open and quiet.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
+            // End of stream or an error: the peer is gone.
+            Ok(0) | Err(_) => false,
+            // Unsolicited bytes on an idle lane: keep them, but the lane is not clean.
+            Ok(n) => {
+                rd.raw = 0..n;
+                false
+            }
+        }
+    }
 }
 
 /// The receiving half of a [`FastStream`].
@@ -178,6 +239,8 @@ pub struct FastReader {
     /// Opened plaintext not yet handed out.
     plain: Range<usize>,
     closed: bool,
+    /// When the lane was made (both halves' lane).
+    born: std::time::Instant,
     _guard: Option<Arc<LaneGuard>>,
 }
 
@@ -406,6 +469,41 @@ mod tests {
             FastStream::new(a.unwrap(), &keys, true, 0, None).unwrap(),
             FastStream::new(b.unwrap().0, &keys, false, 0, None).unwrap(),
         )
+    }
+
+    #[tokio::test]
+    async fn an_idle_lane_is_reusable_until_the_peer_closes_or_speaks_out_of_turn() {
+        let (a, b) = pair().await;
+        let (mut ar, mut aw) = a.into_split();
+        let (mut br, mut bw) = b.into_split();
+        aw.write_all(b"hello").await.unwrap();
+        aw.flush().await.unwrap();
+        let mut got = [0u8; 5];
+        br.read_exact(&mut got).await.unwrap();
+        bw.write_all(b"ready").await.unwrap();
+        bw.flush().await.unwrap();
+        ar.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ready");
+        let mut a = FastStream::unsplit(ar, aw).ok().unwrap();
+        let mut b = FastStream::unsplit(br, bw).ok().unwrap();
+        assert!(a.is_reusable() && b.is_reusable());
+        assert_eq!(a.records(), 1);
+        // A half-written record is not reusable until flushed.
+        a.write_all(b"x").await.unwrap();
+        assert!(!a.is_reusable());
+        a.flush().await.unwrap();
+        assert!(a.is_reusable());
+        // Bytes nobody asked for: not clean, but they are kept for the reader.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!b.is_reusable());
+        b.read_exact(&mut got[..1]).await.unwrap();
+        assert_eq!(got[0], b'x');
+        assert!(b.is_reusable());
+        // The peer goes away: its end closes, and the idle lane says so.
+        a.close().await.unwrap();
+        drop(a);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!b.is_reusable());
     }
 
     #[tokio::test]
