@@ -11,6 +11,8 @@ use starling_averager::{Averager, AveragerConfig};
 use starling_compression::{bench::relative_error, synthetic::normal};
 use starling_node::{Multiaddr, Node, NodeConfig};
 use starling_tests::{AveragingSwarm, WeightedMean};
+
+use crate::bench_reference::TcpButterfly;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Args, Debug, Clone)]
@@ -45,6 +47,18 @@ pub struct AllreduceArgs {
     /// only.
     #[arg(long, conflicts_with = "procs")]
     pub kill: bool,
+    /// After Starling's rounds, the same peers run as many rounds of a plain-TCP butterfly
+    /// (equal spans, same codec and chunks, connections kept open between rounds, no
+    /// encryption): `reference` in the output, and `vs_reference` = Starling's median
+    /// all-reduce time over the reference's.
+    #[arg(long)]
+    pub reference: bool,
+    /// With `--procs`: run worker `i` in network namespace `i` of this comma-separated list
+    /// (through `ip netns exec`, as root), listening on all interfaces as on separate machines.
+    /// The bootstrap node runs in this process, which must be able to reach every namespace
+    /// (run it inside the first one). See `scripts/bench_netns.sh`.
+    #[arg(long, value_delimiter = ',', requires = "procs")]
+    pub netns: Vec<String>,
 }
 
 /// One worker's view of one round.
@@ -68,6 +82,12 @@ struct RoundSample {
     /// share one machine, so one clock).
     started_at: f64,
     finished_at: f64,
+    /// Of the fast lane transfers, those on a lane kept from an earlier round.
+    #[serde(default)]
+    warm_lane_transfers: usize,
+    /// A round of the plain-TCP reference butterfly (see `--reference`), not Starling's.
+    #[serde(default)]
+    reference: bool,
 }
 
 fn unix_now() -> f64 {
@@ -85,9 +105,11 @@ struct AllreduceBench {
     procs: bool,
     rounds: usize,
     chunk_bytes: usize,
-    /// Whether the fast lane was allowed, and the share of span transfers that used it.
+    /// Whether the fast lane was allowed, the share of span transfers that used it, and the
+    /// share that used a lane kept warm from an earlier round.
     fast_lane: bool,
     fast_lane_share: f64,
+    warm_lane_share: f64,
     /// Median over rounds of the time from the last peer's call to `step` to the last return.
     median_round_s: f64,
     /// Median over rounds of the last-arriving peer's matchmaking time.
@@ -105,6 +127,12 @@ struct AllreduceBench {
     /// With `--kill`: the rounds after one peer was shut down, among the others.
     #[serde(skip_serializing_if = "Option::is_none")]
     after_kill: Option<Box<AllreduceBench>>,
+    /// With `--reference`: the plain-TCP butterfly's rounds, same peers and data.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reference: Option<Box<AllreduceBench>>,
+    /// With `--reference`: `median_allreduce_s` over the reference's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_reference: Option<f64>,
 }
 
 /// Peer `index`'s data: the same in every mode and every process.
@@ -176,6 +204,8 @@ async fn worker_rounds(
             started_at,
             finished_at,
             fast_lane_transfers: report.fast_lane_transfers,
+            warm_lane_transfers: report.warm_lane_transfers,
+            reference: false,
             transfers: report
                 .spans
                 .iter()
@@ -183,6 +213,45 @@ async fn worker_rounds(
                 .map(|s| s.reducer)
                 .collect::<std::collections::HashSet<_>>()
                 .len(),
+        });
+    }
+    Ok(samples)
+}
+
+/// Runs `rounds + 1` rounds of the plain-TCP reference butterfly (see `bench_reference`) on
+/// `node`'s swarm, from the same data as [`worker_rounds`].
+async fn reference_rounds(
+    node: &Node,
+    index: usize,
+    args: &AllreduceArgs,
+    mean: &[f32],
+) -> Result<Vec<RoundSample>> {
+    let codec = args.codec.parse().map_err(|e| anyhow!("--codec: {e}"))?;
+    let mut butterfly =
+        TcpButterfly::connect(node, index, args.peers, codec, args.chunk_bytes).await?;
+    let original = peer_data(index, args.size);
+    let mut data = original.clone();
+    let mut samples = Vec::new();
+    for round in 0..=args.rounds {
+        data.copy_from_slice(&original);
+        let started_at = unix_now();
+        let t = Instant::now();
+        let sent = butterfly.round(&mut data).await?;
+        let elapsed = t.elapsed().as_secs_f64();
+        samples.push(RoundSample {
+            round,
+            matchmaking_s: 0.0,
+            allreduce_s: elapsed,
+            rel_error: relative_error(mean, &data),
+            group: args.peers,
+            bytes_sent: sent,
+            span_fraction: 1.0 / args.peers as f64,
+            fast_lane_transfers: 0,
+            transfers: args.peers - 1,
+            started_at,
+            finished_at: unix_now(),
+            warm_lane_transfers: 0,
+            reference: true,
         });
     }
     Ok(samples)
@@ -204,11 +273,12 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
     let mut sent = Vec::new();
     let mut max_err = 0.0f64;
     let mut incomplete = 0;
-    let (mut fast, mut transfers) = (0usize, 0usize);
+    let (mut fast, mut warm, mut transfers) = (0usize, 0usize, 0usize);
+    let reference = per_peer.iter().flatten().any(|s| s.reference);
     for round in 1..=args.rounds {
         let samples: Vec<&RoundSample> = per_peer
             .iter()
-            .filter_map(|s| s.iter().find(|x| x.round == round))
+            .filter_map(|s| s.iter().find(|x| x.round == round && x.reference == reference))
             .collect();
         if samples.len() < args.peers || samples.iter().any(|s| s.group < args.peers) {
             incomplete += 1;
@@ -229,6 +299,7 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         round_s.push(last_out - last_in);
         sent.extend(samples.iter().map(|s| s.bytes_sent as f64));
         fast += samples.iter().map(|s| s.fast_lane_transfers).sum::<usize>();
+        warm += samples.iter().map(|s| s.warm_lane_transfers).sum::<usize>();
         transfers += samples.iter().map(|s| s.transfers).sum::<usize>();
         max_err = samples.iter().map(|s| s.rel_error).fold(max_err, f64::max);
     }
@@ -247,8 +318,9 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         procs: args.procs,
         rounds: args.rounds,
         chunk_bytes: args.chunk_bytes,
-        fast_lane: !args.no_fast_lane,
+        fast_lane: !args.no_fast_lane && !reference,
         fast_lane_share: fast as f64 / transfers.max(1) as f64,
+        warm_lane_share: warm as f64 / transfers.max(1) as f64,
         median_round_s: median(round_s),
         median_matchmaking_s: median(mm_s),
         median_allreduce_s: ar,
@@ -258,7 +330,26 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         max_rel_error: max_err,
         incomplete_rounds: incomplete,
         after_kill: None,
+        reference: None,
+        vs_reference: None,
     }
+}
+
+/// Starling's summary, with the reference's beside it when the samples hold reference rounds.
+fn summarize_with_reference(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> AllreduceBench {
+    let (refs, own): (Vec<Vec<RoundSample>>, Vec<Vec<RoundSample>>) = per_peer
+        .into_iter()
+        .map(|s| s.into_iter().partition(|x| x.reference))
+        .unzip();
+    let mut result = summarize(args, own);
+    if refs.iter().any(|r| !r.is_empty()) {
+        let reference = summarize(args, refs);
+        if reference.median_allreduce_s > 0.0 {
+            result.vs_reference = Some(result.median_allreduce_s / reference.median_allreduce_s);
+        }
+        result.reference = Some(Box::new(reference));
+    }
+    result
 }
 
 pub async fn run(args: AllreduceArgs) -> Result<()> {
@@ -285,14 +376,31 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
         .iter()
         .enumerate()
         .map(|(i, a)| worker_rounds(a, i, args, &mean));
-    let per_peer = futures::future::try_join_all(futs).await;
-    let mut result = match per_peer {
-        Ok(per_peer) => summarize(args, per_peer),
+    let mut per_peer = match futures::future::try_join_all(futs).await {
+        Ok(per_peer) => per_peer,
         Err(e) => {
             swarm.shutdown().await;
             return Err(e);
         }
     };
+    if args.reference {
+        let futs = swarm
+            .nodes()
+            .iter()
+            .enumerate()
+            .map(|(i, node)| reference_rounds(node, i, args, &mean));
+        match futures::future::try_join_all(futs).await {
+            Ok(refs) => per_peer
+                .iter_mut()
+                .zip(refs)
+                .for_each(|(own, r)| own.extend(r)),
+            Err(e) => {
+                swarm.shutdown().await;
+                return Err(e);
+            }
+        }
+    }
+    let mut result = summarize_with_reference(args, per_peer);
     if args.kill {
         let left = args.peers - 1;
         swarm.nodes()[left].shutdown().await;
@@ -307,7 +415,9 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
             .map(|(i, a)| worker_rounds(a, i, &after, &mean));
         let per_peer = futures::future::try_join_all(futs).await;
         match per_peer {
-            Ok(per_peer) => result.after_kill = Some(Box::new(summarize(&after, per_peer))),
+            Ok(per_peer) => {
+                result.after_kill = Some(Box::new(summarize_with_reference(&after, per_peer)))
+            }
             Err(e) => {
                 swarm.shutdown().await;
                 return Err(e);
@@ -320,30 +430,57 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
     averager_config(args)?;
-    // A bootstrap node in this process; it does not average.
-    let boot =
-        Node::start(NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse()?)).await?;
-    let boot_addr = boot
-        .listen_addrs()
-        .await?
-        .into_iter()
-        .next()
-        .context("bootstrap node has no address")?;
+    ensure!(
+        args.netns.is_empty() || args.netns.len() == args.peers,
+        "--netns must name one namespace per peer ({} names for {} peers)",
+        args.netns.len(),
+        args.peers
+    );
+    // A bootstrap node in this process; it does not average. Across namespaces it listens on
+    // every interface and gives the workers its first non-loopback address.
+    let listen = if args.netns.is_empty() {
+        "/ip4/127.0.0.1/tcp/0"
+    } else {
+        "/ip4/0.0.0.0/tcp/0"
+    };
+    let boot = Node::start(NodeConfig::default().listen_on(listen.parse()?)).await?;
+    // Interfaces are reported one by one: wait (a little) for one the workers can reach.
+    let wanted = |a: &Multiaddr| args.netns.is_empty() || !a.to_string().starts_with("/ip4/127.");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let boot_addr = loop {
+        let found = boot.listen_addrs().await?.into_iter().find(wanted);
+        match found {
+            Some(a) => break a,
+            None if Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            None => bail!("the bootstrap node has no address the workers can reach"),
+        }
+    };
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for i in 0..args.peers {
-        let child = tokio::process::Command::new(&exe)
-            .args([
-                "bench",
-                "allreduce-worker",
-                "--bootstrap",
-                &boot_addr.to_string(),
-                "--index",
-                &i.to_string(),
-                // One machine: loopback only, as before.
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-            ])
+        let mut cmd = match args.netns.get(i) {
+            Some(ns) => {
+                let mut c = tokio::process::Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => tokio::process::Command::new(&exe),
+        };
+        cmd.args([
+            "bench",
+            "allreduce-worker",
+            "--bootstrap",
+            &boot_addr.to_string(),
+            "--index",
+            &i.to_string(),
+        ]);
+        // One machine: loopback only. Across namespaces: the node's defaults, as a user's.
+        if args.netns.is_empty() {
+            cmd.args(["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        }
+        let child = cmd
             .args([
                 "--peers",
                 &args.peers.to_string(),
@@ -354,6 +491,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))
             .args(args.no_fast_lane.then_some("--no-fast-lane"))
+            .args(args.reference.then_some("--reference"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -379,7 +517,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
         per_peer.push(samples);
     }
     boot.shutdown().await;
-    Ok(summarize(args, per_peer))
+    Ok(summarize_with_reference(args, per_peer))
 }
 
 #[derive(Args, Debug)]
@@ -439,7 +577,10 @@ pub async fn worker(args: WorkerArgs) -> Result<()> {
         setup_s = started.elapsed().as_secs_f64(),
         "worker ready"
     );
-    let samples = worker_rounds(&averager, args.index, &args.common, &mean).await?;
+    let mut samples = worker_rounds(&averager, args.index, &args.common, &mean).await?;
+    if args.common.reference {
+        samples.extend(reference_rounds(&node, args.index, &args.common, &mean).await?);
+    }
     for s in samples {
         println!("{}", serde_json::to_string(&s)?);
     }

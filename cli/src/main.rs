@@ -7,6 +7,7 @@ mod bench_experts;
 mod bench_gossip;
 mod bench_lane;
 mod bench_local;
+mod bench_reference;
 mod bench_training;
 mod demo;
 mod dht_cmd;

@@ -145,3 +145,43 @@ fn throttled_peer_gets_a_small_span_and_the_round_is_faster() {
         "balanced {t_balanced} s is not faster than equal spans {t_equal} s"
     );
 }
+
+/// `bench allreduce --netns ... --reference` between 4 hosts on 500 Mbit/s links, as the
+/// namespace bench script runs it: the workers listen with the node's defaults (all
+/// interfaces), Starling's rounds after the first reuse every fast lane, and both Starling's
+/// all-reduce and the plain-TCP reference butterfly land on the mean. (Their times are printed,
+/// not compared: that is the bench's job, on a quiet machine.)
+#[test]
+fn starling_and_the_tcp_reference_average_between_hosts_on_warm_lanes() {
+    if !netns::available(&["ip", "tc"]) {
+        return;
+    }
+    let net = Net::create("tr", PEERS, 214).expect("the namespaced test network builds");
+    for i in 0..PEERS {
+        net.throttle(i, "500mbit", "500mbit").expect("throttled");
+    }
+    let hosts: Vec<String> = (0..PEERS).map(|i| net.ns(i)).collect();
+    let out = net
+        .command(0, BIN)
+        .args(["bench", "allreduce", "--procs", "--reference", "--codec", "u8"])
+        .args(["--netns", &hosts.join(",")])
+        .args(["--peers", &PEERS.to_string(), "--size", "300000", "--rounds", "3"])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("bench allreduce runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench failed: {stdout}");
+    let line = stdout.lines().last().expect("a JSON line");
+    eprintln!("{line}");
+    let (own, reference) = line.split_once("\"reference\":{").expect("a reference part");
+    assert_eq!(field(own, "incomplete_rounds"), 0.0);
+    assert_eq!(field(own, "fast_lane_share"), 1.0, "every transfer on a fast lane");
+    assert_eq!(field(own, "warm_lane_share"), 1.0, "every measured round on warm lanes");
+    assert_eq!(field(reference, "incomplete_rounds"), 0.0);
+    // u8 quantizes each peer's values (and, in the reference, the mean) once each way.
+    for part in [own, reference] {
+        let err = field(part, "max_rel_error");
+        assert!(err < 0.05, "relative error {err} in {part}");
+    }
+    assert!(field(line, "vs_reference") > 0.0);
+}

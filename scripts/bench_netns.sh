@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Starling's all-reduce against the plain-TCP reference butterfly between 4 hosts with real,
+# throttled links (issue #15): 4 network namespaces on one bridge, each host's upload and
+# download limited by `tc tbf` (burst 64kb, latency 50ms, as in the tests' `Net::throttle`).
+# For every rate x size x codec it runs, in one go,
+#   starling bench allreduce --procs --netns <the 4 hosts> --reference
+# from inside the first host (the bootstrap node lives there; the workers listen on all
+# interfaces, with the node's defaults), prints each JSON result on stderr and a table on stdout:
+#   rate size codec starling_s reference_s ratio warm_share max_rel_error
+# Needs root, iproute2 (`ip`, `tc`). Deletes its namespaces on exit, also on failure.
+#
+# Usage: sudo scripts/bench_netns.sh [--bin PATH] [--rates "500mbit 100mbit"]
+#          [--sizes "1000000 10000000"] [--codecs "none f16 u8"] [--rounds 5] [--peers 4]
+#          [-- extra arguments for bench allreduce]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bin=target/release/starling
+rates="500mbit 100mbit"
+sizes="1000000 10000000"
+codecs="none f16 u8"
+rounds=5
+peers=4
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) bin="$2"; shift 2 ;;
+    --rates) rates="$2"; shift 2 ;;
+    --sizes) sizes="$2"; shift 2 ;;
+    --codecs) codecs="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --peers) peers="$2"; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[ -x "$bin" ] || { echo "no starling binary at $bin (cargo build --release, or --bin)" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
+bin="$(realpath "$bin")"
+
+tag="sb$$"
+hub="$tag-hub"
+hosts=()
+cleanup() {
+  for h in "${hosts[@]}"; do ip netns del "$h" 2>/dev/null || true; done
+  ip netns del "$hub" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+ip netns add "$hub"
+ip -n "$hub" link add br0 type bridge
+ip -n "$hub" link set br0 up
+for i in $(seq 0 $((peers - 1))); do
+  h="$tag-$i"
+  hosts+=("$h")
+  ip netns add "$h"
+  ip link add "v$tag$i" type veth peer name "o$tag$i"
+  ip link set "v$tag$i" netns "$h"
+  ip link set "o$tag$i" netns "$hub"
+  ip -n "$h" link set "v$tag$i" name eth0
+  ip -n "$h" addr add "10.213.$(( $$ % 250 )).$((i + 1))/24" dev eth0
+  ip -n "$h" link set eth0 up
+  ip -n "$h" link set lo up
+  ip -n "$hub" link set "o$tag$i" master br0
+  ip -n "$hub" link set "o$tag$i" up
+done
+ns_list="$(IFS=,; echo "${hosts[*]}")"
+
+throttle() {
+  local rate="$1" verb="$2"
+  for i in $(seq 0 $((peers - 1))); do
+    ip -n "$tag-$i" link set eth0 up
+    tc -n "$tag-$i" qdisc "$verb" dev eth0 root tbf rate "$rate" burst 64kb latency 50ms
+    tc -n "$hub" qdisc "$verb" dev "o$tag$i" root tbf rate "$rate" burst 64kb latency 50ms
+  done
+}
+
+field() { # field NAME JSON: the first numeric value of "NAME" in JSON
+  printf '%s' "$2" | grep -o "\"$1\":[-0-9.e+]*" | head -n1 | cut -d: -f2
+}
+
+printf '%-8s %-9s %-5s %10s %12s %7s %6s %10s\n' rate size codec starling_s reference_s ratio warm max_err
+verb=add
+for rate in $rates; do
+  throttle "$rate" "$verb"
+  verb=change
+  for size in $sizes; do
+    for codec in $codecs; do
+      out="$(ip netns exec "${hosts[0]}" "$bin" bench allreduce --procs --netns "$ns_list" \
+        --peers "$peers" --size "$size" --codec "$codec" --rounds "$rounds" --reference \
+        "${extra[@]}" | tail -n1)"
+      echo "$rate $out" >&2
+      starling="$(field median_allreduce_s "$out")"
+      reference="$(printf '%s' "$out" | grep -o '"reference":{.*' | grep -o '"median_allreduce_s":[-0-9.e+]*' | cut -d: -f2)"
+      ratio="$(field vs_reference "$out")"
+      warm="$(field warm_lane_share "$out")"
+      err="$(field max_rel_error "$out")"
+      printf '%-8s %-9s %-5s %10.4f %12.4f %7.3f %6.2f %10.2e\n' \
+        "$rate" "$size" "$codec" "$starling" "$reference" "$ratio" "$warm" "$err"
+    done
+  done
+done
