@@ -1,18 +1,22 @@
 //! This peer's upload bandwidth estimate, declared to the group at matchmaking: the configured
-//! value, else a running average of what rounds measured, else the initial guess.
+//! value, else the median of what the last rounds measured, else the initial guess.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::sync::lock;
 
-/// Weight of a new bandwidth measurement in the running average.
-const BANDWIDTH_EMA: f64 = 0.3;
+/// Measurements the estimate is the median of. A median, not an average: one round's
+/// measurement can be off several times either way (a reducer that admitted this peer late, a
+/// socket buffer that swallowed a small span at once), and one such outlier must not move the
+/// split.
+const RECENT: usize = 5;
 
 /// The estimate (bytes per second).
 pub(crate) struct Bandwidth {
     configured: Option<f64>,
     initial: f64,
-    measured: Mutex<Option<f64>>,
+    measured: Mutex<VecDeque<f64>>,
 }
 
 impl Bandwidth {
@@ -20,30 +24,41 @@ impl Bandwidth {
         Bandwidth {
             configured,
             initial,
-            measured: Mutex::new(None),
+            measured: Mutex::new(VecDeque::with_capacity(RECENT)),
         }
     }
 
     /// What this peer declares now.
     pub fn current(&self) -> f64 {
         self.configured
-            .or(*lock(&self.measured))
+            .or_else(|| median(lock(&self.measured).iter().copied()))
             .unwrap_or(self.initial)
     }
 
-    /// Folds a measured upload rate (bytes/s, from a round's sender streams) into the running
-    /// estimate. The first measurement replaces the initial guess outright; later ones are
-    /// smoothed. Non-finite or non-positive measurements are ignored.
+    /// Adds a measured upload rate (bytes/s, from a round's sender streams) to the recent
+    /// ones; the first replaces the initial guess outright. Non-finite or non-positive
+    /// measurements are ignored.
     pub fn record(&self, measured: Option<f64>) {
         let Some(measured) = measured.filter(|m| m.is_finite() && *m > 0.0) else {
             return;
         };
-        let mut b = lock(&self.measured);
-        *b = Some(match *b {
-            None => measured,
-            Some(old) => (1.0 - BANDWIDTH_EMA) * old + BANDWIDTH_EMA * measured,
-        });
+        let mut recent = lock(&self.measured);
+        if recent.len() == RECENT {
+            recent.pop_front();
+        }
+        recent.push_back(measured);
     }
+}
+
+/// The median (for an even count, the geometric mean of the two middle values).
+fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some((v[(n - 1) / 2] * v[n / 2]).sqrt())
 }
 
 #[cfg(test)]
@@ -61,7 +76,17 @@ mod tests {
         b.record(Some(200.0));
         assert_eq!(b.current(), 200.0);
         b.record(Some(300.0));
-        assert!((b.current() - 230.0).abs() < 1e-9);
+        assert!((b.current() - (200.0f64 * 300.0).sqrt()).abs() < 1e-9);
+        // One outlier among five does not move the estimate.
+        for m in [250.0, 260.0, 5000.0] {
+            b.record(Some(m));
+        }
+        assert_eq!(b.current(), 260.0);
+        // Only the last five count.
+        for _ in 0..3 {
+            b.record(Some(10.0));
+        }
+        assert_eq!(b.current(), 10.0);
         let fixed = Bandwidth::new(Some(5.0), 100.0);
         fixed.record(Some(300.0));
         assert_eq!(fixed.current(), 5.0);

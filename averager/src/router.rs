@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use starling_node::streams::{serve_inbound, InboundLimits};
 use starling_node::{FastStream, Node, PeerId, Stream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::{timeout, Instant};
 use tracing::Instrument;
@@ -26,9 +26,6 @@ use crate::AveragerError;
 /// Inbound streams whose first message is being read at once, per protocol (bounds tasks and
 /// buffers).
 pub(crate) const MAX_INBOUND_HANDSHAKES: usize = 256;
-/// How often an inbound reduce stream looks again for its round (the reducer may learn of the
-/// round a little after the sender).
-const ROUND_ROUTE_WAIT: Duration = Duration::from_millis(20);
 /// Queued join requests per search.
 const JOIN_QUEUE: usize = 64;
 /// Repair hellos queued per member of the group (a member sends at most one per failed span).
@@ -76,6 +73,9 @@ pub(crate) struct Router {
     request_timeout: Duration,
     /// Tasks holding the reducer ends of idle lanes (see [`Router::park`]).
     parked: Arc<Mutex<Vec<AbortHandle>>>,
+    /// Wakes reduce streams waiting for their round (the reducer may learn of the round a
+    /// little after the sender) when a round registers.
+    registered: Arc<Notify>,
 }
 
 /// What a [`Registration`] keeps registered.
@@ -110,6 +110,7 @@ impl Router {
             routes: Arc::default(),
             request_timeout,
             parked: Arc::default(),
+            registered: Arc::default(),
         }
     }
 
@@ -173,6 +174,7 @@ impl Router {
                 repairs: repair_tx,
             },
         );
+        self.registered.notify_waiters();
         let reg = Registration {
             routes: self.routes.clone(),
             key: Key::Round(round_id),
@@ -271,6 +273,10 @@ impl Router {
         };
         let give_up = Instant::now() + self.request_timeout;
         let route = loop {
+            // Listen for registrations before looking, so none is missed in between.
+            let registered = self.registered.notified();
+            tokio::pin!(registered);
+            registered.as_mut().enable();
             let found = lock(&self.routes).rounds.get(&round_id).map(|route| {
                 if repair {
                     route.repairs.clone()
@@ -281,7 +287,7 @@ impl Router {
             if found.is_some() || Instant::now() >= give_up {
                 break found;
             }
-            tokio::time::sleep(ROUND_ROUTE_WAIT).await;
+            let _ = tokio::time::timeout_at(give_up, registered).await;
         };
         if let Some(tx) = route {
             let incoming = IncomingSender {

@@ -88,6 +88,9 @@ struct RoundSample {
     /// A round of the plain-TCP reference butterfly (see `--reference`), not Starling's.
     #[serde(default)]
     reference: bool,
+    /// The upload bandwidth (bytes/s) this peer declares after the round.
+    #[serde(default)]
+    bandwidth: f64,
 }
 
 fn unix_now() -> f64 {
@@ -122,6 +125,10 @@ struct AllreduceBench {
     busbw_gb_s: f64,
     /// Bytes one peer put on the wire per round (median).
     bytes_sent_per_peer: u64,
+    /// Median over rounds of the largest fraction of the vector one peer reduced (equal
+    /// spans: 1 / peers), and of the ratio of the largest to the smallest declared bandwidth.
+    median_max_span_fraction: f64,
+    median_bandwidth_spread: f64,
     max_rel_error: f64,
     incomplete_rounds: usize,
     /// With `--kill`: the rounds after one peer was shut down, among the others.
@@ -206,6 +213,7 @@ async fn worker_rounds(
             fast_lane_transfers: report.fast_lane_transfers,
             warm_lane_transfers: report.warm_lane_transfers,
             reference: false,
+            bandwidth: averager.bandwidth(),
             transfers: report
                 .spans
                 .iter()
@@ -252,6 +260,7 @@ async fn reference_rounds(
             finished_at: unix_now(),
             warm_lane_transfers: 0,
             reference: true,
+            bandwidth: 0.0,
         });
     }
     Ok(samples)
@@ -271,6 +280,7 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
     let mut mm_s = Vec::new();
     let mut ar_s = Vec::new();
     let mut sent = Vec::new();
+    let (mut max_span, mut spread) = (Vec::new(), Vec::new());
     let mut max_err = 0.0f64;
     let mut incomplete = 0;
     let (mut fast, mut warm, mut transfers) = (0usize, 0usize, 0usize);
@@ -278,7 +288,10 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
     for round in 1..=args.rounds {
         let samples: Vec<&RoundSample> = per_peer
             .iter()
-            .filter_map(|s| s.iter().find(|x| x.round == round && x.reference == reference))
+            .filter_map(|s| {
+                s.iter()
+                    .find(|x| x.round == round && x.reference == reference)
+            })
             .collect();
         if samples.len() < args.peers || samples.iter().any(|s| s.group < args.peers) {
             incomplete += 1;
@@ -298,6 +311,10 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         ar_s.push(samples.iter().map(|s| s.allreduce_s).fold(0.0, f64::max));
         round_s.push(last_out - last_in);
         sent.extend(samples.iter().map(|s| s.bytes_sent as f64));
+        max_span.push(samples.iter().map(|s| s.span_fraction).fold(0.0, f64::max));
+        let bw = samples.iter().map(|s| s.bandwidth);
+        let (lo, hi) = bw.fold((f64::INFINITY, 0.0f64), |(l, h), b| (l.min(b), h.max(b)));
+        spread.push(if lo > 0.0 { hi / lo } else { 0.0 });
         fast += samples.iter().map(|s| s.fast_lane_transfers).sum::<usize>();
         warm += samples.iter().map(|s| s.warm_lane_transfers).sum::<usize>();
         transfers += samples.iter().map(|s| s.transfers).sum::<usize>();
@@ -327,6 +344,8 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
         algbw_gb_s: algbw,
         busbw_gb_s: algbw * 2.0 * (n - 1.0) / n,
         bytes_sent_per_peer: median(sent) as u64,
+        median_max_span_fraction: median(max_span),
+        median_bandwidth_spread: median(spread),
         max_rel_error: max_err,
         incomplete_rounds: incomplete,
         after_kill: None,
@@ -336,7 +355,10 @@ fn summarize(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> Allreduce
 }
 
 /// Starling's summary, with the reference's beside it when the samples hold reference rounds.
-fn summarize_with_reference(args: &AllreduceArgs, per_peer: Vec<Vec<RoundSample>>) -> AllreduceBench {
+fn summarize_with_reference(
+    args: &AllreduceArgs,
+    per_peer: Vec<Vec<RoundSample>>,
+) -> AllreduceBench {
     let (refs, own): (Vec<Vec<RoundSample>>, Vec<Vec<RoundSample>>) = per_peer
         .into_iter()
         .map(|s| s.into_iter().partition(|x| x.reference))
@@ -451,9 +473,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
         let found = boot.listen_addrs().await?.into_iter().find(wanted);
         match found {
             Some(a) => break a,
-            None if Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
+            None if Instant::now() < give_up => tokio::time::sleep(Duration::from_millis(50)).await,
             None => bail!("the bootstrap node has no address the workers can reach"),
         }
     };

@@ -179,7 +179,9 @@ impl TcpButterfly {
         let mut sent: u64 = parts.iter().map(|(s, _)| s).sum();
         let mut mean: Vec<f64> = data[mine.clone()].iter().map(|x| f64::from(*x)).collect();
         for (_, part) in &parts {
-            mean.iter_mut().zip(part).for_each(|(m, x)| *m += f64::from(*x));
+            mean.iter_mut()
+                .zip(part)
+                .for_each(|(m, x)| *m += f64::from(*x));
         }
         let mean: Vec<f32> = mean.iter().map(|m| (m / n as f64) as f32).collect();
         // Phase 2: send our span's mean to everyone, receive every other span's mean.

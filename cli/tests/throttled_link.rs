@@ -163,9 +163,23 @@ fn starling_and_the_tcp_reference_average_between_hosts_on_warm_lanes() {
     let hosts: Vec<String> = (0..PEERS).map(|i| net.ns(i)).collect();
     let out = net
         .command(0, BIN)
-        .args(["bench", "allreduce", "--procs", "--reference", "--codec", "u8"])
+        .args([
+            "bench",
+            "allreduce",
+            "--procs",
+            "--reference",
+            "--codec",
+            "u8",
+        ])
         .args(["--netns", &hosts.join(",")])
-        .args(["--peers", &PEERS.to_string(), "--size", "300000", "--rounds", "3"])
+        .args([
+            "--peers",
+            &PEERS.to_string(),
+            "--size",
+            "300000",
+            "--rounds",
+            "3",
+        ])
         .stderr(Stdio::inherit())
         .output()
         .expect("bench allreduce runs");
@@ -173,10 +187,20 @@ fn starling_and_the_tcp_reference_average_between_hosts_on_warm_lanes() {
     assert!(out.status.success(), "bench failed: {stdout}");
     let line = stdout.lines().last().expect("a JSON line");
     eprintln!("{line}");
-    let (own, reference) = line.split_once("\"reference\":{").expect("a reference part");
+    let (own, reference) = line
+        .split_once("\"reference\":{")
+        .expect("a reference part");
     assert_eq!(field(own, "incomplete_rounds"), 0.0);
-    assert_eq!(field(own, "fast_lane_share"), 1.0, "every transfer on a fast lane");
-    assert_eq!(field(own, "warm_lane_share"), 1.0, "every measured round on warm lanes");
+    assert_eq!(
+        field(own, "fast_lane_share"),
+        1.0,
+        "every transfer on a fast lane"
+    );
+    assert_eq!(
+        field(own, "warm_lane_share"),
+        1.0,
+        "every measured round on warm lanes"
+    );
     assert_eq!(field(reference, "incomplete_rounds"), 0.0);
     // u8 quantizes each peer's values (and, in the reference, the mean) once each way.
     for part in [own, reference] {

@@ -108,8 +108,39 @@ struct Counters {
     fast: AtomicU64,
     /// Of those, transfers on a lane kept from an earlier round.
     warm: AtomicU64,
-    /// Sum over concurrent sender streams of bytes / seconds.
-    rate_sum: Mutex<f64>,
+    /// Phase 1's uploads, for this peer's bandwidth estimate.
+    upload: Mutex<Upload>,
+}
+
+/// Rounds that sent less than this say too little about bandwidth to be measured: a few
+/// hundred KiB vanish into socket buffers at once, and a small round's time is mostly round
+/// trips (on 500 Mbit/s links, 1e6 u8 values measured up to 2x apart between equal peers).
+const MIN_MEASURED_BYTES: usize = 2 << 20;
+
+/// What phase 1's concurrent streams uploaded, and from the first one's start to the last
+/// one's end: together they share the uplink, so their bytes over that time is its rate. (A
+/// sum of per-stream rates is not: streams that end early leave the link to the others, and a
+/// stream held up by its reducer's download looks like a slow uplink. It varied 3x between
+/// peers on identical links.)
+#[derive(Default)]
+struct Upload {
+    bytes: usize,
+    first: Option<Instant>,
+    last: Option<Instant>,
+}
+
+impl Upload {
+    fn add(&mut self, bytes: usize, start: Instant, end: Instant) {
+        self.bytes += bytes;
+        self.first = Some(self.first.map_or(start, |f| f.min(start)));
+        self.last = Some(self.last.map_or(end, |l| l.max(end)));
+    }
+
+    /// Bytes per second, if enough was sent over a measurable time.
+    fn rate(&self) -> Option<f64> {
+        let secs = (self.last? - self.first?).as_secs_f64();
+        (self.bytes >= MIN_MEASURED_BYTES && secs > 0.0).then(|| self.bytes as f64 / secs)
+    }
 }
 
 /// Everything a round's tasks need, shared between them.
@@ -296,7 +327,7 @@ async fn run(
     failed.sort();
     failed.dedup();
     let counters = &round.counters;
-    let measured_bandwidth = Some(*lock(&counters.rate_sum)).filter(|r| *r > 0.0);
+    let measured_bandwidth = lock(&counters.upload).rate();
     Outcome {
         patches,
         residuals,

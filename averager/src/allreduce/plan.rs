@@ -119,7 +119,7 @@ mod tests {
         assert!(repair_plan(&cfg, &ranges, &bw, &modes, MemberIdx(2), &none).is_empty());
         assert!(repair_plan(&cfg, &ranges, &bw, &modes, MemberIdx(9), &none).is_empty());
         // Parts follow bandwidth like the round's spans.
-        let bw = [3e8, 1e8, 1e8, 1e8];
+        let bw = [3e9, 1e8, 1e8, 1e8];
         let plan = repair_plan(&cfg, &ranges, &bw, &modes, MemberIdx(3), &none);
         assert_eq!(plan.first().map(|p| p.1.start), Some(50));
         assert_eq!(plan.last().map(|p| p.1.end), Some(100));

@@ -3,7 +3,8 @@
 //! and turn them into new values.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
@@ -16,13 +17,10 @@ use crate::pool::PoolBuf;
 use crate::sync::lock;
 use crate::transport::{unsplit_fast, Lane, LaneWriter};
 use crate::wire::{
-    read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control, Frame, MemberIdx,
-    ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
+    read_control, read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control,
+    Frame, MemberIdx, ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::AveragerError;
-
-/// Streams shorter than this say too little about bandwidth to be measured.
-const MIN_MEASURED_BYTES: usize = 256 * 1024;
 
 /// What a sender streams: its part of a reducer's span (phase 1), or its part of a failed
 /// reducer's span to a surviving reducer (phase 2).
@@ -116,35 +114,108 @@ pub(super) async fn send_span(
         if let Some(r) = rogue::of(cfg) {
             rogue::lie_in_hello(&mut hello, r);
         }
-        let (stream, hello_bytes, warm) = open_with_hello(round, j, &hello, ack_wait).await?;
-        if stream.is_fast() {
-            round.counters.fast.fetch_add(1, Ordering::Relaxed);
-        }
-        if warm {
-            round.counters.warm.fetch_add(1, Ordering::Relaxed);
-        }
-        let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
         let part = &round.flat[range.clone()];
         // With a lossy codec, the reducer averaged what it decoded, not our exact values: keep
         // that decoded copy so the returned delta lands the result exactly on the mean.
         let mut as_sent = (cfg.codec != Codec::None).then(|| round.env.pool.take_dirty(part.len()));
-        let write = async {
-            let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
-            // The upload rate counts the time to send, not the wait for results.
-            Ok((sent, t0.elapsed()))
+        // A lane kept warm from an earlier round carries the hello and the data at once (no
+        // round trip before the first byte: on a busy link the `Ready` waits behind queued data).
+        // If that lane turns out dead before the reducer admitted us, nothing reached the
+        // round: the exchange starts over once on a fresh lane, which waits for `Ready` first.
+        let mut warm = round.env.transport.take_idle(round.peer(j));
+        let (stream, hello_bytes, pipelined, (t_ready, unmeasured), exchanged) = loop {
+            let pipelined = warm.is_some();
+            let (stream, hello_bytes) = match warm.take() {
+                Some(lane) => {
+                    let mut lane = Lane::Fast(Box::new(lane));
+                    match write_control(&mut lane, &hello).await {
+                        Ok(n) => (lane, n),
+                        Err(e) => {
+                            tracing::debug!(reducer = j.0, "warm lane died while idle: {e}");
+                            continue;
+                        }
+                    }
+                }
+                None => {
+                    let (s, n) = open_with_hello(round, j, &hello, ack_wait).await?;
+                    (s, n)
+                }
+            };
+            // The upload is timed from the reducer's `Ready` (data sent before it on a warm
+            // lane waited in buffers for a reducer that may have learned of the round later;
+            // such a wait is no measure of this peer's uplink) to the last byte handed to the
+            // lane.
+            let t_ready = Mutex::new(Instant::now());
+            let admitted = AtomicBool::new(!pipelined);
+            let refused = AtomicBool::new(false);
+            let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
+            let written = AtomicUsize::new(0);
+            let unmeasured = AtomicUsize::new(0);
+            let write = async {
+                let mut wr = Tally {
+                    inner: &mut wr,
+                    written: &written,
+                };
+                let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
+                // The upload rate counts the time to send, not the wait for results.
+                Ok((sent, Instant::now()))
+            };
+            let read = async {
+                if pipelined {
+                    await_ready(&mut rd, ack_wait, &refused).await?;
+                    admitted.store(true, Ordering::Relaxed);
+                    *lock(&t_ready) = Instant::now();
+                    // What went into the lane before: about as much as will still be in the
+                    // socket's buffer when the last byte is handed over, so the bytes handed
+                    // over from here on measure the uplink over the time from here on.
+                    unmeasured.store(written.load(Ordering::Relaxed), Ordering::Relaxed);
+                }
+                receive_results(round, &mut rd, range.len(), result_gap, failed_reducer).await
+            };
+            // Whichever side fails first ends the exchange (a refusal arrives on the read side
+            // while the write side may still be pushing data nobody reads).
+            match futures::future::try_join(write, read).await {
+                Ok(done) => {
+                    let measured = (*lock(&t_ready), unmeasured.load(Ordering::Relaxed));
+                    break ((rd, wr), hello_bytes, pipelined, measured, done);
+                }
+                // Only the lane's failure (not a refusal, nor our own failure or deadline).
+                Err(e)
+                    if pipelined
+                        && e.reducer_failed
+                        && !admitted.load(Ordering::Relaxed)
+                        && !refused.load(Ordering::Relaxed) =>
+                {
+                    tracing::debug!(
+                        reducer = j.0,
+                        "warm lane failed before admission: {}",
+                        e.reason
+                    );
+                }
+                Err(e) => return Err(e),
+            }
         };
-        let read = receive_results(round, &mut rd, range.len(), result_gap, failed_reducer);
-        // Whichever side fails first ends the exchange (a refusal arrives on the read side while
-        // the write side may still be pushing data nobody reads).
-        let ((sent, t_sent), (segments, delta)) = futures::future::try_join(write, read).await?;
+        let (rd, wr) = stream;
+        if matches!(wr.get_ref(), LaneWriter::Fast(_)) {
+            round.counters.fast.fetch_add(1, Ordering::Relaxed);
+        }
+        if pipelined {
+            round.counters.warm.fetch_add(1, Ordering::Relaxed);
+        }
+        let ((sent, t_sent), (segments, delta)) = exchanged;
+        let data_bytes = sent;
         let sent = sent + hello_bytes;
         round
             .counters
             .sent
             .fetch_add(sent as u64, Ordering::Relaxed);
         // Only phase 1's concurrent streams measure this peer's upload rate.
-        if phase1 && sent >= MIN_MEASURED_BYTES && !t_sent.is_zero() {
-            *lock(&round.counters.rate_sum) += sent as f64 / t_sent.as_secs_f64();
+        if phase1 {
+            lock(&round.counters.upload).add(
+                data_bytes.saturating_sub(unmeasured),
+                t_ready,
+                t_sent,
+            );
         }
         // A fast lane whose exchange ended cleanly stays open for the next round; a libp2p
         // stream is closed (streams are cheap to open).
@@ -156,7 +227,7 @@ pub(super) async fn send_span(
         } else {
             let _ = futures::AsyncWriteExt::close(&mut wr).await;
         }
-        tracing::debug!(reducer = j.0, ?t_sent, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
+        tracing::debug!(reducer = j.0, sent_in = ?t_sent - t_ready, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // With a lossy codec, turn the delta into the new values: (what the reducer saw of us)
         // + delta. The exact codec `none` (no `as_sent` copy) carries the mean itself, so every
         // member holds the same bits.
@@ -367,24 +438,12 @@ async fn open_with_hello(
     j: MemberIdx,
     hello: &ReduceMsg,
     wait: Duration,
-) -> Result<(Lane, usize, bool), SendFail> {
+) -> Result<(Lane, usize), SendFail> {
     let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
     let transport = &round.env.transport;
-    // A lane kept from an earlier round first (one round trip: the hello), else a new one.
-    let warm = AtomicBool::new(false);
-    let open = || {
-        let idle = transport.take_idle(peer);
-        warm.store(idle.is_some(), Ordering::Relaxed);
-        async move {
-            match idle {
-                Some(lane) => Ok(Lane::Fast(Box::new(lane))),
-                None => transport.open_lane(peer, addrs, REDUCE_PROTOCOL).await,
-            }
-        }
-    };
     // The reducer may still be starting its round: allow for that, then give up.
     let opened = open_confirmed(
-        open,
+        || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
         &Control::Control(hello),
         MAX_CONTROL_BYTES + 1,
         Instant::now() + wait,
@@ -393,9 +452,7 @@ async fn open_with_hello(
     .await;
     match opened {
         Ok(c) => match c.reply {
-            Control::Control(ReduceMsg::Ready) => {
-                Ok((c.stream, c.sent, warm.load(Ordering::Relaxed)))
-            }
+            Control::Control(ReduceMsg::Ready) => Ok((c.stream, c.sent)),
             Control::Control(ReduceMsg::Excluded(why)) => Err(SendFail::excluded(why)),
             Control::Control(other) => {
                 Err(SendFail::reducer(format!("unexpected message {other:?}")))
@@ -405,6 +462,62 @@ async fn open_with_hello(
             "could not reach the reducer: {last}"
         ))),
         Err(OpenError::BadReply(e)) => Err(SendFail::reducer(e.to_string())),
+    }
+}
+
+/// A writer that tallies the bytes it accepted (for the upload measurement).
+struct Tally<'a, W> {
+    inner: &'a mut W,
+    written: &'a AtomicUsize,
+}
+
+impl<W: futures::AsyncWrite + Unpin> futures::AsyncWrite for Tally<'_, W> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut *self.inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = &r {
+            self.written.fetch_add(*n, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.inner).poll_flush(cx)
+    }
+
+    fn poll_close(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut *self.inner).poll_close(cx)
+    }
+}
+
+/// On a warm lane: reads the reducer's answer to the hello sent with the data (at most
+/// `wait`). `Ready` admits us; `Excluded` is a refusal (`refused` is set: not worth a fresh
+/// lane); anything else fails the exchange.
+async fn await_ready<R: futures::AsyncRead + Unpin>(
+    rd: &mut R,
+    wait: Duration,
+    refused: &AtomicBool,
+) -> Result<(), SendFail> {
+    let answer = timeout(wait, read_control::<_, ReduceMsg>(rd))
+        .await
+        .map_err(|_| SendFail::reducer("the reducer did not answer the hello in time"))?
+        .map_err(|e| SendFail::reducer(e.to_string()))?;
+    match answer {
+        ReduceMsg::Ready => Ok(()),
+        ReduceMsg::Excluded(why) => {
+            refused.store(true, Ordering::Relaxed);
+            Err(SendFail::excluded(why))
+        }
+        other => Err(SendFail::reducer(format!("unexpected message {other:?}"))),
     }
 }
 
