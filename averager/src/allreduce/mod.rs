@@ -41,6 +41,26 @@ use reduce::{reduce_span, ReduceJob};
 use repair::Repair;
 use send::{send_span, SendKind};
 
+/// Parts a span is cut into, at least, for the reducer's pipeline (see [`chunk_bytes_for`]).
+const PARTS_PER_SPAN: usize = 4;
+/// Smallest part worth its own frame and result message.
+const MIN_PART_BYTES: usize = 64 * 1024;
+
+/// The chunk size (bytes on the wire) for a span of `len` elements: `chunk_bytes`, or less, so
+/// that the span is at least [`PARTS_PER_SPAN`] chunks (and parts) of at least
+/// [`MIN_PART_BYTES`]. The reducer averages part by part and returns each part while later ones
+/// still arrive; a span of a single chunk would leave nothing to overlap, and a small
+/// all-reduce (10^6 values over four peers: one 1 MiB chunk per span) would pay both phases
+/// one after the other. Sender and reducer compute it from the same range, so their chunks and
+/// parts line up.
+pub(crate) fn chunk_bytes_for(cfg: &AveragerConfig, len: usize) -> usize {
+    let span_bytes = cfg
+        .codec
+        .frame_len(len)
+        .unwrap_or_else(|| len.saturating_mul(4));
+    (span_bytes / PARTS_PER_SPAN).clamp(MIN_PART_BYTES.min(cfg.chunk_bytes), cfg.chunk_bytes)
+}
+
 /// Contributors of a contiguous run of a span: `(absolute range, member indices)`.
 pub(crate) type Segment = (Range<usize>, Vec<MemberIdx>);
 
@@ -246,6 +266,7 @@ async fn run(
     deadline: Instant,
 ) -> Outcome {
     let t_start = Instant::now();
+    tracing::debug!("round starts");
     let n = group.members.len();
     let peers: Vec<PeerId> = group.members.iter().map(|m| m.peer).collect();
     let modes: Vec<AveragingMode> = group.members.iter().map(|m| m.mode).collect();
@@ -500,4 +521,32 @@ fn segment_reports(
         });
     }
     reports
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+    use starling_compression::Codec;
+
+    #[test]
+    fn small_spans_are_cut_into_parts_and_large_ones_keep_the_configured_chunk() {
+        let mut cfg = AveragerConfig::new("chunks");
+        cfg.codec = Codec::Float16;
+        // 10^6 values over 4 peers: a 500 KB span in four 125 KB chunks.
+        let c = chunk_bytes_for(&cfg, 250_000);
+        assert!((120_000..=130_000).contains(&c), "{c}");
+        // Large spans: the configured chunk size.
+        assert_eq!(chunk_bytes_for(&cfg, 10_000_000), cfg.chunk_bytes);
+        // Tiny spans: never below the smallest part, nor above the configured chunk.
+        assert_eq!(chunk_bytes_for(&cfg, 10), MIN_PART_BYTES);
+        cfg.chunk_bytes = 8192;
+        assert_eq!(chunk_bytes_for(&cfg, 10), 8192);
+        // Every codec, adaptive included, gives a chunk its encoder accepts.
+        for codec in ["none", "u8", "blockwise8", "adaptive"] {
+            cfg.codec = codec.parse().unwrap();
+            cfg.chunk_bytes = 1 << 20;
+            let c = chunk_bytes_for(&cfg, 250_000);
+            assert!((MIN_PART_BYTES..=1 << 20).contains(&c), "{codec}: {c}");
+        }
+    }
 }

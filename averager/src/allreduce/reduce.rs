@@ -16,7 +16,7 @@ use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use super::part::{delta_into, Input, PartReducer};
 use super::send::decode_options;
-use super::{rogue, Round, Segment, Task};
+use super::{chunk_bytes_for, rogue, Round, Segment, Task};
 use crate::config::{AveragingMode, Fault, Rogue};
 use crate::metrics::Counted;
 use crate::pool::PoolBuf;
@@ -108,7 +108,7 @@ struct Reduction {
 }
 
 /// Receives every sender's values of the job's range and averages them **part by part**: as
-/// soon as every present sender has delivered a part (of `chunk_bytes` on the wire), its mean is
+/// soon as every present sender has delivered a part (of [`chunk_bytes_for`] the range), its mean is
 /// computed and each sender gets its delta back while the next parts are still arriving, so the
 /// return traffic overlaps the send traffic. Parts wait until every expected sender has shown up
 /// (or the no-show time passed). A sender that fails is left out of the parts not finished yet;
@@ -119,7 +119,8 @@ pub(super) async fn reduce_span(
     mut rx: mpsc::Receiver<IncomingSender>,
 ) -> Reduced {
     let cfg = round.config();
-    let part_len = starling_compression::elements_per_chunk(cfg.codec, cfg.chunk_bytes)
+    let chunk_bytes = chunk_bytes_for(cfg, job.range.len());
+    let part_len = starling_compression::elements_per_chunk(cfg.codec, chunk_bytes)
         .unwrap_or(1 << 16)
         .max(1);
     // No-shows count as failed only in phase 1, where every sender owes us its part.
@@ -516,6 +517,7 @@ async fn write_results(
                     };
                     for _ in 0..times {
                         sent += write_control(&mut wr, &head).await?;
+                        // A part fits one chunk (parts are cut by the chunk size, or smaller).
                         let mut chunks = SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes)?;
                         let mut first = true;
                         while let Some(chunk) = chunks.next_chunk() {

@@ -11,7 +11,7 @@ use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::{rogue, Round, Segment};
+use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
 use crate::sync::lock;
@@ -270,7 +270,7 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
 ) -> Result<usize, SendFail> {
     let cfg = round.config();
     let mut sent = 0;
-    let mut chunks = SpanChunks::new(cfg.codec, part, cfg.chunk_bytes)
+    let mut chunks = SpanChunks::new(cfg.codec, part, chunk_bytes_for(cfg, part.len()))
         .map_err(|e| SendFail::other(e.to_string()))?;
     let mut index = 0;
     let rogue = rogue::of(cfg).filter(|_| phase1);
