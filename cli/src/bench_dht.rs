@@ -57,6 +57,10 @@ pub struct DhtArgs {
     /// `idle_connection_timeout`; default: the node default, 120).
     #[arg(long)]
     idle_timeout: Option<u64>,
+    /// Seconds to let the started swarm sit idle while its CPU time is measured
+    /// (`idle_cpu_ms_per_s_per_peer` in the output; 0: skip).
+    #[arg(long, default_value_t = 10)]
+    settle: u64,
 }
 
 /// Arguments of a `bench dht --procs` worker process.
@@ -189,6 +193,31 @@ struct Report {
     /// Open connections per peer when memory was read (libp2p keeps a connection open until it
     /// has been idle for `idle_connection_timeout`, 120 s by default).
     connections_per_peer: f64,
+    /// CPU time the idle swarm used (all processes), per peer: milliseconds per second. The
+    /// machine's cores divided by the peer count is the most a peer may use.
+    idle_cpu_ms_per_s_per_peer: f64,
+    /// Open connections per peer after the idle time.
+    idle_connections_per_peer: f64,
+}
+
+/// CPU time (user + system) of process `pid` so far, in clock ticks (100 per second).
+fn cpu_ticks(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // The command name may hold spaces: fields are counted after its closing parenthesis.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return 0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 here.
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(11) + field(12)
 }
 
 /// Resident set size of this process, KiB (0 where /proc is not readable).
@@ -239,6 +268,9 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>, idle: Duration) -> Resul
     let template = NodeConfig {
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
         idle_connection_timeout: idle,
+        // A thousand peers joining on two cores make handshakes slow: keep trying longer than
+        // a user's node would (0.5 s, doubling: about a minute in all).
+        bootstrap_attempts: 8,
         ..NodeConfig::default()
     };
     let mut nodes = Vec::with_capacity(n);
@@ -509,7 +541,7 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         .into_iter()
         .next()
         .context("first peer has no address")?;
-    // Workers start together, each bootstrapping from another of this process's peers.
+    // Workers bootstrap each from another of this process's peers.
     let mut boots = Vec::new();
     for p in 0..args.procs.saturating_sub(1) {
         let addr = local[p % local.len()]
@@ -519,12 +551,12 @@ pub async fn run(args: DhtArgs) -> Result<()> {
             .next();
         boots.push(addr.unwrap_or_else(|| boot.clone()));
     }
-    let spawned =
-        futures::future::join_all(boots.iter().map(|b| Worker::spawn(share, b, idle))).await;
+    // One worker at a time: joins are the expensive part (every new peer's handshakes and
+    // Kademlia bootstrap), and a thousand at once on two cores time each other out.
     let mut workers = Vec::new();
     let mut base_rss_all = base_rss;
-    for w in spawned {
-        let (w, base) = w?;
+    for b in &boots {
+        let (w, base) = Worker::spawn(share, b, idle).await?;
         base_rss_all += base;
         workers.push((w, share));
     }
@@ -538,6 +570,22 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         "{} peers up in {startup_s:.1} s over {} processes",
         swarm.peers(),
         args.procs
+    );
+    // What the swarm costs when nobody asks it anything: pings, identify, Kademlia upkeep.
+    let pids: Vec<u32> = std::iter::once(std::process::id())
+        .chain(swarm.workers.iter().filter_map(|(w, _)| w._child.id()))
+        .collect();
+    let ticks = || pids.iter().map(|p| cpu_ticks(*p)).sum::<u64>();
+    let (t0, c0) = (Instant::now(), ticks());
+    tokio::time::sleep(Duration::from_secs(args.settle)).await;
+    let idle_cpu = if args.settle > 0 {
+        (ticks() - c0) as f64 * 10.0 / t0.elapsed().as_secs_f64() / swarm.peers() as f64
+    } else {
+        0.0
+    };
+    let idle_connections = swarm.rss_kb().await.1 as f64 / swarm.peers() as f64;
+    eprintln!(
+        "idle: {idle_cpu:.3} ms of CPU per second per peer, {idle_connections:.1} connections per peer"
     );
     let run_id: u64 = rand::random();
     let key = |phase: &str, i: usize| format!("bench.{run_id:x}.{phase}.{i}");
@@ -596,6 +644,8 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         rss_total_mb: rss_total as f64 / 1024.0,
         rss_per_peer_kb: rss_total.saturating_sub(base_rss_all) as f64 / args.peers as f64,
         connections_per_peer: connections as f64 / args.peers as f64,
+        idle_cpu_ms_per_s_per_peer: idle_cpu,
+        idle_connections_per_peer: idle_connections,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
