@@ -78,6 +78,8 @@ fn session(net: &Net, equal: bool, size: usize, rounds: usize) -> Vec<Vec<Sample
         let samples: Vec<Sample> = out
             .lines()
             .map_while(Result::ok)
+            // Every round's line, for a failure's diagnosis (shown with --nocapture).
+            .inspect(|l| eprintln!("worker {i}: {l}"))
             .map(|l| Sample {
                 round: field(&l, "round") as usize,
                 allreduce_s: field(&l, "allreduce_s"),
