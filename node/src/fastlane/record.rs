@@ -173,7 +173,7 @@ impl FastStream {
     /// ```no_run
     /// # fn f(lane: starling_node::FastStream) {
     /// let (rd, wr) = lane.into_split();
-    /// let lane = starling_node::FastStream::unsplit(rd, wr).expect("halves of one lane");
+    /// let lane = starling_node::FastStream::unsplit(rd, wr).ok().expect("halves of one lane");
     /// # let _ = lane; }
     /// ```
     #[allow(clippy::result_large_err)]
