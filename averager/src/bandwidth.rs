@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
+use crate::partition::geometric_median;
 use crate::sync::lock;
 
 /// Measurements the estimate is the median of. A median, not an average: one round's
@@ -31,7 +32,7 @@ impl Bandwidth {
     /// What this peer declares now.
     pub fn current(&self) -> f64 {
         self.configured
-            .or_else(|| median(lock(&self.measured).iter().copied()))
+            .or_else(|| geometric_median(lock(&self.measured).iter().copied()))
             .unwrap_or(self.initial)
     }
 
@@ -48,17 +49,6 @@ impl Bandwidth {
         }
         recent.push_back(measured);
     }
-}
-
-/// The median (for an even count, the geometric mean of the two middle values).
-fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
-    let mut v: Vec<f64> = values.collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some((v[(n - 1) / 2] * v[n / 2]).sqrt())
 }
 
 #[cfg(test)]

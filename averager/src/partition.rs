@@ -127,18 +127,13 @@ pub const NOISE_OCTAVES: f64 = 1.5;
 /// assert!(d[0] / d[3] > 7.0); // a throttled peer stays far slower
 /// ```
 pub fn denoise_bandwidths(bandwidths: &[f64]) -> Vec<f64> {
-    let mut valid: Vec<f64> = bandwidths
+    let valid = bandwidths
         .iter()
         .copied()
-        .filter(|b| b.is_finite() && *b > 0.0)
-        .collect();
-    if valid.is_empty() {
+        .filter(|b| b.is_finite() && *b > 0.0);
+    let Some(median) = geometric_median(valid) else {
         return bandwidths.to_vec();
-    }
-    valid.sort_by(f64::total_cmp);
-    let n = valid.len();
-    // For an even count, the geometric mean of the two middle rates.
-    let median = (valid[(n - 1) / 2] * valid[n / 2]).sqrt();
+    };
     bandwidths
         .iter()
         .map(|&b| {
@@ -150,6 +145,18 @@ pub fn denoise_bandwidths(bandwidths: &[f64]) -> Vec<f64> {
             median * shrunk.exp2()
         })
         .collect()
+}
+
+/// The median of positive rates; for an even count, the geometric mean of the two middle ones
+/// (rates compare by ratio). `None` when there are none.
+pub(crate) fn geometric_median(rates: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = rates.collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some((v[(n - 1) / 2] * v[n / 2]).sqrt())
 }
 
 /// Contiguous spans of `total` elements, one per member in order, sized by `fractions`

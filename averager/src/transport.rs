@@ -267,82 +267,58 @@ pub(crate) fn unsplit_fast(rd: LaneReader, wr: LaneWriter) -> Option<FastStream>
     }
 }
 
-impl AsyncRead for LaneReader {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut [u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            LaneReader::P2p(s) => Pin::new(s).poll_read(cx, buf),
-            LaneReader::Fast(s) => Pin::new(&mut **s).poll_read(cx, buf),
+/// `AsyncRead` for a lane enum whose `P2p` variant holds a libp2p side and whose `Fast` variant
+/// a boxed fast lane side.
+macro_rules! lane_read {
+    ($t:ident) => {
+        impl AsyncRead for $t {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut [u8],
+            ) -> Poll<io::Result<usize>> {
+                match self.get_mut() {
+                    $t::P2p(s) => Pin::new(s).poll_read(cx, buf),
+                    $t::Fast(s) => Pin::new(&mut **s).poll_read(cx, buf),
+                }
+            }
         }
-    }
+    };
 }
 
-impl AsyncWrite for LaneWriter {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            LaneWriter::P2p(s) => Pin::new(s).poll_write(cx, buf),
-            LaneWriter::Fast(s) => Pin::new(&mut **s).poll_write(cx, buf),
-        }
-    }
+/// `AsyncWrite` for a lane enum, as [`lane_read`] does reads.
+macro_rules! lane_write {
+    ($t:ident) => {
+        impl AsyncWrite for $t {
+            fn poll_write(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                match self.get_mut() {
+                    $t::P2p(s) => Pin::new(s).poll_write(cx, buf),
+                    $t::Fast(s) => Pin::new(&mut **s).poll_write(cx, buf),
+                }
+            }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            LaneWriter::P2p(s) => Pin::new(s).poll_flush(cx),
-            LaneWriter::Fast(s) => Pin::new(&mut **s).poll_flush(cx),
-        }
-    }
+            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $t::P2p(s) => Pin::new(s).poll_flush(cx),
+                    $t::Fast(s) => Pin::new(&mut **s).poll_flush(cx),
+                }
+            }
 
-    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            LaneWriter::P2p(s) => Pin::new(s).poll_close(cx),
-            LaneWriter::Fast(s) => Pin::new(&mut **s).poll_close(cx),
+            fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $t::P2p(s) => Pin::new(s).poll_close(cx),
+                    $t::Fast(s) => Pin::new(&mut **s).poll_close(cx),
+                }
+            }
         }
-    }
+    };
 }
 
-impl AsyncRead for Lane {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut [u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Lane::P2p(s) => Pin::new(s).poll_read(cx, buf),
-            Lane::Fast(s) => Pin::new(&mut **s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Lane {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Lane::P2p(s) => Pin::new(s).poll_write(cx, buf),
-            Lane::Fast(s) => Pin::new(&mut **s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Lane::P2p(s) => Pin::new(s).poll_flush(cx),
-            Lane::Fast(s) => Pin::new(&mut **s).poll_flush(cx),
-        }
-    }
-
-    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Lane::P2p(s) => Pin::new(s).poll_close(cx),
-            Lane::Fast(s) => Pin::new(&mut **s).poll_close(cx),
-        }
-    }
-}
+lane_read!(Lane);
+lane_write!(Lane);
+lane_read!(LaneReader);
+lane_write!(LaneWriter);

@@ -7,12 +7,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
+use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::sync::lock;
 use crate::transport::{unsplit_fast, Lane, LaneWriter};
@@ -149,13 +151,11 @@ pub(super) async fn send_span(
             let admitted = AtomicBool::new(!pipelined);
             let refused = AtomicBool::new(false);
             let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
-            let written = AtomicUsize::new(0);
+            // Bytes handed to the lane so far, this exchange only.
+            let written = Counter::default();
             let unmeasured = AtomicUsize::new(0);
             let write = async {
-                let mut wr = Tally {
-                    inner: &mut wr,
-                    written: &written,
-                };
+                let mut wr = Counted::new(&mut wr, written.clone());
                 let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
                 // The upload rate counts the time to send, not the wait for results.
                 Ok((sent, Instant::now()))
@@ -168,7 +168,7 @@ pub(super) async fn send_span(
                     // What went into the lane before: about as much as will still be in the
                     // socket's buffer when the last byte is handed over, so the bytes handed
                     // over from here on measure the uplink over the time from here on.
-                    unmeasured.store(written.load(Ordering::Relaxed), Ordering::Relaxed);
+                    unmeasured.store(written.get() as usize, Ordering::Relaxed);
                 }
                 receive_results(round, &mut rd, range.len(), result_gap, failed_reducer).await
             };
@@ -462,40 +462,6 @@ async fn open_with_hello(
             "could not reach the reducer: {last}"
         ))),
         Err(OpenError::BadReply(e)) => Err(SendFail::reducer(e.to_string())),
-    }
-}
-
-/// A writer that tallies the bytes it accepted (for the upload measurement).
-struct Tally<'a, W> {
-    inner: &'a mut W,
-    written: &'a AtomicUsize,
-}
-
-impl<W: futures::AsyncWrite + Unpin> futures::AsyncWrite for Tally<'_, W> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let r = std::pin::Pin::new(&mut *self.inner).poll_write(cx, buf);
-        if let std::task::Poll::Ready(Ok(n)) = &r {
-            self.written.fetch_add(*n, Ordering::Relaxed);
-        }
-        r
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.inner).poll_flush(cx)
-    }
-
-    fn poll_close(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.inner).poll_close(cx)
     }
 }
 
