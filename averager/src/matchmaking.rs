@@ -169,6 +169,10 @@ async fn run_window(
     let mut refused: HashSet<Vec<u8>> = HashSet::new();
     let mut busy: HashMap<Vec<u8>, Instant> = HashMap::new();
     let mut attempt: Option<FollowFuture> = None;
+    // The last read of the key, while fresh: a refused or busy leader's successor is taken from
+    // it rather than from a new lookup (a join request is one stream; a lookup asks a score of
+    // peers, and 64 peers stepping through refusals at once made the lookups the bottleneck).
+    let mut last_read: Option<(Instant, Vec<Declaration>)> = None;
     // Set once the leader of `attempt` accepted us: we are following, not just asking.
     let mut following = Arc::new(AtomicBool::new(false));
     let opened = Instant::now();
@@ -231,7 +235,21 @@ async fn run_window(
                 }
                 // Try the next candidate now rather than at the next refresh: a refusal is often
                 // a declaration left over from the previous round by a peer not searching yet.
-                refresh.reset_immediately();
+                // From the last read while it is fresh, else from a new one.
+                let now = Instant::now();
+                let next = last_read
+                    .as_ref()
+                    .filter(|(at, _)| now.duration_since(*at) < REFRESH_INTERVAL)
+                    .and_then(|(_, entries)| pick_leader(entries, me, &my_rank, &refused, &busy, now));
+                match next {
+                    Some(leader) if followers.is_empty() => {
+                        tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking the next leader of the last read");
+                        following = Arc::new(AtomicBool::new(false));
+                        let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
+                        attempt = Some(asking.in_current_span().boxed());
+                    }
+                    _ => refresh.reset_immediately(),
+                }
             }
             // Also while leading a group that is not full: if an earlier peer is searching, this
             // group disbands and everyone joins that peer, so groups grow instead of splitting
@@ -249,16 +267,8 @@ async fn run_window(
                     .map(|d| d.info.peer_id.clone())
                     .collect();
                 let now = Instant::now();
-                let best = entries
-                    .into_iter()
-                    .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
-                    .filter(|d| Member::parse(&d.info).is_ok())
-                    // Only earlier peers, so requests never form a cycle; a client never leads,
-                    // so it asks the earliest leader whatever its own rank.
-                    .filter(|d| me.mode == AveragingMode::Client || rank(d.window_end, &d.info.peer_id) < my_rank)
-                    .filter(|d| !refused.contains(&d.info.peer_id))
-                    .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
-                    .min_by(|a, b| rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id)));
+                let best = pick_leader(&entries, me, &my_rank, &refused, &busy, now);
+                last_read = Some((now, entries));
                 if let Some(leader) = best {
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), followers = followers.len(), "asking to join");
                     disband(&mut followers, cfg.request_timeout).await;
@@ -279,6 +289,33 @@ async fn run_window(
             }
         }
     }
+}
+
+/// The leader to ask among `entries` (live declarations under the key): the earliest-ranked
+/// non-client other than us that we have not been refused by, is not backing off from, and
+/// ranks ahead of us (so requests never form a cycle; a client never leads, so it asks the
+/// earliest leader whatever its own rank).
+fn pick_leader(
+    entries: &[Declaration],
+    me: &MemberInfo,
+    my_rank: &(u64, Vec<u8>),
+    refused: &HashSet<Vec<u8>>,
+    busy: &HashMap<Vec<u8>, Instant>,
+    now: Instant,
+) -> Option<Declaration> {
+    entries
+        .iter()
+        .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
+        .filter(|d| Member::parse(&d.info).is_ok())
+        .filter(|d| {
+            me.mode == AveragingMode::Client || rank(d.window_end, &d.info.peer_id) < *my_rank
+        })
+        .filter(|d| !refused.contains(&d.info.peer_id))
+        .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
+        .min_by(|a, b| {
+            rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id))
+        })
+        .cloned()
 }
 
 /// How long a leader's window must have been open before it begins with every declared peer
