@@ -57,6 +57,12 @@ pub struct DhtArgs {
     /// `idle_connection_timeout`; default: the node default, 120).
     #[arg(long)]
     idle_timeout: Option<u64>,
+    /// Seconds between Kademlia routing-table refreshes of each peer (the node's
+    /// `routing_refresh_interval`; default: the node default, 300; 0: never). Every peer of a
+    /// simulated swarm refreshes on this machine's cores: a thousand peers at 300 s start
+    /// about three refreshes a second, each a few hundred requests.
+    #[arg(long)]
+    refresh: Option<u64>,
     /// Seconds to let the started swarm sit idle while its CPU time is measured
     /// (`idle_cpu_ms_per_s_per_peer` in the output; 0: skip).
     #[arg(long, default_value_t = 10)]
@@ -75,6 +81,9 @@ pub struct DhtWorkerArgs {
     /// Idle connection timeout of its peers, seconds.
     #[arg(long)]
     idle_timeout: u64,
+    /// Routing-table refresh interval of its peers, seconds (0: never).
+    #[arg(long)]
+    refresh: u64,
 }
 
 /// One operation, sent to the process hosting `peer`.
@@ -182,6 +191,8 @@ struct Report {
     procs: usize,
     startup_s: f64,
     idle_timeout_s: u64,
+    /// Routing-table refresh interval of every peer (null: never).
+    routing_refresh_s: Option<u64>,
     sequential: PhaseStats,
     concurrent: PhaseStats,
     killed: usize,
@@ -264,10 +275,11 @@ async fn connections_of(nodes: &[Option<Node>]) -> u64 {
 
 /// Starts `n` peers bootstrapped from `boot` (or, without it, from the first of them), each as
 /// `Node::start` does for a user: dial the bootstrap peer, one Kademlia bootstrap.
-async fn start_peers(n: usize, boot: Option<Multiaddr>, idle: Duration) -> Result<Vec<Node>> {
+async fn start_peers(n: usize, boot: Option<Multiaddr>, peer: PeerSettings) -> Result<Vec<Node>> {
     let template = NodeConfig {
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
-        idle_connection_timeout: idle,
+        idle_connection_timeout: peer.idle,
+        routing_refresh_interval: peer.refresh,
         // A thousand peers joining on two cores make handshakes slow: keep trying longer than
         // a user's node would (0.5 s, doubling: about a minute in all).
         bootstrap_attempts: 8,
@@ -303,6 +315,20 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>, idle: Duration) -> Resul
     Ok(nodes)
 }
 
+/// What the bench sets on every peer's [`NodeConfig`], in every process.
+#[derive(Debug, Clone, Copy)]
+struct PeerSettings {
+    idle: Duration,
+    refresh: Option<Duration>,
+}
+
+impl PeerSettings {
+    /// The `--refresh` form: seconds, 0 for never.
+    fn refresh_s(&self) -> u64 {
+        self.refresh.map_or(0, |r| r.as_secs())
+    }
+}
+
 /// A worker process, from the coordinator's side.
 struct Worker {
     stdin: Mutex<tokio::process::ChildStdin>,
@@ -312,7 +338,7 @@ struct Worker {
 
 impl Worker {
     /// Starts a worker hosting `peers` peers; with its resident KiB before they started.
-    async fn spawn(peers: usize, boot: &Multiaddr, idle: Duration) -> Result<(Worker, u64)> {
+    async fn spawn(peers: usize, boot: &Multiaddr, peer: PeerSettings) -> Result<(Worker, u64)> {
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
             .args(["bench", "dht-worker", "--peers"])
@@ -320,7 +346,9 @@ impl Worker {
             .arg("--bootstrap")
             .arg(boot.to_string())
             .arg("--idle-timeout")
-            .arg(idle.as_secs().to_string())
+            .arg(peer.idle.as_secs().to_string())
+            .arg("--refresh")
+            .arg(peer.refresh_s().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -530,11 +558,19 @@ pub async fn run(args: DhtArgs) -> Result<()> {
     let started = Instant::now();
     let share = args.peers / args.procs;
     let first_share = args.peers - share * (args.procs - 1);
-    let idle = args
-        .idle_timeout
-        .map(Duration::from_secs)
-        .unwrap_or(NodeConfig::default().idle_connection_timeout);
-    let local = start_peers(first_share, None, idle).await?;
+    let defaults = NodeConfig::default();
+    let peer = PeerSettings {
+        idle: args
+            .idle_timeout
+            .map(Duration::from_secs)
+            .unwrap_or(defaults.idle_connection_timeout),
+        refresh: match args.refresh {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => defaults.routing_refresh_interval,
+        },
+    };
+    let local = start_peers(first_share, None, peer).await?;
     let boot = local[0]
         .listen_addrs()
         .await?
@@ -556,7 +592,7 @@ pub async fn run(args: DhtArgs) -> Result<()> {
     let mut workers = Vec::new();
     let mut base_rss_all = base_rss;
     for b in &boots {
-        let (w, base) = Worker::spawn(share, b, idle).await?;
+        let (w, base) = Worker::spawn(share, b, peer).await?;
         base_rss_all += base;
         workers.push((w, share));
     }
@@ -636,7 +672,8 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         peers: args.peers,
         procs: args.procs,
         startup_s,
-        idle_timeout_s: idle.as_secs(),
+        idle_timeout_s: peer.idle.as_secs(),
+        routing_refresh_s: peer.refresh.map(|r| r.as_secs()),
         sequential,
         concurrent,
         killed,
@@ -654,8 +691,11 @@ pub async fn run(args: DhtArgs) -> Result<()> {
 /// `starling bench dht-worker`: hosts peers and runs the operations its stdin asks for.
 pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
     let base_rss_kb = rss_kb();
-    let idle = Duration::from_secs(args.idle_timeout);
-    let nodes = start_peers(args.peers, Some(args.bootstrap), idle).await?;
+    let peer = PeerSettings {
+        idle: Duration::from_secs(args.idle_timeout),
+        refresh: (args.refresh > 0).then(|| Duration::from_secs(args.refresh)),
+    };
+    let nodes = start_peers(args.peers, Some(args.bootstrap), peer).await?;
     let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
     let (tx, mut rx) = mpsc::channel::<String>(1024);
     let mut out = tokio::io::stdout();

@@ -60,6 +60,7 @@ pub(crate) fn build(
         .set_publication_interval(None)
         .set_provider_publication_interval(None)
         .set_replication_interval(cfg.replication_interval)
+        .set_periodic_bootstrap_interval(cfg.routing_refresh_interval)
         // The closest peer that answered a lookup without the record gets it written back
         // (`Queries::finish_get`), so later lookups end sooner.
         .set_caching(kad::Caching::Enabled { max_peers: 1 });

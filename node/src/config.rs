@@ -53,6 +53,12 @@ pub struct NodeConfig {
     pub replication_interval: Option<Duration>,
     /// How long an idle connection stays open.
     pub idle_connection_timeout: Duration,
+    /// How often Kademlia refreshes the routing table (a lookup of our own id, then one of a
+    /// random id in every bucket farther out: a few hundred requests, many on new connections,
+    /// in a swarm of a thousand). `None`: never; the table then changes only through traffic.
+    /// Default 5 minutes (libp2p's). A real node pays this alone; a thousand simulated peers
+    /// sharing two cores pay it together, which is why `starling bench dht` can stretch it.
+    pub routing_refresh_interval: Option<Duration>,
     /// The Kademlia protocol name; peers with different names do not talk.
     pub kad_protocol: String,
     /// Capacity of the command channel between handles and the swarm task.
@@ -174,6 +180,7 @@ impl Default for NodeConfig {
             put_quorum: 1,
             replication_interval: Some(Duration::from_secs(600)),
             idle_connection_timeout: Duration::from_secs(120),
+            routing_refresh_interval: Some(Duration::from_secs(300)),
             kad_protocol: DEFAULT_KAD_PROTOCOL.to_string(),
             command_queue: 1024,
             fast_lane: true,
