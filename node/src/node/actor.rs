@@ -89,7 +89,7 @@ impl Actor {
             listen_addrs,
             peer_ips: HashMap::new(),
             pending_dials: HashMap::new(),
-            queries: Queries::new(validator, cfg.put_quorum),
+            queries: Queries::new(validator, cfg.put_quorum, cfg.request_timeout / 2),
             nat: Nat::new(cfg, nat_events.sender()),
             kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
@@ -116,6 +116,9 @@ impl Actor {
                     }
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
+                id = self.queries.next_deadline() => {
+                    self.queries.on_deadline(kad(&mut self.swarm), id);
+                }
                 _ = sweep.tick() => {
                     self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
                     self.nat.maintain(&mut self.swarm);

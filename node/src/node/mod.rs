@@ -370,6 +370,12 @@ impl Node {
     /// Stores a raw entry under `key`. If the key or sub-key names this node as owner the entry
     /// is signed; if it names another owner the write is refused locally. The entry is merged into
     /// the local store and sent to the `k` peers closest to the key.
+    ///
+    /// Cost and semantics: one lookup of the closest peers, then the write to them; it returns
+    /// once `put_quorum` of them acknowledged (one by default). The lookup has half the request
+    /// timeout: past that (a closest peer that stalls without closing its connection) the write
+    /// goes to the closest peers that answered by then, so a stalled peer delays a store instead
+    /// of failing it. `QuorumFailed` means no peer acknowledged in time.
     pub async fn put_entry(&self, key: &str, mut entry: Entry) -> Result<PutReport, NodeError> {
         if let Some(owner) = starling_dht::required_owner(key, &entry.subkey)? {
             if owner != self.owner.public() {

@@ -5,12 +5,20 @@
 //! every record found (after validation) into one dictionary, answers once the query's last
 //! step arrives, and writes the merged record back to the closest peer that lacked it (a
 //! cache, so the next lookup stops sooner); a GET for the first value answers, and ends the
-//! query, at the first valid record with a live entry. PUTs answer with the quorum outcome;
-//! bootstraps answer when no buckets remain to refresh.
+//! query, at the first valid record with a live entry. A PUT runs in two steps: a lookup of the
+//! closest peers, cut short at its budget (half the request timeout) with the closest that
+//! answered by then, then the write to them, answered at the quorum; so one slow peer among
+//! the closest delays a store by the budget instead of failing it. Bootstraps answer when no
+//! buckets remain to refresh.
 //! Inbound PUTs (`StoreInserts::FilterBoth`) are validated and merged by our own store here too.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
 
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey};
 use starling_dht::{now_ms, DhtStore, DictionaryRecord, Validator};
@@ -42,9 +50,25 @@ struct PendingGet {
     reply: Reply<Option<DictionaryRecord>>,
 }
 
+/// A PUT whose lookup of the closest peers is in flight.
+struct PendingLookup {
+    record: Record,
+    key: String,
+    reply: Reply<PutReport>,
+}
+
+/// A lookup's budget: resolves to its query id when the budget is spent.
+type Deadline = Pin<Box<dyn Future<Output = QueryId> + Send>>;
+
 /// Every Kademlia query the swarm task has started and not yet answered.
 pub(super) struct Queries {
-    /// PUTs, with the key (for the error message) and the caller's reply.
+    /// PUTs in their first step (finding the closest peers).
+    lookups: HashMap<QueryId, PendingLookup>,
+    /// When each of those lookups is cut short.
+    deadlines: FuturesUnordered<Deadline>,
+    /// How long a PUT's lookup may take before the write goes to the closest peers found.
+    lookup_budget: Duration,
+    /// PUTs in their second step, with the key (for the error message) and the caller's reply.
     puts: HashMap<QueryId, (String, Reply<PutReport>)>,
     gets: HashMap<QueryId, PendingGet>,
     bootstraps: HashMap<QueryId, Reply<()>>,
@@ -55,8 +79,12 @@ pub(super) struct Queries {
 }
 
 impl Queries {
-    pub(super) fn new(validator: Validator, put_quorum: usize) -> Self {
+    /// `lookup_budget`: how long a PUT's lookup of the closest peers may run.
+    pub(super) fn new(validator: Validator, put_quorum: usize, lookup_budget: Duration) -> Self {
         Queries {
+            lookups: HashMap::new(),
+            deadlines: FuturesUnordered::new(),
+            lookup_budget,
             puts: HashMap::new(),
             gets: HashMap::new(),
             bootstraps: HashMap::new(),
@@ -65,24 +93,70 @@ impl Queries {
         }
     }
 
-    /// Stores `record` locally and sends it to the closest peers, answering `reply` once the
-    /// quorum acknowledged it (or could not).
+    /// Stores `record` locally and looks up the peers closest to its key; the write to them
+    /// follows when the lookup ends or its budget is spent ([`Self::on_deadline`]), and
+    /// `reply` is answered once the quorum acknowledged it (or could not).
     pub(super) fn put(&mut self, kad: &mut Kad, record: Record, reply: Reply<PutReport>) {
+        use kad::store::RecordStore;
         let key = String::from_utf8_lossy(record.key.as_ref()).into_owned();
-        let quorum = Quorum::N(NonZeroUsize::new(self.put_quorum).unwrap_or(NonZeroUsize::MIN));
-        match kad.put_record(record, quorum) {
-            Ok(id) => {
-                self.puts.insert(id, (key, reply));
-            }
-            Err(e) => {
-                let _ = reply.send(Err(NodeError::Dht(starling_dht::DhtError::StoreFull(
-                    match e {
-                        kad::store::Error::MaxRecords => "too many records",
-                        _ => "record refused by local store",
-                    },
-                ))));
+        if let Err(e) = kad.store_mut().put(record.clone()) {
+            let _ = reply.send(Err(NodeError::Dht(starling_dht::DhtError::StoreFull(
+                match e {
+                    kad::store::Error::MaxRecords => "too many records",
+                    _ => "record refused by local store",
+                },
+            ))));
+            return;
+        }
+        let id = kad.get_closest_peers(record.key.to_vec());
+        self.lookups
+            .insert(id, PendingLookup { record, key, reply });
+        let budget = self.lookup_budget;
+        self.deadlines.push(Box::pin(async move {
+            tokio::time::sleep(budget).await;
+            id
+        }));
+    }
+
+    /// The next lookup whose budget is spent; pending forever while there is none (for the
+    /// swarm task's `select!`).
+    pub(super) async fn next_deadline(&mut self) -> QueryId {
+        match self.deadlines.next().await {
+            Some(id) => id,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// A PUT's lookup ran out of budget: end it, so that it reports the closest peers that
+    /// answered so far and the write goes to them. (A lookup that already ended is ignored.)
+    pub(super) fn on_deadline(&mut self, kad: &mut Kad, id: QueryId) {
+        if self.lookups.contains_key(&id) {
+            if let Some(mut q) = kad.query_mut(&id) {
+                tracing::debug!(
+                    ?id,
+                    "DHT put: lookup over budget, writing to the closest found"
+                );
+                q.finish();
             }
         }
+    }
+
+    /// A PUT's lookup ended with `peers` (closest first): write the record to them.
+    fn write_to_closest(&mut self, kad: &mut Kad, id: QueryId, peers: Vec<kad::PeerInfo>) {
+        let Some(PendingLookup { record, key, reply }) = self.lookups.remove(&id) else {
+            return;
+        };
+        if peers.is_empty() {
+            let _ = reply.send(Err(NodeError::QuorumFailed {
+                key,
+                acknowledged: 0,
+                required: self.put_quorum,
+            }));
+            return;
+        }
+        let quorum = Quorum::N(NonZeroUsize::new(self.put_quorum).unwrap_or(NonZeroUsize::MIN));
+        let write = kad.put_record_to(record, peers.into_iter().map(|p| p.peer_id), quorum);
+        self.puts.insert(write, (key, reply));
     }
 
     /// Sends `record` to `peers` as it is (no local store, no validation): fault injection.
@@ -196,6 +270,13 @@ impl Queries {
                 cache_candidates,
             })) if last => self.finish_get(kad, id, cache_candidates.into_values().collect()),
             QueryResult::GetRecord(_) if last => self.finish_get(kad, id, Vec::new()),
+            QueryResult::GetClosestPeers(result) => {
+                let peers = match result {
+                    Ok(ok) => ok.peers,
+                    Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                };
+                self.write_to_closest(kad, id, peers);
+            }
             QueryResult::PutRecord(result) => {
                 if let Some((key, reply)) = self.puts.remove(&id) {
                     let r = match result {
