@@ -185,6 +185,18 @@ fn init_swarm(out: &std::path::Path) -> Result<()> {
 /// take the close of its connection (every shutdown of many peers printed dozens).
 const DEFAULT_LOG_FILTER: &str = "warn,libp2p_kad=error,yamux=error";
 
+/// Raises this process's open-file limit (soft) to its hard limit. A node holds a socket per
+/// connection and per fast lane: in a swarm of a thousand peers a busy node holds several
+/// hundred, and many systems start processes with a soft limit of 1024, which would end in
+/// "Too many open files" on accepts and dials. (Go programs, hivemind's daemon among them, do
+/// the same at start.)
+fn raise_open_file_limit() {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => tracing::debug!(limit, "open-file limit"),
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -194,6 +206,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    raise_open_file_limit();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
