@@ -241,14 +241,14 @@ async fn run_window(
                     .as_ref()
                     .filter(|(at, _)| now.duration_since(*at) < REFRESH_INTERVAL)
                     .and_then(|(_, entries)| pick_leader(entries, me, &my_rank, &refused, &busy, now));
+                // (No followers to disband: they were when this attempt began, and joins are
+                // refused while it runs.)
                 match next {
-                    Some(leader) if followers.is_empty() => {
+                    Some(leader) => {
                         tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking the next leader of the last read");
-                        following = Arc::new(AtomicBool::new(false));
-                        let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
-                        attempt = Some(asking.in_current_span().boxed());
+                        (following, attempt) = ask(mm, group_key, me, window_end_ms, leader);
                     }
-                    _ => refresh.reset_immediately(),
+                    None => refresh.reset_immediately(),
                 }
             }
             // Also while leading a group that is not full: if an earlier peer is searching, this
@@ -272,9 +272,7 @@ async fn run_window(
                 if let Some(leader) = best {
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), followers = followers.len(), "asking to join");
                     disband(&mut followers, cfg.request_timeout).await;
-                    following = Arc::new(AtomicBool::new(false));
-                    let asking = follow(mm.clone(), group_key.to_string(), me.clone(), window_end_ms, leader, following.clone());
-                    attempt = Some(asking.in_current_span().boxed());
+                    (following, attempt) = ask(mm, group_key, me, window_end_ms, leader);
                 } else if me.mode != AveragingMode::Client
                     && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size)
                     && (opened.elapsed() >= early_start_grace(cfg)
@@ -556,6 +554,27 @@ async fn begin(
     .await;
     // Every member's peer id was checked against its connection when it joined.
     Group::new(round_id, &members, 0).map_err(AveragerError::Protocol)
+}
+
+/// Starts asking `leader` to take us: the flag [`follow`] sets once the leader accepted, and
+/// the request (for `run_window`'s `following` and `attempt`).
+fn ask(
+    mm: &Matchmaker,
+    group_key: &str,
+    me: &MemberInfo,
+    my_window_end: u64,
+    leader: Declaration,
+) -> (Arc<AtomicBool>, Option<FollowFuture>) {
+    let accepted = Arc::new(AtomicBool::new(false));
+    let asking = follow(
+        mm.clone(),
+        group_key.to_string(),
+        me.clone(),
+        my_window_end,
+        leader,
+        accepted.clone(),
+    );
+    (accepted, Some(asking.in_current_span().boxed()))
 }
 
 async fn follow(

@@ -327,6 +327,11 @@ impl PeerSettings {
     fn refresh_s(&self) -> u64 {
         self.refresh.map_or(0, |r| r.as_secs())
     }
+
+    /// The refresh interval a `--refresh` of `s` seconds asks for (0: never).
+    fn refresh_from_s(s: u64) -> Option<Duration> {
+        (s > 0).then(|| Duration::from_secs(s))
+    }
 }
 
 /// A worker process, from the coordinator's side.
@@ -564,11 +569,10 @@ pub async fn run(args: DhtArgs) -> Result<()> {
             .idle_timeout
             .map(Duration::from_secs)
             .unwrap_or(defaults.idle_connection_timeout),
-        refresh: match args.refresh {
-            Some(0) => None,
-            Some(s) => Some(Duration::from_secs(s)),
-            None => defaults.routing_refresh_interval,
-        },
+        refresh: args.refresh.map_or(
+            defaults.routing_refresh_interval,
+            PeerSettings::refresh_from_s,
+        ),
     };
     let local = start_peers(first_share, None, peer).await?;
     let boot = local[0]
@@ -693,7 +697,7 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
     let base_rss_kb = rss_kb();
     let peer = PeerSettings {
         idle: Duration::from_secs(args.idle_timeout),
-        refresh: (args.refresh > 0).then(|| Duration::from_secs(args.refresh)),
+        refresh: PeerSettings::refresh_from_s(args.refresh),
     };
     let nodes = start_peers(args.peers, Some(args.bootstrap), peer).await?;
     let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
