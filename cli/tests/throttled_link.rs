@@ -38,6 +38,8 @@ struct Sample {
     /// Reducers this peer sent a span to, and how many of those transfers used the fast lane.
     transfers: usize,
     fast_lane_transfers: usize,
+    /// The upload rate this peer declares after the round (bytes/s).
+    bandwidth: f64,
 }
 
 /// Runs one measured session of `rounds` rounds and returns each worker's samples.
@@ -86,6 +88,7 @@ fn session(net: &Net, equal: bool, size: usize, rounds: usize) -> Vec<Vec<Sample
                 span_fraction: field(&l, "span_fraction"),
                 transfers: field(&l, "transfers") as usize,
                 fast_lane_transfers: field(&l, "fast_lane_transfers") as usize,
+                bandwidth: field(&l, "bandwidth"),
             })
             .collect();
         assert!(w.0.wait().unwrap().success(), "worker {i} failed");
@@ -125,6 +128,20 @@ fn throttled_peer_gets_a_small_span_and_the_round_is_faster() {
         .filter(|s| s.round >= 2)
         .map(|s| s.span_fraction)
         .collect();
+    // The estimate the split rests on: the throttled uplink measured as what it is, not as
+    // what the socket buffers swallowed (a default 4 MiB send buffer made a 20 Mbit/s uplink
+    // read as 6x faster, and the peer got a share).
+    let mbit: f64 = SLOW_RATE.trim_end_matches("mbit").parse().unwrap();
+    let link = mbit * 1e6 / 8.0;
+    for s in balanced[SLOW].iter().filter(|s| s.round >= 2) {
+        assert!(
+            s.bandwidth < 2.0 * link && s.bandwidth > link / 8.0,
+            "round {}: the throttled peer declares {:.2} MB/s on a {:.2} MB/s uplink",
+            s.round,
+            s.bandwidth / 1e6,
+            link / 1e6
+        );
+    }
     for f in &slow_fraction {
         assert!(
             *f < 0.125,
