@@ -464,6 +464,7 @@ impl Averager {
             warm_lane_transfers: outcome.warm_lanes,
             matchmaking_time,
             allreduce_time,
+            measured_upload: outcome.measured_bandwidth,
         })
     }
 

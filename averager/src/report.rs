@@ -89,6 +89,10 @@ pub struct RoundReport {
     pub matchmaking_time: Duration,
     /// Time spent in the all-reduce.
     pub allreduce_time: Duration,
+    /// This round's measurement of this peer's upload rate (bytes/s), from its phase-1 sends;
+    /// `None` when it sent too little to say (under 2 MiB). The bandwidth a peer declares
+    /// ([`crate::Averager::bandwidth`]) is the median of its recent measurements.
+    pub measured_upload: Option<f64>,
 }
 
 impl RoundReport {

@@ -91,6 +91,9 @@ struct RoundSample {
     /// The upload bandwidth (bytes/s) this peer declares after the round.
     #[serde(default)]
     bandwidth: f64,
+    /// This round's measurement of the upload rate (bytes/s), if it sent enough to measure.
+    #[serde(default)]
+    measured_upload: Option<f64>,
 }
 
 fn unix_now() -> f64 {
@@ -214,6 +217,7 @@ async fn worker_rounds(
             warm_lane_transfers: report.warm_lane_transfers,
             reference: false,
             bandwidth: averager.bandwidth(),
+            measured_upload: report.measured_upload,
             transfers: report
                 .spans
                 .iter()
@@ -261,6 +265,7 @@ async fn reference_rounds(
             warm_lane_transfers: 0,
             reference: true,
             bandwidth: 0.0,
+            measured_upload: None,
         });
     }
     Ok(samples)

@@ -40,6 +40,8 @@ struct Sample {
     fast_lane_transfers: usize,
     /// The upload rate this peer declares after the round (bytes/s).
     bandwidth: f64,
+    /// This round's own measurement of it, if the round measured one.
+    measured_upload: Option<f64>,
 }
 
 /// Runs one measured session of `rounds` rounds and returns each worker's samples.
@@ -89,6 +91,8 @@ fn session(net: &Net, equal: bool, size: usize, rounds: usize) -> Vec<Vec<Sample
                 transfers: field(&l, "transfers") as usize,
                 fast_lane_transfers: field(&l, "fast_lane_transfers") as usize,
                 bandwidth: field(&l, "bandwidth"),
+                measured_upload: (!l.contains("\"measured_upload\":null"))
+                    .then(|| field(&l, "measured_upload")),
             })
             .collect();
         assert!(w.0.wait().unwrap().success(), "worker {i} failed");
@@ -141,6 +145,17 @@ fn throttled_peer_gets_a_small_span_and_the_round_is_faster() {
             s.bandwidth / 1e6,
             link / 1e6
         );
+    }
+    // Every peer re-measures its uplink every round, on warm lanes too (each sends at least
+    // 2 MiB in phase 1 here), so the estimates follow a link that changes.
+    for (i, w) in balanced.iter().enumerate() {
+        for s in w {
+            assert!(
+                s.measured_upload.is_some(),
+                "worker {i} round {}: no upload measurement",
+                s.round
+            );
+        }
     }
     for f in &slow_fraction {
         assert!(

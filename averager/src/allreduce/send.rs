@@ -3,18 +3,15 @@
 //! and turn them into new values.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
 use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
-use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::sync::lock;
 use crate::transport::{unsplit_fast, Lane, LaneWriter};
@@ -125,7 +122,7 @@ pub(super) async fn send_span(
         // If that lane turns out dead before the reducer admitted us, nothing reached the
         // round: the exchange starts over once on a fresh lane, which waits for `Ready` first.
         let mut warm = round.env.transport.take_idle(round.peer(j));
-        let (stream, hello_bytes, pipelined, (t_ready, unmeasured), exchanged) = loop {
+        let (stream, hello_bytes, pipelined, t_start, exchanged) = loop {
             let pipelined = warm.is_some();
             let (stream, hello_bytes) = match warm.take() {
                 Some(lane) => {
@@ -143,19 +140,17 @@ pub(super) async fn send_span(
                     (s, n)
                 }
             };
-            // The upload is timed from the reducer's `Ready` (data sent before it on a warm
-            // lane waited in buffers for a reducer that may have learned of the round later;
-            // such a wait is no measure of this peer's uplink) to the last byte handed to the
-            // lane.
-            let t_ready = Mutex::new(Instant::now());
+            // The upload is timed from the first data byte (after the reducer's `Ready` on a
+            // fresh lane; at once on a warm one) to the last byte handed to the lane. A lane
+            // holds little unsent data (the node limits it), so bytes handed over have left
+            // this host; on a warm lane those sent before the reducer's `Ready` wait in its
+            // receive buffer, and if that fills, the wait reads as a slower uplink for this
+            // round, which the median of recent rounds absorbs.
+            let t_start = Instant::now();
             let admitted = AtomicBool::new(!pipelined);
             let refused = AtomicBool::new(false);
             let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
-            // Bytes handed to the lane so far, this exchange only.
-            let written = Counter::default();
-            let unmeasured = AtomicUsize::new(0);
             let write = async {
-                let mut wr = Counted::new(&mut wr, written.clone());
                 let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
                 // The upload rate counts the time to send, not the wait for results.
                 Ok((sent, Instant::now()))
@@ -164,11 +159,6 @@ pub(super) async fn send_span(
                 if pipelined {
                     await_ready(&mut rd, ack_wait, &refused).await?;
                     admitted.store(true, Ordering::Relaxed);
-                    *lock(&t_ready) = Instant::now();
-                    // What went into the lane before: about as much as will still be in the
-                    // socket's buffer when the last byte is handed over, so the bytes handed
-                    // over from here on measure the uplink over the time from here on.
-                    unmeasured.store(written.get() as usize, Ordering::Relaxed);
                 }
                 receive_results(round, &mut rd, range.len(), result_gap, failed_reducer).await
             };
@@ -176,8 +166,7 @@ pub(super) async fn send_span(
             // while the write side may still be pushing data nobody reads).
             match futures::future::try_join(write, read).await {
                 Ok(done) => {
-                    let measured = (*lock(&t_ready), unmeasured.load(Ordering::Relaxed));
-                    break ((rd, wr), hello_bytes, pipelined, measured, done);
+                    break ((rd, wr), hello_bytes, pipelined, t_start, done);
                 }
                 // Only the lane's failure (not a refusal, nor our own failure or deadline).
                 Err(e)
@@ -211,11 +200,7 @@ pub(super) async fn send_span(
             .fetch_add(sent as u64, Ordering::Relaxed);
         // Only phase 1's concurrent streams measure this peer's upload rate.
         if phase1 {
-            lock(&round.counters.upload).add(
-                data_bytes.saturating_sub(unmeasured),
-                t_ready,
-                t_sent,
-            );
+            lock(&round.counters.upload).add(data_bytes, t_start, t_sent);
         }
         // A fast lane whose exchange ended cleanly stays open for the next round; a libp2p
         // stream is closed (streams are cheap to open).
@@ -227,7 +212,7 @@ pub(super) async fn send_span(
         } else {
             let _ = futures::AsyncWriteExt::close(&mut wr).await;
         }
-        tracing::debug!(reducer = j.0, sent_in = ?t_sent - t_ready, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
+        tracing::debug!(reducer = j.0, sent_in = ?t_sent - t_start, total = ?t0.elapsed(), bytes = sent, "span sent and returned");
         // With a lossy codec, turn the delta into the new values: (what the reducer saw of us)
         // + delta. The exact codec `none` (no `as_sent` copy) carries the mean itself, so every
         // member holds the same bits.
