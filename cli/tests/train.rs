@@ -13,8 +13,11 @@ use std::time::Duration;
 use procs::{json, run, serial, Proc, LOOPBACK};
 use serde_json::Value;
 
-/// Bound on one training process.
-const LIMIT: Duration = Duration::from_secs(300);
+/// Bound on one training process (a hang guard, not a speed bar). Two-peer runs can lose a
+/// 5 s matchmaking window every 10 epochs when the peers fall out of phase around state
+/// averaging (a known defect, see the issue notes): the 250-epoch IDX run then takes 220-260 s
+/// here instead of about 15 s, too close to a 300 s bound on a loaded machine.
+const LIMIT: Duration = Duration::from_secs(600);
 
 /// The events of one kind among a process's JSON lines.
 fn events(lines: &[String], kind: &str) -> Vec<Value> {
