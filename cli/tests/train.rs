@@ -219,7 +219,7 @@ fn grammar_text(sentences: usize) -> String {
 }
 
 #[test]
-fn two_peers_train_the_char_lm_below_the_texts_unigram_entropy() {
+fn two_peers_train_the_char_lm_below_the_texts_bigram_entropy() {
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("text.txt");
@@ -241,14 +241,16 @@ fn two_peers_train_the_char_lm_below_the_texts_unigram_entropy() {
     let b = train(&["--run", "lm", "--bootstrap", &addr, "--data", text]);
     for (p, who) in [(a, "creator"), (b, "joiner")] {
         let (f, lines) = finished(p, who);
-        let entropy = events(&lines, "started")[0]["unigram_entropy_nats"]
-            .as_f64()
-            .unwrap();
+        let started = &events(&lines, "started")[0];
+        let unigram = started["unigram_entropy_nats"].as_f64().unwrap();
+        let bigram = started["bigram_entropy_nats"].as_f64().unwrap();
         let loss = f["val_loss_nats"].as_f64().unwrap();
         println!(
-            "{who}: validation loss {loss:.3} nats/char; the text's unigram entropy {entropy:.3}"
+            "{who}: validation loss {loss:.3} nats/char; the text's unigram entropy {unigram:.3}, bigram {bigram:.3}"
         );
-        assert!(loss < entropy, "{who}: {loss} not below {entropy}");
+        // Below the bigram entropy: the model uses more than the last character, which a
+        // trained output head alone (a graph cut below it) cannot.
+        assert!(loss < bigram, "{who}: {loss} not below {bigram}");
     }
 }
 

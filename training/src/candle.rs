@@ -6,6 +6,11 @@
 //! to what earlier micro-batches left ([`VarBinding::accumulate_grads`]). Vars of any float dtype
 //! and on any device work; values pass through `f32`.
 //!
+//! A trainable var that a `backward()` did not reach is an error naming it
+//! ([`BindError::MissingGradients`]), not a silent zero: a model whose graph is cut (candle's fused
+//! `layer_norm` and `softmax_last_dim` have no backward) would otherwise train only the layers
+//! above the cut. Vars that are meant to stay fixed are declared with [`VarBinding::freeze`].
+//!
 //! Register vars in the same order on every peer: the order fixes the flat layout. A
 //! `candle_nn::VarMap` keeps its vars in a `HashMap`, so sort them by name first.
 //!
@@ -75,6 +80,26 @@ pub enum BindError {
         /// The set's shape.
         set: Vec<usize>,
     },
+    /// Trainable vars that a `backward()` did not reach: the loss does not depend on them, or an
+    /// op between them and the loss has no backward (candle's fused `layer_norm`,
+    /// `softmax_last_dim`). Nothing was written to the set's gradients.
+    #[error(
+        "no gradient reached {} of the model's trainable tensors ({}): the loss does not depend \
+         on them or an op on their path has no backward (candle's fused layer_norm or \
+         softmax_last_dim); declare tensors that must stay fixed with VarBinding::freeze",
+        names.len(),
+        names.join(", ")
+    )]
+    MissingGradients {
+        /// Their names, in binding order.
+        names: Vec<String>,
+    },
+    /// [`VarBinding::freeze`] named a var this binding does not hold.
+    #[error("cannot freeze {name:?}: no var of that name is bound")]
+    UnknownVar {
+        /// The name given.
+        name: String,
+    },
     /// The set passed in is not the one this binding was made for (or it lacks the tensor).
     #[error("tensor {name:?} is not where this binding expects it in the set; pass the set the binding was made with")]
     Layout {
@@ -89,6 +114,8 @@ struct Bound {
     name: String,
     range: Range<usize>,
     var: Var,
+    /// Declared fixed: its gradient is always zero, and a missing one is no error.
+    frozen: bool,
 }
 
 /// `Var`s bound to tensors of a [`ParamSet`].
@@ -125,6 +152,7 @@ impl VarBinding {
                 name,
                 range,
                 var,
+                frozen: false,
             });
         }
         Ok(Self { bound })
@@ -171,6 +199,7 @@ impl VarBinding {
                 name,
                 range,
                 var,
+                frozen: false,
             });
         }
         Ok(Self { bound })
@@ -261,8 +290,61 @@ impl VarBinding {
         Ok(())
     }
 
-    /// Copies the gradients of a `backward()` into the set's gradients; a var that the loss did
-    /// not reach gets zeros. Returns how many vars had no gradient.
+    /// Declares vars fixed: their gradients are always zero (an optimizer with weight decay still
+    /// decays them), and a `backward()` that does not reach them is no error. Every other bound
+    /// var must get a gradient.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Var};
+    /// let mut set = starling_training::ParamSet::new();
+    /// let (w, table) = (Var::ones(2, DType::F32, &Device::Cpu)?, Var::ones(2, DType::F32, &Device::Cpu)?);
+    /// let mut binding = starling_training::VarBinding::register(&mut set, [("w", w.clone()), ("table", table)])?;
+    /// let grads = (w.as_tensor() * 3.0)?.sum_all()?.backward()?;
+    /// assert!(binding.grads_to_set(&grads, &mut set).is_err()); // "table" got no gradient
+    /// binding.freeze(["table"])?;
+    /// binding.grads_to_set(&grads, &mut set)?;
+    /// assert_eq!(set.grads(), &[3.0, 3.0, 0.0, 0.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn freeze<S: AsRef<str>>(
+        &mut self,
+        names: impl IntoIterator<Item = S>,
+    ) -> Result<(), BindError> {
+        for name in names {
+            let name = name.as_ref();
+            let b = self
+                .bound
+                .iter_mut()
+                .find(|b| b.name == name)
+                .ok_or_else(|| BindError::UnknownVar {
+                    name: name.to_string(),
+                })?;
+            b.frozen = true;
+        }
+        Ok(())
+    }
+
+    /// The names of the vars declared fixed with [`VarBinding::freeze`], in binding order.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Var};
+    /// let mut set = starling_training::ParamSet::new();
+    /// let v = Var::zeros(1, DType::F32, &Device::Cpu)?;
+    /// let mut binding = starling_training::VarBinding::register(&mut set, [("v", v)])?;
+    /// binding.freeze(["v"])?;
+    /// assert_eq!(binding.frozen().collect::<Vec<_>>(), ["v"]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn frozen(&self) -> impl Iterator<Item = &str> + '_ {
+        self.bound
+            .iter()
+            .filter(|b| b.frozen)
+            .map(|b| b.name.as_str())
+    }
+
+    /// Copies the gradients of a `backward()` into the set's gradients (frozen vars get zeros).
+    /// A trainable var that the `backward()` did not reach is an error that names it
+    /// ([`BindError::MissingGradients`]), and the set is left as it was.
     ///
     /// ```
     /// use candle_core::{DType, Device, Var};
@@ -270,16 +352,17 @@ impl VarBinding {
     /// let v = Var::ones(2, DType::F32, &Device::Cpu)?;
     /// let binding = starling_training::VarBinding::register(&mut set, [("v", v.clone())])?;
     /// let grads = (v.as_tensor() * 3.0)?.sum_all()?.backward()?;
-    /// assert_eq!(binding.grads_to_set(&grads, &mut set)?, 0);
+    /// binding.grads_to_set(&grads, &mut set)?;
     /// assert_eq!(set.grads(), &[3.0, 3.0]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn grads_to_set(&self, grads: &GradStore, set: &mut ParamSet) -> Result<usize, BindError> {
+    pub fn grads_to_set(&self, grads: &GradStore, set: &mut ParamSet) -> Result<(), BindError> {
         self.move_grads(grads, set, false)
     }
 
     /// Adds the gradients of a `backward()` to the set's gradients (micro-batch accumulation).
-    /// Returns how many vars had no gradient.
+    /// Like [`VarBinding::grads_to_set`], a trainable var without a gradient is an error and
+    /// nothing is added.
     ///
     /// ```
     /// use candle_core::{DType, Device, Var};
@@ -293,11 +376,7 @@ impl VarBinding {
     /// assert_eq!(set.grads(), &[6.0]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn accumulate_grads(
-        &self,
-        grads: &GradStore,
-        set: &mut ParamSet,
-    ) -> Result<usize, BindError> {
+    pub fn accumulate_grads(&self, grads: &GradStore, set: &mut ParamSet) -> Result<(), BindError> {
         self.move_grads(grads, set, true)
     }
 
@@ -330,36 +409,48 @@ impl VarBinding {
         grads: &GradStore,
         set: &mut ParamSet,
         add: bool,
-    ) -> Result<usize, BindError> {
-        let mut missing = 0;
+    ) -> Result<(), BindError> {
+        let missing: Vec<String> = self
+            .bound
+            .iter()
+            .filter(|b| !b.frozen && grads.get(b.var.as_tensor()).is_none())
+            .map(|b| b.name.clone())
+            .collect();
+        if !missing.is_empty() {
+            return Err(BindError::MissingGradients { names: missing });
+        }
+        // Read every gradient before writing any, so that an error leaves the set as it was.
+        let mut values = Vec::with_capacity(self.bound.len());
         for b in &self.bound {
             self.check_layout(set, b)?;
+            let g = match grads.get(b.var.as_tensor()) {
+                Some(g) if !b.frozen => g,
+                _ => {
+                    values.push(None);
+                    continue;
+                }
+            };
+            let v = read_f32(&b.name, g.detach())?;
+            if v.len() != b.range.len() {
+                return Err(BindError::Shape {
+                    name: b.name.clone(),
+                    var: g.dims().to_vec(),
+                    set: b.var.dims().to_vec(),
+                });
+            }
+            values.push(Some(v));
+        }
+        for (b, v) in self.bound.iter().zip(values) {
             let out = &mut set.grads_mut()[b.range.clone()];
-            match grads.get(b.var.as_tensor()) {
-                Some(g) => {
-                    let values = read_f32(&b.name, g.detach())?;
-                    if values.len() != out.len() {
-                        return Err(BindError::Shape {
-                            name: b.name.clone(),
-                            var: g.dims().to_vec(),
-                            set: b.var.dims().to_vec(),
-                        });
-                    }
-                    if add {
-                        out.iter_mut().zip(&values).for_each(|(o, v)| *o += v);
-                    } else {
-                        out.copy_from_slice(&values);
-                    }
-                }
-                None => {
-                    missing += 1;
-                    if !add {
-                        out.fill(0.0);
-                    }
-                }
+            match (v, add) {
+                (Some(v), true) => out.iter_mut().zip(&v).for_each(|(o, v)| *o += v),
+                (Some(v), false) => out.copy_from_slice(&v),
+                // Frozen: nothing added, or zeros.
+                (None, true) => {}
+                (None, false) => out.fill(0.0),
             }
         }
-        Ok(missing)
+        Ok(())
     }
 
     fn check_layout(&self, set: &ParamSet, b: &Bound) -> Result<(), BindError> {

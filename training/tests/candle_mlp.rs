@@ -128,7 +128,7 @@ fn a_step_through_the_binding_equals_a_manual_step() {
     let (mlp, mut set, binding) = setup(1);
     let (x, y) = batch(2);
     let grads = mlp.loss(&x, &y).backward().unwrap();
-    assert_eq!(binding.grads_to_set(&grads, &mut set).unwrap(), 0);
+    binding.grads_to_set(&grads, &mut set).unwrap();
     let lr = 0.05;
     let mut manual = Vec::new();
     for (name, var) in mlp.named() {
@@ -213,13 +213,42 @@ fn accumulating_micro_batches_sums_their_gradients() {
     }
 }
 
+/// A var the loss does not reach is an error naming every such var, and nothing is written
+/// (a graph cut by an op without a backward trained only the layers above it, silently); vars
+/// declared frozen get zeros instead.
 #[test]
-fn vars_the_loss_does_not_reach_get_zero_gradients() {
-    let (mlp, mut set, binding) = setup(5);
+fn vars_the_loss_does_not_reach_are_an_error_unless_frozen() {
+    let (mlp, mut set, mut binding) = setup(5);
     set.grads_mut().fill(1.0);
     let grads = mlp.w1.as_tensor().sum_all().unwrap().backward().unwrap();
-    assert_eq!(binding.grads_to_set(&grads, &mut set).unwrap(), 3);
+    for accumulate in [false, true] {
+        let err = if accumulate {
+            binding.accumulate_grads(&grads, &mut set)
+        } else {
+            binding.grads_to_set(&grads, &mut set)
+        }
+        .unwrap_err();
+        match &err {
+            BindError::MissingGradients { names } => {
+                assert_eq!(names, &["l1.bias", "l2.weight", "l2.bias"], "{err}")
+            }
+            other => panic!("wrong error: {other}"),
+        }
+        assert!(err.to_string().contains("l2.weight"), "{err}");
+        assert!(set.grads().iter().all(|&g| g == 1.0), "nothing written");
+    }
+    // Freezing a name the binding does not hold is an error too.
+    assert!(matches!(
+        binding.freeze(["l3.weight"]),
+        Err(BindError::UnknownVar { .. })
+    ));
+    binding.freeze(["l1.bias", "l2.bias", "l2.weight"]).unwrap();
+    assert_eq!(binding.frozen().count(), 3);
+    binding.grads_to_set(&grads, &mut set).unwrap();
     assert!(set.grad("l1.weight").unwrap().iter().all(|&g| g == 1.0));
+    assert!(set.grad("l2.weight").unwrap().iter().all(|&g| g == 0.0));
+    binding.accumulate_grads(&grads, &mut set).unwrap();
+    assert!(set.grad("l1.weight").unwrap().iter().all(|&g| g == 2.0));
     assert!(set.grad("l2.weight").unwrap().iter().all(|&g| g == 0.0));
 }
 

@@ -82,6 +82,30 @@ impl Text {
             })
             .sum()
     }
+
+    /// The training part's bigram entropy in nats per character, H(next | current): the loss of
+    /// a model that sees only the previous character. A language model that beats it uses more
+    /// context than one character (a trained output head alone cannot).
+    pub fn bigram_entropy(&self) -> f64 {
+        let v = self.vocab.len();
+        let mut pairs = vec![0u64; v * v];
+        let mut firsts = vec![0u64; v];
+        for w in self.train.windows(2) {
+            pairs[w[0] as usize * v + w[1] as usize] += 1;
+            firsts[w[0] as usize] += 1;
+        }
+        let n = self.train.len().saturating_sub(1).max(1) as f64;
+        pairs
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| c > 0)
+            .map(|(i, &c)| {
+                let p_pair = c as f64 / n;
+                let p_next = c as f64 / firsts[i / v] as f64;
+                -p_pair * p_next.ln()
+            })
+            .sum()
+    }
 }
 
 /// What a peer trains on, loaded for a run's [`DataSpec`].
@@ -437,6 +461,7 @@ pub fn read_text(path: &Path, vocab: Option<&[char]>) -> Result<Text> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::Rng;
 
     #[test]
     fn digits_split_is_fixed_and_scaled() {
@@ -539,6 +564,16 @@ mod tests {
         assert_eq!(t.vocab, vec!['a', 'b']);
         assert_eq!((t.train.len(), t.val.len()), (360, 40));
         assert!((t.unigram_entropy() - std::f64::consts::LN_2).abs() < 1e-9);
+        // "abab...": the next character is certain.
+        assert!(t.bigram_entropy().abs() < 1e-9);
+        // Independent fair coin flips: the previous character tells nothing.
+        let mut rng = StdRng::seed_from_u64(1);
+        let coin = Text {
+            vocab: vec!['a', 'b'],
+            train: (0..200_000).map(|_| rng.gen_range(0..2)).collect(),
+            val: vec![],
+        };
+        assert!((coin.bigram_entropy() - std::f64::consts::LN_2).abs() < 1e-3);
         let err = read_text(&path, Some(&['a'])).unwrap_err().to_string();
         assert!(err.contains("not in the run's vocabulary"), "{err}");
         std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap();

@@ -225,9 +225,9 @@ impl Session {
         }
         t.binding.params_to_vars(&t.params)?;
         t.collab.serve_state(server.clone(), &t.params).await;
-        let unigram = match data.as_ref() {
-            Dataset::Text(text) => Some(text.unigram_entropy()),
-            Dataset::Images(_) => None,
+        let (unigram, bigram) = match data.as_ref() {
+            Dataset::Text(text) => (Some(text.unigram_entropy()), Some(text.bigram_entropy())),
+            Dataset::Images(_) => (None, None),
         };
         reporter.event(&Event::Started {
             peer: node.peer_id().to_string(),
@@ -237,6 +237,7 @@ impl Session {
             epoch: t.collab.epoch(),
             epochs: m.epochs,
             unigram_entropy_nats: unigram,
+            bigram_entropy_nats: bigram,
         });
         let ctx = Ctx {
             node,

@@ -30,6 +30,9 @@ pub enum Event {
         /// The text's unigram entropy, nats per character (language models).
         #[serde(skip_serializing_if = "Option::is_none")]
         unigram_entropy_nats: Option<f64>,
+        /// The text's bigram entropy (next character given the current one), nats per character.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        bigram_entropy_nats: Option<f64>,
     },
     /// State came from the swarm.
     Synced {
@@ -219,11 +222,15 @@ impl Reporter for Bar {
                 epoch,
                 epochs,
                 unigram_entropy_nats,
+                bigram_entropy_nats,
             } => {
                 self.bar.set_position(*epoch);
-                let entropy = unigram_entropy_nats
-                    .map(|h| format!("; the text's unigram entropy is {h:.3} nats/char"))
-                    .unwrap_or_default();
+                let entropy = match (unigram_entropy_nats, bigram_entropy_nats) {
+                    (Some(u), Some(b)) => format!(
+                        "; the text's unigram entropy is {u:.3} nats/char, its bigram entropy {b:.3}"
+                    ),
+                    _ => String::new(),
+                };
                 self.line(format!(
                     "peer {peer} trains {model} ({params} parameters) in run {run}, epoch {epoch} of {epochs}{entropy}"
                 ));
