@@ -55,6 +55,7 @@ pub(crate) fn build(
     kad_cfg
         .set_record_filtering(StoreInserts::FilterBoth)
         .set_query_timeout(cfg.request_timeout)
+        .set_substreams_timeout(cfg.dht_peer_timeout.min(cfg.request_timeout))
         .set_max_packet_size(cfg.dht_limits.max_record_bytes + KAD_PACKET_OVERHEAD)
         .set_record_ttl(None)
         .set_publication_interval(None)

@@ -40,6 +40,10 @@ pub struct NodeConfig {
     pub dht_limits: DhtLimits,
     /// Timeout of one dial, and of each DHT query.
     pub request_timeout: Duration,
+    /// Timeout of one Kademlia request to one peer inside a query. A peer that died without
+    /// its connection closing (a power cut, a frozen process) holds a lookup that must hear
+    /// from it for this long, not for the whole query (libp2p's default is 10 s). Default 3 s.
+    pub dht_peer_timeout: Duration,
     /// How often each bootstrap address is tried before giving up.
     pub bootstrap_attempts: u32,
     /// Pause between bootstrap rounds (doubles each round).
@@ -174,6 +178,7 @@ impl Default for NodeConfig {
             client_mode: false,
             dht_limits: DhtLimits::default(),
             request_timeout: Duration::from_secs(10),
+            dht_peer_timeout: Duration::from_secs(3),
             bootstrap_attempts: 3,
             bootstrap_backoff: Duration::from_millis(500),
             replication_factor: 20,

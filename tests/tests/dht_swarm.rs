@@ -420,10 +420,38 @@ async fn get_first_finds_remote_records_and_latest_gets_cache_them() {
 }
 
 /// A peer that stops answering but keeps its connections open (a stalled process, a machine
-/// swapping): its node runs on its own thread, which stops polling it. A store whose closest
-/// peers include it cuts its lookup at the budget (half the request timeout) and writes to the
-/// closest peers that answered, instead of failing when the whole lookup times out; the other
-/// peers then read the record.
+/// swapping, a power cut before anyone noticed): its node runs on its own thread, which stops
+/// polling it once it joined through `boot`. Sending on the returned channel shuts it down.
+async fn stalled_peer(
+    c: &NodeConfig,
+    boot: starling_node::Multiaddr,
+) -> (std::thread::JoinHandle<()>, std::sync::mpsc::Sender<()>) {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (thaw_tx, thaw_rx) = std::sync::mpsc::channel::<()>();
+    let mut sc = c.clone();
+    sc.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+    let sc = sc.bootstrap_from(boot);
+    let stalled = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let node = rt.block_on(Node::start(sc)).expect("stalling peer starts");
+        ready_tx.send(()).unwrap();
+        // Not polled from here on: its sockets stay open, nothing answers.
+        let _ = thaw_rx.recv();
+        rt.block_on(node.shutdown());
+    });
+    tokio::task::spawn_blocking(move || ready_rx.recv())
+        .await
+        .unwrap()
+        .expect("stalling peer joined");
+    (stalled, thaw_tx)
+}
+
+/// A store whose closest peers include a stalled peer (see [`stalled_peer`]) cuts its lookup
+/// at the budget (half the request timeout) and writes to the closest peers that answered,
+/// instead of failing when the whole lookup times out; the other peers then read the record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_succeeds_when_a_closest_peer_stops_answering() {
     init_tracing();
@@ -433,29 +461,9 @@ async fn a_store_succeeds_when_a_closest_peer_stops_answering() {
             .await
             .expect("cluster starts");
         let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
-        // The peer that will stall: started, joined and known to everyone on its own thread.
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-        let (thaw_tx, thaw_rx) = std::sync::mpsc::channel::<()>();
-        let mut sc = c.clone();
-        sc.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-        let sc = sc.bootstrap_from(boot);
-        let stalled = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            let node = rt.block_on(Node::start(sc)).expect("stalling peer starts");
-            ready_tx.send(()).unwrap();
-            // Not polled from here on: its sockets stay open, nothing answers.
-            let _ = thaw_rx.recv();
-            rt.block_on(node.shutdown());
-        });
-        tokio::task::spawn_blocking(move || ready_rx.recv())
-            .await
-            .unwrap()
-            .expect("stalling peer joined");
         // Its join connected it to everyone, who took it into their routing tables; it stopped
-        // answering when `block_on` returned.
+        // answering once joined.
+        let (stalled, thaw_tx) = stalled_peer(&c, boot).await;
         let started = std::time::Instant::now();
         for (i, n) in cluster.nodes.iter().enumerate() {
             let key = format!("stall.{i}");
@@ -472,6 +480,46 @@ async fn a_store_succeeds_when_a_closest_peer_stops_answering() {
             let got: Vec<(String, u64, u64)> =
                 reader.get_first(&format!("stall.{i}")).await.unwrap();
             assert_eq!(got.len(), 1, "stall.{i}: read back");
+            assert_eq!(got[0].1, i as u64);
+        }
+        thaw_tx.send(()).unwrap();
+        cluster.shutdown().await;
+        tokio::task::spawn_blocking(move || stalled.join())
+            .await
+            .unwrap()
+            .expect("stalled thread ends");
+    })
+    .await;
+}
+
+/// A latest get (what training's progress reads are) whose closest peers include a stalled
+/// peer answers within the progress tracker's 5 s bound, with the node's default 10 s query
+/// timeout: each Kademlia request to one peer gives up after `dht_peer_timeout` (3 s), so the
+/// stalled peer costs one such wait, not the whole query (with a 10 s per-peer timeout, as
+/// before, this test fails at its first get).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latest_get_does_not_wait_out_the_query_for_a_stalled_peer() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let c = NodeConfig::default();
+        let cluster = LocalCluster::start(6, c.clone())
+            .await
+            .expect("cluster starts");
+        for (i, n) in cluster.nodes.iter().enumerate() {
+            n.store(&format!("frozen.{i}"), "v", &(i as u64), now_ms() + 300_000)
+                .await
+                .expect("stored");
+        }
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        let (stalled, thaw_tx) = stalled_peer(&c, boot).await;
+        for i in 0..cluster.nodes.len() {
+            let reader = &cluster.nodes[(i + 1) % cluster.nodes.len()];
+            let key = format!("frozen.{i}");
+            let got = tokio::time::timeout(Duration::from_secs(5), reader.get::<u64>(&key))
+                .await
+                .unwrap_or_else(|_| panic!("{key}: the get waited out 5 s for the stalled peer"))
+                .expect("get");
+            assert_eq!(got.len(), 1, "{key}: read back");
             assert_eq!(got[0].1, i as u64);
         }
         thaw_tx.send(()).unwrap();
