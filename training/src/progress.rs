@@ -66,18 +66,26 @@ pub struct ProgressConfig {
     pub publish_interval: Duration,
     /// A report counts for this long after it was written (then the peer is taken as gone).
     pub report_lifetime: Duration,
+    /// A report from a peer this node has no open connection to counts only this long after
+    /// it was written. A peer that crashed (SIGKILL, power cut) stops publishing and its
+    /// connections close; without this it would count for the whole `report_lifetime`, and
+    /// every averaging round would wait for it. Peers that are alive but not connected (large
+    /// swarms) publish at least every `publish_interval` while they train.
+    pub unconnected_lifetime: Duration,
     /// Bound on one DHT read or write.
     pub request_timeout: Duration,
 }
 
 impl ProgressConfig {
-    /// Defaults: publish at most once a second, reports live 30 s, 5 s per DHT request.
+    /// Defaults: publish at most once a second, reports live 30 s (10 s from peers with no
+    /// open connection), 5 s per DHT request.
     pub fn new(run: impl Into<String>, target_batch_size: u64) -> Self {
         ProgressConfig {
             run: run.into(),
             target_batch_size,
             publish_interval: Duration::from_secs(1),
             report_lifetime: Duration::from_secs(30),
+            unconnected_lifetime: Duration::from_secs(10),
             request_timeout: Duration::from_secs(5),
         }
     }
@@ -304,16 +312,48 @@ impl ProgressTracker {
             .collect())
     }
 
-    /// Reads every live report and adds them up (see [`SwarmProgress::estimate`]).
+    /// Reads every live report and adds them up (see [`SwarmProgress::estimate`]). A report
+    /// counts while it is younger than `report_lifetime` if its peer is connected to this node
+    /// (or is this node), and younger than `unconnected_lifetime` otherwise.
     pub async fn fetch(&self) -> Result<SwarmProgress, ProgressError> {
-        let reports: Vec<PeerProgress> =
-            self.reports().await?.into_iter().map(|(_, r)| r).collect();
+        let reports = self.reports().await?;
+        let t = self.cfg.request_timeout;
+        let connected = timeout(t, self.node.connected_peers())
+            .await
+            .map_err(|_| ProgressError::Timeout(t))??;
+        let now = now_ms();
+        let reports = live_reports(
+            reports,
+            self.node.peer_id(),
+            &connected,
+            self.cfg.unconnected_lifetime,
+            now,
+        );
         Ok(SwarmProgress::estimate(
             &reports,
             self.cfg.target_batch_size,
-            now_ms(),
+            now,
         ))
     }
+}
+
+/// The reports that count: this peer's own and connected peers' (the DHT already dropped
+/// those past `report_lifetime`), and others' younger than `unconnected_lifetime` at `now_ms`.
+fn live_reports(
+    reports: Vec<(PeerId, PeerProgress)>,
+    me: PeerId,
+    connected: &[PeerId],
+    unconnected_lifetime: Duration,
+    now_ms: u64,
+) -> Vec<PeerProgress> {
+    let max_age = unconnected_lifetime.as_millis() as u64;
+    reports
+        .into_iter()
+        .filter(|(peer, r)| {
+            *peer == me || connected.contains(peer) || now_ms.saturating_sub(r.time_ms) <= max_age
+        })
+        .map(|(_, r)| r)
+        .collect()
 }
 
 #[cfg(test)]
@@ -350,6 +390,24 @@ mod tests {
         let expected = 550.0 / 75.0;
         assert!((s.eta.as_secs_f64() - expected).abs() < 1e-9, "{:?}", s.eta);
         assert!(s.is_behind(4) && !s.is_behind(5));
+    }
+
+    #[test]
+    fn unconnected_peers_count_only_while_their_reports_are_fresh() {
+        let peers: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let (me, linked, quiet, fresh) = (peers[0], peers[1], peers[2], peers[3]);
+        let now = 100_000;
+        let reports = vec![
+            (me, r(1, 1, 1.0, now - 25_000)),
+            (linked, r(1, 2, 1.0, now - 25_000)),
+            // Not connected, last heard 12 s ago: crashed (its connections closed).
+            (quiet, r(1, 4, 1.0, now - 12_000)),
+            // Not connected but reported 3 s ago: alive in a large swarm.
+            (fresh, r(1, 8, 1.0, now - 3_000)),
+        ];
+        let live = live_reports(reports, me, &[linked], Duration::from_secs(10), now);
+        let samples: Vec<u64> = live.iter().map(|r| r.samples).collect();
+        assert_eq!(samples, [1, 2, 8]);
     }
 
     #[test]

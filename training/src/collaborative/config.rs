@@ -127,8 +127,13 @@ pub struct StepReport {
     pub stepped: bool,
     /// Members of the averaging group when one formed (this peer included).
     pub group_size: Option<usize>,
-    /// Why the step used only local values, when it did.
+    /// Why the step used only local values, when it did (the gradient or pseudo-gradient
+    /// round; a failed state averaging is in `errors` only).
     pub averaging_error: Option<String>,
+    /// Every failure this call met and went on from: the averaging round's, then state
+    /// averaging's and progress reads or writes that failed (the last reading was used
+    /// instead). None of them ends training; only this peer's own node stopping does.
+    pub errors: Vec<String>,
     /// Samples this peer had accumulated when it stepped (or has accumulated so far).
     pub samples: u64,
     /// The swarm's progress as last read.

@@ -56,13 +56,13 @@ use std::time::{Duration, Instant};
 
 use starling_averager::gossip::{GossipAverager, GossipReport};
 use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
-use starling_node::Node;
+use starling_node::{Node, NodeError};
 
 use crate::metrics::TrainingMetrics;
 
 use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
-use crate::progress::{LocalProgress, ProgressTracker, SwarmProgress};
+use crate::progress::{LocalProgress, ProgressError, ProgressTracker, SwarmProgress};
 use crate::sync::StateServer;
 
 mod config;
@@ -106,6 +106,10 @@ pub struct CollaborativeOptimizer {
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
     swarm: Option<(Instant, SwarmProgress)>,
+    /// The last reading actually read from the DHT (what a failed read falls back to).
+    last_read: Option<SwarmProgress>,
+    /// Failures met during the current call, moved into its [`StepReport`].
+    errors: Vec<String>,
     /// This run's metrics, and the node's (journals, board).
     metrics: TrainingMetrics,
     node_metrics: starling_node::metrics::Metrics,
@@ -173,6 +177,8 @@ impl CollaborativeOptimizer {
             rate_window: None,
             epoch_start: None,
             swarm: None,
+            last_read: None,
+            errors: Vec::new(),
             metrics,
             node_metrics,
             cfg,
@@ -243,8 +249,37 @@ impl CollaborativeOptimizer {
             Mode::Gradients => self.gradient_step(params, batch_samples).await,
             Mode::LocalSgd { inner_steps } => self.local_step(params, inner_steps.max(1)).await,
         };
+        let report = self.with_errors(report);
         self.record(&report);
         report
+    }
+
+    /// Moves the failures met during this call into its report.
+    fn with_errors(
+        &mut self,
+        report: Result<StepReport, TrainingError>,
+    ) -> Result<StepReport, TrainingError> {
+        let errors = std::mem::take(&mut self.errors);
+        report.map(|mut r| {
+            r.errors.extend(errors);
+            r
+        })
+    }
+
+    /// A progress read or write that failed without this peer's node being gone is noted
+    /// (the report's `errors`, a log line) and training goes on; the node stopping ends it.
+    fn tolerate<T>(&mut self, r: Result<T, ProgressError>) -> Result<Option<T>, TrainingError> {
+        match r {
+            Ok(v) => Ok(Some(v)),
+            Err(ProgressError::Node(NodeError::Closed)) => {
+                Err(ProgressError::Node(NodeError::Closed).into())
+            }
+            Err(e) => {
+                tracing::warn!("progress: {e}; going on with the last reading");
+                self.errors.push(format!("progress: {e}"));
+                Ok(None)
+            }
+        }
     }
 
     /// Reports the training loss of the latest batch: the `training_loss` metric, the node's
@@ -331,16 +366,49 @@ impl CollaborativeOptimizer {
     }
 
     /// The swarm's progress: read from the DHT at most every `fetch_interval`, extrapolated in
-    /// between with this peer's own new samples.
+    /// between with this peer's own new samples. A read that fails (a DHT neighbour that died
+    /// and has not been noticed yet) falls back to the last reading, with this peer's own
+    /// progress in place of its report there; before any reading, to this peer alone.
     async fn swarm_progress(&mut self) -> Result<SwarmProgress, TrainingError> {
         if let Some((at, s)) = &self.swarm {
             if at.elapsed() < self.cfg.fetch_interval && s.epoch == self.epoch {
                 return Ok(s.clone());
             }
         }
-        let s = self.tracker.fetch().await?;
+        let fetched = self.tracker.fetch().await;
+        let s = match self.tolerate(fetched)? {
+            Some(s) => {
+                self.last_read = Some(s.clone());
+                s
+            }
+            None => self.fallback_progress(),
+        };
         self.swarm = Some((Instant::now(), s.clone()));
         Ok(s)
+    }
+
+    /// What the swarm's progress is taken to be when it cannot be read: the last reading if
+    /// it is of this epoch or later (this peer's samples counted at least), else this peer
+    /// alone in its epoch with the last reading's peer count.
+    fn fallback_progress(&self) -> SwarmProgress {
+        let own = SwarmProgress::estimate(
+            &[crate::progress::PeerProgress {
+                epoch: self.epoch,
+                samples: self.samples,
+                samples_per_second: self.rate,
+                time_ms: starling_dht::now_ms(),
+            }],
+            self.cfg.target_batch_size,
+            starling_dht::now_ms(),
+        );
+        match &self.last_read {
+            Some(last) if last.epoch >= self.epoch => last.clone(),
+            Some(last) => SwarmProgress {
+                peers: last.peers.max(1),
+                ..own
+            },
+            None => own,
+        }
     }
 
     async fn gradient_step(
@@ -353,7 +421,8 @@ impl CollaborativeOptimizer {
             .iter_mut()
             .zip(params.grads())
             .for_each(|(a, g)| *a += k * g);
-        self.tracker.report(self.local_progress()).await?;
+        let reported = self.tracker.report(self.local_progress()).await;
+        self.tolerate(reported)?;
         self.try_global_step(params).await
     }
 
@@ -364,8 +433,12 @@ impl CollaborativeOptimizer {
         same_len(self.len, params)?;
         match self.cfg.mode {
             Mode::Gradients => {
-                self.tracker.report_final(self.local_progress()).await?;
-                let report = self.try_global_step(params).await;
+                let reported = self.tracker.report_final(self.local_progress()).await;
+                let report = match self.tolerate(reported) {
+                    Ok(_) => self.try_global_step(params).await,
+                    Err(e) => Err(e),
+                };
+                let report = self.with_errors(report);
                 self.record(&report);
                 report
             }
@@ -379,6 +452,7 @@ impl CollaborativeOptimizer {
             stepped: false,
             group_size: None,
             averaging_error: None,
+            errors: Vec::new(),
             samples: self.samples,
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
             behind: false,
@@ -447,12 +521,13 @@ impl CollaborativeOptimizer {
             .is_some_and(|n| n > 0 && self.epoch.is_multiple_of(n))
             && !alone
         {
-            self.average_state(params, &mut report).await?;
+            self.average_state(params).await?;
         }
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         self.refresh_served_state(params).await;
-        self.tracker.publish(self.local_progress()).await?;
+        let published = self.tracker.publish(self.local_progress()).await;
+        self.tolerate(published)?;
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
@@ -460,19 +535,17 @@ impl CollaborativeOptimizer {
 
     /// Averages the parameters and every optimizer state buffer with the group (weight 1), so
     /// that peers that drifted apart meet again.
-    async fn average_state(
-        &mut self,
-        params: &mut ParamSet,
-        report: &mut StepReport,
-    ) -> Result<(), TrainingError> {
+    async fn average_state(&mut self, params: &mut ParamSet) -> Result<(), TrainingError> {
         let mut buffers: Vec<&mut [f32]> = vec![params.params_mut()];
         buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
         let deadline = Instant::now() + self.cfg.averaging_timeout;
         match self.averager.step(&mut buffers, 1.0, deadline).await {
             Ok(_) => Ok(()),
-            Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+            Err(AveragerError::Node(NodeError::Closed)) => {
+                Err(AveragerError::Node(NodeError::Closed).into())
+            }
             Err(e) => {
-                report.averaging_error = Some(format!("state averaging: {e}"));
+                self.errors.push(format!("state averaging: {e}"));
                 Ok(())
             }
         }
@@ -485,7 +558,8 @@ impl CollaborativeOptimizer {
     ) -> Result<StepReport, TrainingError> {
         self.optimizer.step_set(params)?;
         self.inner += 1;
-        self.tracker.report(self.local_progress()).await?;
+        let reported = self.tracker.report(self.local_progress()).await;
+        self.tolerate(reported)?;
         let mut report = self.idle_report();
         if self.inner < inner_steps {
             return Ok(report);
@@ -532,7 +606,8 @@ impl CollaborativeOptimizer {
         self.samples = 0;
         self.swarm = None;
         self.refresh_served_state(params).await;
-        self.tracker.publish(self.local_progress()).await?;
+        let published = self.tracker.publish(self.local_progress()).await;
+        self.tolerate(published)?;
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
@@ -580,16 +655,21 @@ fn note_gossip(
             peers.dedup();
             report.group_size = Some(peers.len() + 1);
             if peers.is_empty() {
-                report.averaging_error = Some(format!(
+                let e = format!(
                     "gossip averaged with nobody this round ({} members)",
                     round.members
-                ));
+                );
+                report.errors.push(e.clone());
+                report.averaging_error = Some(e);
             }
             report.gossip = Some(round);
             Ok(())
         }
-        Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+        Err(AveragerError::Node(NodeError::Closed)) => {
+            Err(AveragerError::Node(NodeError::Closed).into())
+        }
         Err(e) => {
+            report.errors.push(e.to_string());
             report.averaging_error = Some(e.to_string());
             Ok(())
         }
@@ -618,16 +698,21 @@ fn note_round(
         Ok(round) => {
             report.group_size = Some(round.group.len());
             if round.averaged_fraction() < 1.0 {
-                report.averaging_error = Some(format!(
+                let e = format!(
                     "only {:.0}% of the values were averaged",
                     100.0 * round.averaged_fraction()
-                ));
+                );
+                report.errors.push(e.clone());
+                report.averaging_error = Some(e);
             }
             report.round = Some(round);
             Ok(())
         }
-        Err(AveragerError::Node(e)) => Err(AveragerError::Node(e).into()),
+        Err(AveragerError::Node(NodeError::Closed)) => {
+            Err(AveragerError::Node(NodeError::Closed).into())
+        }
         Err(e) => {
+            report.errors.push(e.to_string());
             report.averaging_error = Some(e.to_string());
             Ok(())
         }
