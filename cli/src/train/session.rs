@@ -399,6 +399,7 @@ impl Trainer {
                     averaging_seconds: report.timings.averaging.as_secs_f64(),
                     group_size: report.group_size,
                     averaging_error: report.averaging_error.clone(),
+                    errors: report.errors.clone(),
                 });
                 let epoch = report.epoch;
                 if epoch % m.eval_every == 0 && epoch < m.epochs {
@@ -431,6 +432,7 @@ impl Trainer {
             val_loss_nats,
             samples: samples_total,
             seconds: started.elapsed().as_secs_f64(),
+            params_sha256: params_sha256(self.params.params()),
         });
         Ok(Outcome {
             epoch: self.collab.epoch(),
@@ -439,6 +441,17 @@ impl Trainer {
             finished: true,
         })
     }
+}
+
+/// SHA-256 of `params`' bits, little-endian, as hex.
+fn params_sha256(params: &[f32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for chunk in params.chunks(4096) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+        h.update(&bytes);
+    }
+    hex::encode(h.finalize())
 }
 
 /// Evaluates off the network's threads.

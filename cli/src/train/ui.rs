@@ -74,6 +74,10 @@ pub enum Event {
         /// Why it stepped on its own values, when it did.
         #[serde(skip_serializing_if = "Option::is_none")]
         averaging_error: Option<String>,
+        /// Every failure the step met and went on from (averaging, state averaging, progress
+        /// reads and writes).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        errors: Vec<String>,
     },
     /// An evaluation.
     Eval {
@@ -107,6 +111,9 @@ pub enum Event {
         samples: u64,
         /// Seconds it trained.
         seconds: f64,
+        /// SHA-256 of the final parameters' bits (f32, little-endian, in the model's tensor
+        /// order), hex: equal on peers that ended bit-identical.
+        params_sha256: String,
     },
     /// The session left before the end (Ctrl-C).
     Left {
@@ -292,6 +299,7 @@ impl Reporter for Bar {
                 val_loss_nats,
                 samples,
                 seconds,
+                ..
             } => {
                 self.bar.set_position(*epoch);
                 self.bar.finish();
