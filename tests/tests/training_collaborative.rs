@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
-use starling_training::{CollaborativeOptimizer, Mode, Optimizer, Sgd, SgdConfig};
+use starling_training::{CollaborativeOptimizer, Mode, Optimizer, ParamSet, Sgd, SgdConfig};
 
 #[path = "support/digits.rs"]
 mod digits;
@@ -38,9 +38,16 @@ fn single_peer_baseline(data: &Data) -> Vec<f32> {
     params.params().to_vec()
 }
 
-/// Runs `epochs` global steps of gradient mode on every peer; returns each peer's parameters
-/// after each epoch and its final optimizer state.
-async fn gradient_mode(data: &Data) -> Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+/// Runs `epochs` global steps of gradient mode on every peer, averaging parameters and
+/// optimizer state every `state_every` epochs; `tamper(peer, epoch, params)` runs after each
+/// peer's step. Returns each peer's parameters after each epoch (and whether that step's round
+/// averaged the state) and its final optimizer state.
+async fn gradient_mode(
+    data: &Data,
+    run: &str,
+    state_every: Option<u64>,
+    tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
+) -> Vec<(Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>)> {
     let cluster = LocalCluster::start(PEERS, NodeConfig::default())
         .await
         .unwrap();
@@ -48,7 +55,8 @@ async fn gradient_mode(data: &Data) -> Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
     let runs = nodes.iter().enumerate().map(|(p, node)| async move {
         let mut params = model();
         let opt = Sgd::new(sgd(), params.len()).unwrap();
-        let cfg = collab_cfg("digits-gradients", Mode::Gradients);
+        let mut cfg = collab_cfg(run, Mode::Gradients);
+        cfg.state_averaging_every = state_every;
         let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
             .await
             .unwrap();
@@ -77,7 +85,8 @@ async fn gradient_mode(data: &Data) -> Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
                 r.averaging_error
             );
             assert!(r.averaging_error.is_none(), "{:?}", r.averaging_error);
-            history.push(params.params().to_vec());
+            tamper(p, e, &mut params);
+            history.push((params.params().to_vec(), r.state_averaged));
         }
         let state = collab
             .optimizer()
@@ -97,7 +106,7 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, val) = digits();
-        let results = gradient_mode(&train).await;
+        let results = gradient_mode(&train, "digits-gradients", Some(10), |_, _, _| {}).await;
         for (p, (history, state)) in results.iter().enumerate().skip(1) {
             for (e, params) in history.iter().enumerate() {
                 assert!(
@@ -107,7 +116,10 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
             }
             assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
         }
-        let swarm_model = results[0].0.last().unwrap();
+        // Epoch 10's round averaged the state too, in the same round (EPOCHS = 12).
+        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
+        assert_eq!(folded, [9]);
+        let swarm_model = &results[0].0.last().unwrap().0;
         let single = single_peer_baseline(&train);
         let (a_swarm, a_single) = (accuracy(swarm_model, &val), accuracy(&single, &val));
         eprintln!("validation accuracy: swarm {a_swarm:.3}, one peer {a_single:.3}");
@@ -116,6 +128,42 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
             "swarm {a_swarm} vs one peer {a_single}"
         );
         assert!(a_swarm > 0.8, "the model learned ({a_swarm})");
+    })
+    .await;
+}
+
+/// A peer whose parameters left the swarm's (as a round that failed on it and let it step
+/// alone would leave them) stays apart through plain gradient rounds, and is brought back to
+/// bit-identical values by the next round that also averages the state (every 4 epochs here),
+/// without a second round or any waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stepped_apart_is_brought_back_by_the_next_state_round() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let drift = |p: usize, e: usize, params: &mut ParamSet| {
+            if (p, e) == (PEERS - 1, 0) {
+                params.params_mut().iter_mut().for_each(|v| *v += 0.01);
+            }
+        };
+        let results = gradient_mode(&train, "digits-drift", Some(4), drift).await;
+        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
+        assert_eq!(folded, [3, 7, 11], "epochs 4, 8, 12 average the state");
+        let (apart, others) = (&results[PEERS - 1].0, &results[0].0);
+        for e in 0..3 {
+            assert!(
+                apart[e].0 != others[e].0,
+                "epoch {e}: the drifted peer is apart"
+            );
+        }
+        for (p, (history, _)) in results.iter().enumerate() {
+            for e in 3..EPOCHS {
+                assert!(
+                    history[e].0 == others[e].0,
+                    "peer {p} epoch {e}: back to the swarm's values"
+                );
+            }
+        }
     })
     .await;
 }

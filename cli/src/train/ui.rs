@@ -74,7 +74,7 @@ pub enum Event {
         /// Why it stepped on its own values, when it did.
         #[serde(skip_serializing_if = "Option::is_none")]
         averaging_error: Option<String>,
-        /// Every failure the step met and went on from (averaging, state averaging, progress
+        /// Every failure the step met and went on from (the averaging round, progress
         /// reads and writes).
         #[serde(skip_serializing_if = "Vec::is_empty")]
         errors: Vec<String>,

@@ -81,9 +81,10 @@ pub struct CollaborativeConfig {
     pub fetch_interval: Duration,
     /// DiLoCo's outer optimizer (local-SGD mode).
     pub outer: SgdConfig,
-    /// Gradient mode: every this many epochs, also average the parameters and the optimizer
-    /// state (weight 1 each), so that groups smaller than the swarm, or rounds that averaged
-    /// only part of the gradients, do not let peers drift apart. `None` never does.
+    /// Gradient mode: every this many epochs, the gradient round also averages the parameters
+    /// and the optimizer state (in the same round, weighted by samples like the gradients), so
+    /// that groups smaller than the swarm, or rounds that failed or averaged only part of the
+    /// gradients, do not let peers drift apart for good. `None` never does.
     pub state_averaging_every: Option<u64>,
     /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
     /// with error feedback: what quantization dropped of this peer's contribution in one round
@@ -127,13 +128,15 @@ pub struct StepReport {
     pub stepped: bool,
     /// Members of the averaging group when one formed (this peer included).
     pub group_size: Option<usize>,
-    /// Why the step used only local values, when it did (the gradient or pseudo-gradient
-    /// round; a failed state averaging is in `errors` only).
+    /// Why the step used only local values, when it did.
     pub averaging_error: Option<String>,
-    /// Every failure this call met and went on from: the averaging round's, then state
-    /// averaging's and progress reads or writes that failed (the last reading was used
-    /// instead). None of them ends training; only this peer's own node stopping does.
+    /// Every failure this call met and went on from: the averaging round's, then progress
+    /// reads or writes that failed (the last reading was used instead). None of them ends
+    /// training; only this peer's own node stopping does.
     pub errors: Vec<String>,
+    /// Whether this step's round also averaged the parameters and the optimizer state
+    /// (every `state_averaging_every` epochs).
+    pub state_averaged: bool,
     /// Samples this peer had accumulated when it stepped (or has accumulated so far).
     pub samples: u64,
     /// The swarm's progress as last read.
@@ -156,6 +159,6 @@ pub struct StepTimings {
     pub waiting: Duration,
     /// Averaging (matchmaking and all-reduce).
     pub averaging: Duration,
-    /// The optimizer update (and, when due, state averaging).
+    /// The optimizer update.
     pub optimizer: Duration,
 }

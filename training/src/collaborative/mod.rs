@@ -453,6 +453,7 @@ impl CollaborativeOptimizer {
             group_size: None,
             averaging_error: None,
             errors: Vec::new(),
+            state_averaged: false,
             samples: self.samples,
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
             behind: false,
@@ -481,8 +482,8 @@ impl CollaborativeOptimizer {
         // The local mean gradient, averaged with the group's weighted by samples: the global
         // batch's mean gradient.
         let scale = 1.0 / self.samples as f32;
-        let grads = params.grads_mut();
-        grads
+        params
+            .grads_mut()
             .iter_mut()
             .zip(&self.accumulated)
             .for_each(|(g, a)| *g = a * scale);
@@ -495,14 +496,34 @@ impl CollaborativeOptimizer {
         // No other live peer in the run's progress (a run's first peer, before anyone joins):
         // searching would only wait out a matchmaking window.
         let alone = report.swarm.as_ref().is_some_and(|s| s.peers <= 1);
+        // Every `state_averaging_every` epochs the same round also averages the parameters and
+        // the optimizer state, so that peers whose earlier rounds failed or ran in smaller
+        // groups meet again. In the gradient round itself, not in a second round after the
+        // step: every peer in an epoch averages the same tensors, so a peer never waits out a
+        // matchmaking window for one that is averaging something else.
+        let with_state = self
+            .cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n));
+        let weight = self.samples as f32;
         if alone {
             report.averaging_error = Some(ALONE.into());
+        } else if with_state {
+            // Weighted by samples like the gradients (any weights give every member the same
+            // values). No error feedback: the residual is the gradients' own and carries over
+            // to the next gradient round unchanged.
+            let (values, grads) = params.buffers_mut();
+            let mut buffers: Vec<&mut [f32]> = vec![grads, values];
+            buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
+            let averaged = self.averager.step(&mut buffers, weight, deadline).await;
+            report.state_averaged = averaged.is_ok();
+            note_round(&mut report, averaged)?;
         } else {
             let averaged = average_gradients(
                 &self.averager,
                 self.cfg.error_feedback.then_some(&mut self.residuals),
-                &mut grads[..],
-                self.samples as f32,
+                params.grads_mut(),
+                weight,
                 deadline,
             )
             .await;
@@ -515,14 +536,6 @@ impl CollaborativeOptimizer {
         self.accumulated.fill(0.0);
         self.samples = 0;
         self.swarm = None;
-        if self
-            .cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && self.epoch.is_multiple_of(n))
-            && !alone
-        {
-            self.average_state(params).await?;
-        }
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         self.refresh_served_state(params).await;
@@ -531,24 +544,6 @@ impl CollaborativeOptimizer {
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
-    }
-
-    /// Averages the parameters and every optimizer state buffer with the group (weight 1), so
-    /// that peers that drifted apart meet again.
-    async fn average_state(&mut self, params: &mut ParamSet) -> Result<(), TrainingError> {
-        let mut buffers: Vec<&mut [f32]> = vec![params.params_mut()];
-        buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-        let deadline = Instant::now() + self.cfg.averaging_timeout;
-        match self.averager.step(&mut buffers, 1.0, deadline).await {
-            Ok(_) => Ok(()),
-            Err(AveragerError::Node(NodeError::Closed)) => {
-                Err(AveragerError::Node(NodeError::Closed).into())
-            }
-            Err(e) => {
-                self.errors.push(format!("state averaging: {e}"));
-                Ok(())
-            }
-        }
     }
 
     async fn local_step(

@@ -393,6 +393,20 @@ impl ParamSet {
         (&mut self.params, &self.grads)
     }
 
+    /// The parameters and the gradients, both writable (e.g. to average both in one round).
+    ///
+    /// ```
+    /// let mut set = starling_training::ParamSet::new();
+    /// set.add("w", &[2], &[1.0, 2.0])?;
+    /// let (params, grads) = set.buffers_mut();
+    /// grads.copy_from_slice(params);
+    /// assert_eq!(set.grads(), &[1.0, 2.0]);
+    /// # Ok::<(), starling_training::ParamError>(())
+    /// ```
+    pub fn buffers_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        (&mut self.params, &mut self.grads)
+    }
+
     /// Sets every gradient to zero.
     ///
     /// ```
