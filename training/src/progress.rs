@@ -140,6 +140,10 @@ pub struct SwarmProgress {
     /// Estimated time until it does (zero when ready; `Duration::MAX` when nobody makes
     /// progress).
     pub eta: Duration,
+    /// The part of `projected` that is the reading peer's own report (zero when its report is
+    /// missing or of another epoch): a peer that knows its own count exactly puts that in its
+    /// place (see [`SwarmProgress::projected_with`]).
+    pub own_projected: u64,
 }
 
 impl SwarmProgress {
@@ -193,7 +197,25 @@ impl SwarmProgress {
             peers: reports.len(),
             ready,
             eta,
+            own_projected: 0,
         }
+    }
+
+    /// The swarm's projected samples with this peer's own exact count `own` in place of its
+    /// (older) report: what a peer compares with the target to stop accumulating when the
+    /// swarm as a whole has its batch, not when it alone has.
+    ///
+    /// ```
+    /// use starling_training::progress::{PeerProgress, SwarmProgress};
+    /// let r = |samples| PeerProgress { epoch: 0, samples, samples_per_second: 0.0, time_ms: 0 };
+    /// let mut s = SwarmProgress::estimate(&[r(100), r(40)], 256, 0);
+    /// s.own_projected = 40; // the second report is this peer's, which has 120 by now
+    /// assert_eq!(s.projected_with(120), 220);
+    /// ```
+    pub fn projected_with(&self, own: u64) -> u64 {
+        self.projected
+            .saturating_sub(self.own_projected)
+            .saturating_add(own)
     }
 
     /// Whether a peer in `epoch` is behind the swarm (and should catch up by state sync rather
@@ -322,18 +344,14 @@ impl ProgressTracker {
             .await
             .map_err(|_| ProgressError::Timeout(t))??;
         let now = now_ms();
-        let reports = live_reports(
-            reports,
-            self.node.peer_id(),
-            &connected,
-            self.cfg.unconnected_lifetime,
-            now,
-        );
-        Ok(SwarmProgress::estimate(
-            &reports,
-            self.cfg.target_batch_size,
-            now,
-        ))
+        let me = self.node.peer_id();
+        let own = reports.iter().find(|(p, _)| *p == me).map(|(_, r)| r.clone());
+        let reports = live_reports(reports, me, &connected, self.cfg.unconnected_lifetime, now);
+        let mut swarm = SwarmProgress::estimate(&reports, self.cfg.target_batch_size, now);
+        if let Some(own) = own.filter(|r| r.epoch == swarm.epoch) {
+            swarm.own_projected = SwarmProgress::estimate(&[own], 0, now).projected;
+        }
+        Ok(swarm)
     }
 }
 

@@ -388,10 +388,10 @@ impl CollaborativeOptimizer {
     }
 
     /// What the swarm's progress is taken to be when it cannot be read: the last reading if
-    /// it is of this epoch or later (this peer's samples counted at least), else this peer
-    /// alone in its epoch with the last reading's peer count.
+    /// it is of this epoch or later, else this peer alone in its epoch with the last
+    /// reading's peer count.
     fn fallback_progress(&self) -> SwarmProgress {
-        let own = SwarmProgress::estimate(
+        let mut own = SwarmProgress::estimate(
             &[crate::progress::PeerProgress {
                 epoch: self.epoch,
                 samples: self.samples,
@@ -401,6 +401,7 @@ impl CollaborativeOptimizer {
             self.cfg.target_batch_size,
             starling_dht::now_ms(),
         );
+        own.own_projected = own.projected;
         match &self.last_read {
             Some(last) if last.epoch >= self.epoch => last.clone(),
             Some(last) => SwarmProgress {
@@ -433,7 +434,13 @@ impl CollaborativeOptimizer {
         same_len(self.len, params)?;
         match self.cfg.mode {
             Mode::Gradients => {
-                let reported = self.tracker.report_final(self.local_progress()).await;
+                // Its count is final for this epoch: a rate of 0, so that nobody projects
+                // samples it will not compute.
+                let last = LocalProgress {
+                    samples_per_second: 0.0,
+                    ..self.local_progress()
+                };
+                let reported = self.tracker.report_final(last).await;
                 let report = match self.tolerate(reported) {
                     Ok(_) => self.try_global_step(params).await,
                     Err(e) => Err(e),
@@ -471,8 +478,14 @@ impl CollaborativeOptimizer {
     ) -> Result<StepReport, TrainingError> {
         let swarm = self.swarm_progress().await?;
         let behind = swarm.is_behind(self.epoch);
-        // Our own samples count even if our report has not reached the others yet.
-        let ready = swarm.ready || self.samples >= self.cfg.target_batch_size;
+        // The swarm has its batch when the samples reported and projected from each peer's rate
+        // (this peer's own exact count in place of its report) reach the target: each peer then
+        // computes about its share, not the whole batch (progress is read every
+        // `fetch_interval`, and a step can take less). Our own samples count even if our report
+        // has not reached the others yet.
+        let target = self.cfg.target_batch_size;
+        let projected = swarm.epoch == self.epoch && swarm.projected_with(self.samples) >= target;
+        let ready = swarm.ready || self.samples >= target || projected;
         let mut report = self.idle_report();
         report.swarm = Some(swarm);
         report.behind = behind;
