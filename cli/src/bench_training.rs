@@ -105,6 +105,8 @@ async fn peer_steps(
     cfg.fetch_interval = Duration::from_millis(20);
     cfg.averaging_timeout = Duration::from_secs(120);
     cfg.state_averaging_every = None;
+    // Every peer computes its `batches`, then waits with try_step.
+    cfg.projected_batch = false;
     let mut collab = CollaborativeOptimizer::new(node, Box::new(opt), &params, cfg).await?;
     let mut timings = Vec::new();
     for step in 0..=args.steps {

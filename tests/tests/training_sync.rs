@@ -300,6 +300,8 @@ fn collab_cfg(run: &str) -> CollaborativeConfig {
     cfg.fetch_interval = Duration::from_millis(20);
     cfg.averaging_timeout = Duration::from_secs(20);
     cfg.state_averaging_every = None;
+    // Each peer computes exactly one batch per epoch, then waits with try_step.
+    cfg.projected_batch = false;
     cfg
 }
 

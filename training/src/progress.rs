@@ -140,10 +140,12 @@ pub struct SwarmProgress {
     /// Estimated time until it does (zero when ready; `Duration::MAX` when nobody makes
     /// progress).
     pub eta: Duration,
-    /// The part of `projected` that is the reading peer's own report (zero when its report is
+    /// The part of `samples` that is the reading peer's own report (zero when its report is
     /// missing or of another epoch): a peer that knows its own count exactly puts that in its
     /// place (see [`SwarmProgress::projected_with`]).
-    pub own_projected: u64,
+    pub own_samples: u64,
+    /// The part of `samples_per_second` that is the reading peer's own report.
+    pub own_samples_per_second: f64,
 }
 
 impl SwarmProgress {
@@ -197,25 +199,37 @@ impl SwarmProgress {
             peers: reports.len(),
             ready,
             eta,
-            own_projected: 0,
+            own_samples: 0,
+            own_samples_per_second: 0.0,
         }
     }
 
-    /// The swarm's projected samples with this peer's own exact count `own` in place of its
-    /// (older) report: what a peer compares with the target to stop accumulating when the
+    /// The swarm's samples in this epoch as a peer that holds `own` samples and computes at
+    /// `own_rate` samples per second projects them: its own exact count, plus for the others
+    /// the larger of what they reported and what they computed in the time this peer took for
+    /// its `own` (their rates over `own_rate`, times `own`). Peers that averaged together began
+    /// the epoch together, so this needs no fresher report than the one each published after
+    /// the step; it is what a peer compares with the target to stop accumulating when the
     /// swarm as a whole has its batch, not when it alone has.
     ///
     /// ```
     /// use starling_training::progress::{PeerProgress, SwarmProgress};
-    /// let r = |samples| PeerProgress { epoch: 0, samples, samples_per_second: 0.0, time_ms: 0 };
-    /// let mut s = SwarmProgress::estimate(&[r(100), r(40)], 256, 0);
-    /// s.own_projected = 40; // the second report is this peer's, which has 120 by now
-    /// assert_eq!(s.projected_with(120), 220);
+    /// let r = |samples, rate| PeerProgress { epoch: 0, samples, samples_per_second: rate, time_ms: 1_000 };
+    /// let mut s = SwarmProgress::estimate(&[r(0, 100.0), r(0, 50.0), r(40, 25.0)], 256, 1_000);
+    /// // The last report is this peer's, which has 100 samples by now at 25 samples/s: in
+    /// // that time the two others computed (100 + 50) / 25 x 100 samples.
+    /// (s.own_samples, s.own_samples_per_second) = (40, 25.0);
+    /// assert_eq!(s.projected_with(100, 25.0), 100 + 600);
     /// ```
-    pub fn projected_with(&self, own: u64) -> u64 {
-        self.projected
-            .saturating_sub(self.own_projected)
-            .saturating_add(own)
+    pub fn projected_with(&self, own: u64, own_rate: f64) -> u64 {
+        let reported = self.samples.saturating_sub(self.own_samples);
+        let rate = (self.samples_per_second - self.own_samples_per_second).max(0.0);
+        let computed = if own_rate > 0.0 && own_rate.is_finite() {
+            (own as f64 * rate / own_rate).min(u64::MAX as f64 / 2.0) as u64
+        } else {
+            0
+        };
+        reported.max(computed).saturating_add(own)
     }
 
     /// Whether a peer in `epoch` is behind the swarm (and should catch up by state sync rather
@@ -345,11 +359,16 @@ impl ProgressTracker {
             .map_err(|_| ProgressError::Timeout(t))??;
         let now = now_ms();
         let me = self.node.peer_id();
-        let own = reports.iter().find(|(p, _)| *p == me).map(|(_, r)| r.clone());
+        let own = reports
+            .iter()
+            .find(|(p, _)| *p == me)
+            .map(|(_, r)| r.clone());
         let reports = live_reports(reports, me, &connected, self.cfg.unconnected_lifetime, now);
         let mut swarm = SwarmProgress::estimate(&reports, self.cfg.target_batch_size, now);
         if let Some(own) = own.filter(|r| r.epoch == swarm.epoch) {
-            swarm.own_projected = SwarmProgress::estimate(&[own], 0, now).projected;
+            let alone = SwarmProgress::estimate(&[own], 0, now);
+            swarm.own_samples = alone.samples;
+            swarm.own_samples_per_second = alone.samples_per_second;
         }
         Ok(swarm)
     }

@@ -395,6 +395,7 @@ impl Trainer {
                     samples_per_second: rate,
                     swarm_samples_per_second: swarm.as_ref().map_or(rate, |s| s.samples_per_second),
                     peers: swarm.as_ref().map_or(1, |s| s.peers.max(1)),
+                    samples: report.samples,
                     waiting_seconds: report.timings.waiting.as_secs_f64(),
                     averaging_seconds: report.timings.averaging.as_secs_f64(),
                     group_size: report.group_size,

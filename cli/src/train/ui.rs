@@ -64,6 +64,8 @@ pub enum Event {
         swarm_samples_per_second: f64,
         /// Live peers in the run.
         peers: usize,
+        /// Samples this peer contributed to the step's global batch.
+        samples: u64,
         /// Seconds from the epoch's first batch to the step (compute and waiting for the swarm).
         waiting_seconds: f64,
         /// Seconds of averaging (matchmaking and all-reduce).

@@ -126,5 +126,8 @@ pub fn collab_cfg(run: &str, mode: Mode) -> CollaborativeConfig {
     cfg.averager.target_group_size = PEERS;
     cfg.fetch_interval = Duration::from_millis(20);
     cfg.averaging_timeout = Duration::from_secs(20);
+    // Each peer computes exactly its share, then waits with try_step (the single-peer
+    // baselines use the same samples).
+    cfg.projected_batch = false;
     cfg
 }

@@ -79,6 +79,13 @@ pub struct CollaborativeConfig {
     pub averaging_timeout: Duration,
     /// How often to read the swarm's progress (in between, the last reading is extrapolated).
     pub fetch_interval: Duration,
+    /// Gradient mode: a peer stops accumulating when the swarm's samples, the others'
+    /// projected from their compute rates, reach the target (on by default: each peer then
+    /// computes about its share of the global batch). Off, only reported samples count, and a
+    /// peer steps early only when its own samples reach the target: for callers that give
+    /// each peer an exact share and then wait with `CollaborativeOptimizer::try_step`
+    /// (reproducible experiments).
+    pub projected_batch: bool,
     /// DiLoCo's outer optimizer (local-SGD mode).
     pub outer: SgdConfig,
     /// Gradient mode: every this many epochs, the gradient round also averages the parameters
@@ -112,6 +119,7 @@ impl CollaborativeConfig {
             progress,
             averaging_timeout: Duration::from_secs(30),
             fetch_interval: Duration::from_millis(500),
+            projected_batch: true,
             outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
             state_averaging_every: Some(10),
             error_feedback: true,

@@ -102,6 +102,13 @@ pub struct CollaborativeOptimizer {
     rate: f64,
     /// The rate's current window: when it started and the samples since.
     rate_window: Option<(Instant, u64)>,
+    /// Samples per second while computing: batches over the time between batches of one
+    /// epoch (waiting and averaging excluded); 0 until measured.
+    compute_rate: f64,
+    /// The previous batch's arrival and its epoch (compute intervals are within one epoch).
+    last_batch: Option<(Instant, u64)>,
+    /// The compute rate's current window: seconds and samples.
+    compute_window: (f64, u64),
     /// When the current epoch's first batch arrived.
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
@@ -175,6 +182,9 @@ impl CollaborativeOptimizer {
             inner: 0,
             rate: 0.0,
             rate_window: None,
+            compute_rate: 0.0,
+            last_batch: None,
+            compute_window: (0.0, 0),
             epoch_start: None,
             swarm: None,
             last_read: None,
@@ -335,6 +345,22 @@ impl CollaborativeOptimizer {
     fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
         let now = Instant::now();
+        // The compute rate: only intervals between batches of one epoch (the first batch after
+        // a step waited for the step's averaging), over windows of a quarter second.
+        if let Some((prev, epoch)) = self.last_batch {
+            if epoch == self.epoch {
+                let (secs, samples) = &mut self.compute_window;
+                *secs += now.duration_since(prev).as_secs_f64();
+                *samples += batch_samples;
+                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 || self.compute_rate == 0.0 {
+                    self.compute_rate = *samples as f64 / secs.max(1e-6);
+                }
+                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 {
+                    self.compute_window = (0.0, 0);
+                }
+            }
+        }
+        self.last_batch = Some((now, self.epoch));
         self.epoch_start.get_or_insert(now);
         let Some((start, samples)) = self.rate_window.as_mut() else {
             // The first batch's time is unknown: the window starts at its end.
@@ -357,11 +383,20 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// This peer's progress as others read it. The rate is the compute rate once measured
+    /// (samples per second while computing batches): what the others extrapolate this peer's
+    /// samples with between its reports. The wall-clock rate (waits included) undercounts
+    /// several times over when averaging takes longer than computing, and every peer then
+    /// computed most of the global batch itself.
     fn local_progress(&self) -> LocalProgress {
         LocalProgress {
             epoch: self.epoch,
             samples: self.samples,
-            samples_per_second: self.rate,
+            samples_per_second: if self.compute_rate > 0.0 {
+                self.compute_rate
+            } else {
+                self.rate
+            },
         }
     }
 
@@ -371,7 +406,15 @@ impl CollaborativeOptimizer {
     /// progress in place of its report there; before any reading, to this peer alone.
     async fn swarm_progress(&mut self) -> Result<SwarmProgress, TrainingError> {
         if let Some((at, s)) = &self.swarm {
-            if at.elapsed() < self.cfg.fetch_interval && s.epoch == self.epoch {
+            // A reading in which some live peers have not reported this epoch yet (they step
+            // about when this peer does, and publish right after) is read again sooner: their
+            // samples and rates are what tells this peer to stop accumulating.
+            let fresh_for = if s.peers_in_epoch < s.peers {
+                self.cfg.fetch_interval / 10
+            } else {
+                self.cfg.fetch_interval
+            };
+            if at.elapsed() < fresh_for && s.epoch == self.epoch {
                 return Ok(s.clone());
             }
         }
@@ -395,13 +438,14 @@ impl CollaborativeOptimizer {
             &[crate::progress::PeerProgress {
                 epoch: self.epoch,
                 samples: self.samples,
-                samples_per_second: self.rate,
+                samples_per_second: self.local_progress().samples_per_second,
                 time_ms: starling_dht::now_ms(),
             }],
             self.cfg.target_batch_size,
             starling_dht::now_ms(),
         );
-        own.own_projected = own.projected;
+        own.own_samples = own.samples;
+        own.own_samples_per_second = own.samples_per_second;
         match &self.last_read {
             Some(last) if last.epoch >= self.epoch => last.clone(),
             Some(last) => SwarmProgress {
@@ -470,22 +514,66 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// One epoch behind the swarm: a joiner that synced just before the others stepped, or a
+    /// peer whose last round failed while the others' succeeded. It averages with them either
+    /// way (rounds are not keyed by epoch); taking their epoch number (and the optimizer's step
+    /// count, for AdamW's bias correction) keeps both sides agreeing on which rounds carry the
+    /// state, and that round brings its parameters back to the swarm's. Further behind, the
+    /// caller syncs state.
+    fn take_swarm_epoch(&mut self, swarm: &SwarmProgress) {
+        if swarm.epoch != self.epoch + 1 || swarm.peers_in_epoch == 0 {
+            return;
+        }
+        tracing::debug!(
+            from = self.epoch,
+            to = swarm.epoch,
+            "one epoch behind the swarm: taking its epoch"
+        );
+        let steps = self.optimizer.steps() + (swarm.epoch - self.epoch);
+        self.optimizer.set_steps(steps);
+        self.epoch = swarm.epoch;
+        self.metrics.epoch.set(self.epoch as i64);
+    }
+
     /// Steps if the swarm (or this peer alone) has the global batch: averages the mean
     /// gradient with the group, weighted by samples, and applies the shared optimizer step.
     async fn try_global_step(
         &mut self,
         params: &mut ParamSet,
     ) -> Result<StepReport, TrainingError> {
-        let swarm = self.swarm_progress().await?;
-        let behind = swarm.is_behind(self.epoch);
-        // The swarm has its batch when the samples reported and projected from each peer's rate
-        // (this peer's own exact count in place of its report) reach the target: each peer then
-        // computes about its share, not the whole batch (progress is read every
-        // `fetch_interval`, and a step can take less). Our own samples count even if our report
-        // has not reached the others yet.
+        let mut swarm = self.swarm_progress().await?;
+        self.take_swarm_epoch(&swarm);
+        // The swarm has its batch when this peer's samples plus the others' (reported, or
+        // projected from their compute rates over the time this peer computed) reach the
+        // target: each peer then computes about its share, not the whole batch (a step can take
+        // less than one progress read). Our own samples count even if our report has not
+        // reached the others yet.
         let target = self.cfg.target_batch_size;
-        let projected = swarm.epoch == self.epoch && swarm.projected_with(self.samples) >= target;
+        let projection = swarm.projected_with(self.samples, self.compute_rate);
+        let projected =
+            self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
+        tracing::trace!(
+            epoch = self.epoch,
+            own = self.samples,
+            swarm_epoch = swarm.epoch,
+            projection,
+            own_compute_rate = self.compute_rate,
+            peers_in_epoch = swarm.peers_in_epoch,
+            peers = swarm.peers,
+            rate = swarm.samples_per_second,
+            own_rate = swarm.own_samples_per_second,
+            "progress towards the global batch"
+        );
         let ready = swarm.ready || self.samples >= target || projected;
+        if ready && swarm.peers_in_epoch < swarm.peers {
+            // About to average while a live peer's report of this epoch is missing (it may
+            // have stepped a moment ago): read again, so that this peer agrees with the others
+            // on the epoch, and so on which rounds carry the state.
+            self.swarm = None;
+            swarm = self.swarm_progress().await?;
+            self.take_swarm_epoch(&swarm);
+        }
+        let behind = swarm.is_behind(self.epoch);
         let mut report = self.idle_report();
         report.swarm = Some(swarm);
         report.behind = behind;
