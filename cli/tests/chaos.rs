@@ -10,29 +10,11 @@ mod procs;
 
 use std::time::Duration;
 
-use procs::{json, serial, Proc, LOOPBACK};
-use serde_json::Value;
+use procs::{address, events, json, serial, train, Proc};
 
 /// Bound on one training process (a hang guard, not a speed bar).
 const LIMIT: Duration = Duration::from_secs(600);
 const EPOCHS: u64 = 400;
-
-fn train(args: &[&str]) -> Proc {
-    let mut all = vec!["train", "--listen", LOOPBACK, "--json"];
-    all.extend_from_slice(args);
-    Proc::spawn(&all)
-}
-
-fn address(p: &Proc) -> (String, String) {
-    let line = p.wait_for("the node line", Duration::from_secs(60), |l| {
-        json(l).is_some_and(|v| v["event"] == "node")
-    });
-    let v = json(&line).unwrap();
-    (
-        v["listen"][0].as_str().unwrap().to_string(),
-        v["peer_id"].as_str().unwrap().to_string(),
-    )
-}
 
 /// Waits until `p` has stepped to `epoch` or further.
 fn reach(p: &Proc, who: &str, epoch: u64) {
@@ -41,14 +23,6 @@ fn reach(p: &Proc, who: &str, epoch: u64) {
         Duration::from_secs(300),
         |l| json(l).is_some_and(|v| v["event"] == "step" && v["epoch"].as_u64() >= Some(epoch)),
     );
-}
-
-fn events(lines: &[String], kind: &str) -> Vec<Value> {
-    lines
-        .iter()
-        .filter_map(|l| json(l))
-        .filter(|v| v["event"] == kind)
-        .collect()
 }
 
 #[test]

@@ -10,7 +10,7 @@ mod procs;
 use std::path::Path;
 use std::time::Duration;
 
-use procs::{json, run, serial, Proc, LOOPBACK};
+use procs::{address, events, json, run, serial, train, Proc, LOOPBACK};
 use serde_json::Value;
 
 /// Bound on one training process (a hang guard, not a speed bar). Two-peer runs can lose a
@@ -18,34 +18,6 @@ use serde_json::Value;
 /// averaging (a known defect, see the issue notes): the 250-epoch IDX run then takes 220-260 s
 /// here instead of about 15 s, too close to a 300 s bound on a loaded machine.
 const LIMIT: Duration = Duration::from_secs(600);
-
-/// The events of one kind among a process's JSON lines.
-fn events(lines: &[String], kind: &str) -> Vec<Value> {
-    lines
-        .iter()
-        .filter_map(|l| json(l))
-        .filter(|v| v["event"] == kind)
-        .collect()
-}
-
-/// Starts `starling train` with `args` (plus loopback listening and JSON output).
-fn train(args: &[&str]) -> Proc {
-    let mut all = vec!["train", "--listen", LOOPBACK, "--json"];
-    all.extend_from_slice(args);
-    Proc::spawn(&all)
-}
-
-/// The creator's dialable address and peer id, from its first line.
-fn address(p: &Proc) -> (String, String) {
-    let line = p.wait_for("the node line", Duration::from_secs(60), |l| {
-        json(l).is_some_and(|v| v["event"] == "node")
-    });
-    let v = json(&line).unwrap();
-    (
-        v["listen"][0].as_str().unwrap().to_string(),
-        v["peer_id"].as_str().unwrap().to_string(),
-    )
-}
 
 /// The single `finished` event of a process that exited successfully.
 fn finished(p: Proc, who: &str) -> (Value, Vec<String>) {

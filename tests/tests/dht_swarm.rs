@@ -421,11 +421,8 @@ async fn get_first_finds_remote_records_and_latest_gets_cache_them() {
 
 /// A peer that stops answering but keeps its connections open (a stalled process, a machine
 /// swapping, a power cut before anyone noticed): its node runs on its own thread, which stops
-/// polling it once it joined through `boot`. Sending on the returned channel shuts it down.
-async fn stalled_peer(
-    c: &NodeConfig,
-    boot: starling_node::Multiaddr,
-) -> (std::thread::JoinHandle<()>, std::sync::mpsc::Sender<()>) {
+/// polling it once it joined through `boot`. [`Stalled::release`] shuts it down.
+async fn stalled_peer(c: &NodeConfig, boot: starling_node::Multiaddr) -> Stalled {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (thaw_tx, thaw_rx) = std::sync::mpsc::channel::<()>();
     let mut sc = c.clone();
@@ -446,7 +443,28 @@ async fn stalled_peer(
         .await
         .unwrap()
         .expect("stalling peer joined");
-    (stalled, thaw_tx)
+    Stalled {
+        thread: stalled,
+        thaw: thaw_tx,
+    }
+}
+
+/// A peer that stopped answering (see [`stalled_peer`]).
+struct Stalled {
+    thread: std::thread::JoinHandle<()>,
+    thaw: std::sync::mpsc::Sender<()>,
+}
+
+impl Stalled {
+    /// Lets it run again, shuts it down and waits for its thread.
+    async fn release(self) {
+        self.thaw.send(()).unwrap();
+        let thread = self.thread;
+        tokio::task::spawn_blocking(move || thread.join())
+            .await
+            .unwrap()
+            .expect("stalled thread ends");
+    }
 }
 
 /// A store whose closest peers include a stalled peer (see [`stalled_peer`]) cuts its lookup
@@ -463,7 +481,7 @@ async fn a_store_succeeds_when_a_closest_peer_stops_answering() {
         let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
         // Its join connected it to everyone, who took it into their routing tables; it stopped
         // answering once joined.
-        let (stalled, thaw_tx) = stalled_peer(&c, boot).await;
+        let stalled = stalled_peer(&c, boot).await;
         let started = std::time::Instant::now();
         for (i, n) in cluster.nodes.iter().enumerate() {
             let key = format!("stall.{i}");
@@ -482,12 +500,8 @@ async fn a_store_succeeds_when_a_closest_peer_stops_answering() {
             assert_eq!(got.len(), 1, "stall.{i}: read back");
             assert_eq!(got[0].1, i as u64);
         }
-        thaw_tx.send(()).unwrap();
+        stalled.release().await;
         cluster.shutdown().await;
-        tokio::task::spawn_blocking(move || stalled.join())
-            .await
-            .unwrap()
-            .expect("stalled thread ends");
     })
     .await;
 }
@@ -511,7 +525,7 @@ async fn a_latest_get_does_not_wait_out_the_query_for_a_stalled_peer() {
                 .expect("stored");
         }
         let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
-        let (stalled, thaw_tx) = stalled_peer(&c, boot).await;
+        let stalled = stalled_peer(&c, boot).await;
         for i in 0..cluster.nodes.len() {
             let reader = &cluster.nodes[(i + 1) % cluster.nodes.len()];
             let key = format!("frozen.{i}");
@@ -522,12 +536,8 @@ async fn a_latest_get_does_not_wait_out_the_query_for_a_stalled_peer() {
             assert_eq!(got.len(), 1, "{key}: read back");
             assert_eq!(got[0].1, i as u64);
         }
-        thaw_tx.send(()).unwrap();
+        stalled.release().await;
         cluster.shutdown().await;
-        tokio::task::spawn_blocking(move || stalled.join())
-            .await
-            .unwrap()
-            .expect("stalled thread ends");
     })
     .await;
 }

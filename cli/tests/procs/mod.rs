@@ -23,6 +23,34 @@ pub fn json(line: &str) -> Option<serde_json::Value> {
     serde_json::from_str(line).ok()
 }
 
+/// The events of one kind among a process's JSON lines.
+pub fn events(lines: &[String], kind: &str) -> Vec<serde_json::Value> {
+    lines
+        .iter()
+        .filter_map(|l| json(l))
+        .filter(|v| v["event"] == kind)
+        .collect()
+}
+
+/// Starts `starling train` with `args` (plus loopback listening and JSON output).
+pub fn train(args: &[&str]) -> Proc {
+    let mut all = vec!["train", "--listen", LOOPBACK, "--json"];
+    all.extend_from_slice(args);
+    Proc::spawn(&all)
+}
+
+/// A `starling train` process's dialable address and peer id, from its node line.
+pub fn address(p: &Proc) -> (String, String) {
+    let line = p.wait_for("the node line", Duration::from_secs(60), |l| {
+        json(l).is_some_and(|v| v["event"] == "node")
+    });
+    let v = json(&line).expect("the node line is JSON");
+    (
+        v["listen"][0].as_str().unwrap_or_default().to_string(),
+        v["peer_id"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
 /// Kills the child on drop so a failing test leaves no process behind.
 pub struct Proc {
     pub child: Child,
