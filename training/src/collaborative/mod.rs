@@ -109,6 +109,8 @@ pub struct CollaborativeOptimizer {
     last_batch: Option<(Instant, u64)>,
     /// The compute rate's current window: seconds and samples.
     compute_window: (f64, u64),
+    /// Samples in the latest batch.
+    last_batch_samples: u64,
     /// When the current epoch's first batch arrived.
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
@@ -185,6 +187,7 @@ impl CollaborativeOptimizer {
             compute_rate: 0.0,
             last_batch: None,
             compute_window: (0.0, 0),
+            last_batch_samples: 0,
             epoch_start: None,
             swarm: None,
             last_read: None,
@@ -344,6 +347,7 @@ impl CollaborativeOptimizer {
     /// over-weights the fast batches and overstates the throughput several times over).
     fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
+        self.last_batch_samples = batch_samples;
         let now = Instant::now();
         // The compute rate: only intervals between batches of one epoch (the first batch after
         // a step waited for the step's averaging), over windows of a quarter second.
@@ -549,7 +553,11 @@ impl CollaborativeOptimizer {
         // less than one progress read). Our own samples count even if our report has not
         // reached the others yet.
         let target = self.cfg.target_batch_size;
-        let projection = swarm.projected_with(self.samples, self.compute_rate);
+        // Half a batch ahead: with every peer computing one more batch the swarm would jump
+        // past the target by up to a batch per peer; stopping when the target is nearer than
+        // half that jump lands the global batch on the target on average, not above it.
+        let ahead = self.samples + self.last_batch_samples / 2;
+        let projection = swarm.projected_with(ahead, self.compute_rate);
         let projected =
             self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
         tracing::trace!(
