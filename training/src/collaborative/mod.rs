@@ -518,6 +518,14 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// Whether the round that ends this epoch also averages the parameters and the optimizer
+    /// state (every `state_averaging_every` epochs).
+    fn state_due(&self) -> bool {
+        self.cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
+    }
+
     /// One epoch behind the swarm: a joiner that synced just before the others stepped, or a
     /// peer whose last round failed while the others' succeeded. It averages with them either
     /// way (rounds are not keyed by epoch); taking their epoch number (and the optimizer's step
@@ -573,10 +581,12 @@ impl CollaborativeOptimizer {
             "progress towards the global batch"
         );
         let ready = swarm.ready || self.samples >= target || projected;
-        if ready && swarm.peers_in_epoch < swarm.peers {
+        if ready && (swarm.peers_in_epoch < swarm.peers || self.state_due()) {
             // About to average while a live peer's report of this epoch is missing (it may
-            // have stepped a moment ago): read again, so that this peer agrees with the others
-            // on the epoch, and so on which rounds carry the state.
+            // have stepped a moment ago), or in a round that would carry the state (a joiner
+            // that synced at epoch E while its donor stepped to E + 1 alone would average the
+            // state while the donor does not): read again, so that this peer agrees with the
+            // others on the epoch, and so on which rounds carry the state.
             self.swarm = None;
             swarm = self.swarm_progress().await?;
             self.take_swarm_epoch(&swarm);
@@ -610,10 +620,7 @@ impl CollaborativeOptimizer {
         // groups meet again. In the gradient round itself, not in a second round after the
         // step: every peer in an epoch averages the same tensors, so a peer never waits out a
         // matchmaking window for one that is averaging something else.
-        let with_state = self
-            .cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n));
+        let with_state = self.state_due();
         let weight = self.samples as f32;
         if alone {
             report.averaging_error = Some(ALONE.into());
