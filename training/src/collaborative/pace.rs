@@ -1,0 +1,182 @@
+//! How this peer keeps pace with the swarm: its own sample counts and compute rate, the
+//! progress it publishes, the swarm's progress it reads (falling back to the last reading when
+//! a read fails), and taking the swarm's epoch when one behind.
+
+use std::time::Instant;
+
+use starling_node::NodeError;
+
+use super::{CollaborativeOptimizer, StepReport, TrainingError, RATE_WINDOW};
+use crate::progress::{LocalProgress, ProgressError, SwarmProgress};
+
+impl CollaborativeOptimizer {
+    /// Moves the failures met during this call into its report.
+    pub(super) fn with_errors(
+        &mut self,
+        report: Result<StepReport, TrainingError>,
+    ) -> Result<StepReport, TrainingError> {
+        let errors = std::mem::take(&mut self.errors);
+        report.map(|mut r| {
+            r.errors.extend(errors);
+            r
+        })
+    }
+
+    /// A progress read or write that failed without this peer's node being gone is noted
+    /// (the report's `errors`, a log line) and training goes on; the node stopping ends it.
+    pub(super) fn tolerate<T>(
+        &mut self,
+        r: Result<T, ProgressError>,
+    ) -> Result<Option<T>, TrainingError> {
+        match r {
+            Ok(v) => Ok(Some(v)),
+            Err(ProgressError::Node(NodeError::Closed)) => {
+                Err(ProgressError::Node(NodeError::Closed).into())
+            }
+            Err(e) => {
+                tracing::warn!("progress: {e}; going on with the last reading");
+                self.errors.push(format!("progress: {e}"));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Updates the sample count and the rate: samples over wall time in windows of
+    /// [`RATE_WINDOW`], pauses for averaging included (smoothing per-batch rates instead
+    /// over-weights the fast batches and overstates the throughput several times over).
+    pub(super) fn note_batch(&mut self, batch_samples: u64) {
+        self.samples += batch_samples;
+        self.last_batch_samples = batch_samples;
+        let now = Instant::now();
+        // The compute rate: only intervals between batches of one epoch (the first batch after
+        // a step waited for the step's averaging), over windows of a quarter second.
+        if let Some((prev, epoch)) = self.last_batch {
+            if epoch == self.epoch {
+                let (secs, samples) = &mut self.compute_window;
+                *secs += now.duration_since(prev).as_secs_f64();
+                *samples += batch_samples;
+                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 || self.compute_rate == 0.0 {
+                    self.compute_rate = *samples as f64 / secs.max(1e-6);
+                }
+                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 {
+                    self.compute_window = (0.0, 0);
+                }
+            }
+        }
+        self.last_batch = Some((now, self.epoch));
+        self.epoch_start.get_or_insert(now);
+        let Some((start, samples)) = self.rate_window.as_mut() else {
+            // The first batch's time is unknown: the window starts at its end.
+            self.rate_window = Some((now, 0));
+            return;
+        };
+        *samples += batch_samples;
+        let elapsed = now.duration_since(*start).as_secs_f64();
+        if elapsed >= RATE_WINDOW.as_secs_f64() / 20.0 {
+            let current = *samples as f64 / elapsed.max(1e-6);
+            self.rate = if elapsed >= RATE_WINDOW.as_secs_f64() || self.rate == 0.0 {
+                current
+            } else {
+                // Early in a window: blend with the last full window's rate.
+                0.5 * (self.rate + current)
+            };
+        }
+        if elapsed >= RATE_WINDOW.as_secs_f64() {
+            self.rate_window = Some((now, 0));
+        }
+    }
+
+    /// This peer's progress as others read it. The rate is the compute rate once measured
+    /// (samples per second while computing batches): what the others extrapolate this peer's
+    /// samples with between its reports. The wall-clock rate (waits included) undercounts
+    /// several times over when averaging takes longer than computing, and every peer then
+    /// computed most of the global batch itself.
+    pub(super) fn local_progress(&self) -> LocalProgress {
+        LocalProgress {
+            epoch: self.epoch,
+            samples: self.samples,
+            samples_per_second: if self.compute_rate > 0.0 {
+                self.compute_rate
+            } else {
+                self.rate
+            },
+        }
+    }
+
+    /// The swarm's progress: read from the DHT at most every `fetch_interval`, extrapolated in
+    /// between with this peer's own new samples. A read that fails (a DHT neighbour that died
+    /// and has not been noticed yet) falls back to the last reading, with this peer's own
+    /// progress in place of its report there; before any reading, to this peer alone.
+    pub(super) async fn swarm_progress(&mut self) -> Result<SwarmProgress, TrainingError> {
+        if let Some((at, s)) = &self.swarm {
+            // A reading in which some live peers have not reported this epoch yet (they step
+            // about when this peer does, and publish right after) is read again sooner: their
+            // samples and rates are what tells this peer to stop accumulating.
+            let fresh_for = if s.peers_in_epoch < s.peers {
+                self.cfg.fetch_interval / 10
+            } else {
+                self.cfg.fetch_interval
+            };
+            if at.elapsed() < fresh_for && s.epoch == self.epoch {
+                return Ok(s.clone());
+            }
+        }
+        let fetched = self.tracker.fetch().await;
+        let s = match self.tolerate(fetched)? {
+            Some(s) => {
+                self.last_read = Some(s.clone());
+                s
+            }
+            None => self.fallback_progress(),
+        };
+        self.swarm = Some((Instant::now(), s.clone()));
+        Ok(s)
+    }
+
+    /// What the swarm's progress is taken to be when it cannot be read: the last reading if
+    /// it is of this epoch or later, else this peer alone in its epoch with the last
+    /// reading's peer count.
+    pub(super) fn fallback_progress(&self) -> SwarmProgress {
+        let mut own = SwarmProgress::estimate(
+            &[crate::progress::PeerProgress {
+                epoch: self.epoch,
+                samples: self.samples,
+                samples_per_second: self.local_progress().samples_per_second,
+                time_ms: starling_dht::now_ms(),
+            }],
+            self.cfg.target_batch_size,
+            starling_dht::now_ms(),
+        );
+        own.own_samples = own.samples;
+        own.own_samples_per_second = own.samples_per_second;
+        match &self.last_read {
+            Some(last) if last.epoch >= self.epoch => last.clone(),
+            Some(last) => SwarmProgress {
+                peers: last.peers.max(1),
+                ..own
+            },
+            None => own,
+        }
+    }
+
+    /// One epoch behind the swarm: a joiner that synced just before the others stepped, or a
+    /// peer whose last round failed while the others' succeeded. It averages with them either
+    /// way (rounds are not keyed by epoch); taking their epoch number (and the optimizer's step
+    /// count, for AdamW's bias correction) keeps both sides agreeing on which rounds carry the
+    /// state, and that round brings its parameters back to the swarm's. Further behind, the
+    /// caller syncs state.
+    pub(super) fn take_swarm_epoch(&mut self, swarm: &SwarmProgress) {
+        if swarm.epoch != self.epoch + 1 || swarm.peers_in_epoch == 0 {
+            return;
+        }
+        tracing::debug!(
+            from = self.epoch,
+            to = swarm.epoch,
+            "one epoch behind the swarm: taking its epoch"
+        );
+        let steps = self.optimizer.steps() + (swarm.epoch - self.epoch);
+        self.optimizer.set_steps(steps);
+        self.epoch = swarm.epoch;
+        self.metrics.epoch.set(self.epoch as i64);
+    }
+}
