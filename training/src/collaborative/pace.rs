@@ -41,9 +41,10 @@ impl CollaborativeOptimizer {
         }
     }
 
-    /// Updates the sample count and the rate: samples over wall time in windows of
-    /// [`RATE_WINDOW`], pauses for averaging included (smoothing per-batch rates instead
-    /// over-weights the fast batches and overstates the throughput several times over).
+    /// Updates the sample count and both rates: the wall-clock rate, samples over wall time in
+    /// windows of [`RATE_WINDOW`], pauses for averaging included (smoothing per-batch rates
+    /// instead over-weights the fast batches and overstates the throughput several times
+    /// over); and the compute rate that [`CollaborativeOptimizer::local_progress`] publishes.
     pub(super) fn note_batch(&mut self, batch_samples: u64) {
         self.samples += batch_samples;
         self.last_batch_samples = batch_samples;
@@ -55,10 +56,11 @@ impl CollaborativeOptimizer {
                 let (secs, samples) = &mut self.compute_window;
                 *secs += now.duration_since(prev).as_secs_f64();
                 *samples += batch_samples;
-                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 || self.compute_rate == 0.0 {
+                let full = *secs >= RATE_WINDOW.as_secs_f64() / 8.0;
+                if full || self.compute_rate == 0.0 {
                     self.compute_rate = *samples as f64 / secs.max(1e-6);
                 }
-                if *secs >= RATE_WINDOW.as_secs_f64() / 8.0 {
+                if full {
                     self.compute_window = (0.0, 0);
                 }
             }
