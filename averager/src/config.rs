@@ -40,6 +40,13 @@ pub struct AveragerConfig {
     pub min_group_size: usize,
     /// How long a peer declares itself searching (its window); leaders wait at most this long.
     pub matchmaking_time: Duration,
+    /// How long a leader that has every peer declared under its key, but fewer than the group
+    /// it expects, waits for members of its previous group that are still connected before it
+    /// begins without them. `None` (the default): a tenth of `matchmaking_time`, at most half a
+    /// second, for training loops that wait for the round. A round that runs in the background
+    /// of compute (the collaborative optimizer's delayed update) can afford to wait longer for
+    /// a peer that is merely late, and splitting the group costs it more.
+    pub start_grace: Option<Duration>,
     /// Timeout of one control request (join, begin) and of opening a stream.
     pub request_timeout: Duration,
     /// A reducer waits at most this long for a sender's next chunk before excluding it from
@@ -143,6 +150,7 @@ impl AveragerConfig {
             target_group_size: 4,
             min_group_size: 2,
             matchmaking_time: Duration::from_secs(5),
+            start_grace: None,
             request_timeout: Duration::from_secs(5),
             sender_timeout: Duration::from_secs(5),
             reducer_timeout: Duration::from_secs(10),
@@ -184,6 +192,9 @@ impl AveragerConfig {
             return bad(
                 "chunk_bytes must be at least 4096 and leave 4 KiB of room below max_frame_bytes",
             );
+        }
+        if self.start_grace.is_some_and(|g| g > self.matchmaking_time) {
+            return bad("start_grace must not exceed matchmaking_time");
         }
         if self.group_bits > 16 {
             return bad("group_bits is at most 16");

@@ -318,11 +318,12 @@ fn pick_leader(
 
 /// How long a leader's window must have been open before it begins with every declared peer
 /// and fewer than `target_group_size`: peers reaching the same step within moments of each
-/// other have declared by then (a tenth of the window, at most half a second), so a group does
-/// not start without a peer that was only a few milliseconds late; a peer that left costs this
-/// much instead of the whole window.
+/// other have declared by then (by default a tenth of the window, at most half a second; see
+/// `AveragerConfig::start_grace`), so a group does not start without a peer that was only a few
+/// milliseconds late; a peer that left costs this much instead of the whole window.
 fn early_start_grace(cfg: &AveragerConfig) -> Duration {
-    (cfg.matchmaking_time / 10).min(Duration::from_millis(500))
+    cfg.start_grace
+        .unwrap_or((cfg.matchmaking_time / 10).min(Duration::from_millis(500)))
 }
 
 /// Whether every member of this peer's previous group either joined or is gone (no connection

@@ -99,6 +99,17 @@ pub struct CollaborativeConfig {
     /// Parameters and optimizer state are never averaged with feedback. No effect with the
     /// exact codec `none`.
     pub error_feedback: bool,
+    /// Gradient mode: the delayed parameter update. The round that averages an epoch's
+    /// gradients runs in the background while the caller computes the next epoch's batches
+    /// (on the parameters from before that round); its optimizer step is applied one epoch late,
+    /// at the first call after it finished (or, at the latest, before the next round starts).
+    /// Communication then overlaps compute entirely when a round takes less than an epoch's
+    /// compute, at the price of gradients one step stale. Every peer still applies the same
+    /// averaged gradient to the same parameters (bit-identical with codec `none`), so peers
+    /// with and without it can train together. Call
+    /// `CollaborativeOptimizer::flush` before reading the parameters as the run's result
+    /// (evaluation, checkpoints, the end of training). Off by default; local SGD refuses it.
+    pub delayed_update: bool,
 }
 
 impl CollaborativeConfig {
@@ -123,6 +134,7 @@ impl CollaborativeConfig {
             outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
             state_averaging_every: Some(10),
             error_feedback: true,
+            delayed_update: false,
         }
     }
 }

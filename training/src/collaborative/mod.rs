@@ -52,6 +52,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starling_averager::gossip::{GossipAverager, GossipReport};
@@ -66,6 +67,7 @@ use crate::progress::{LocalProgress, ProgressTracker, SwarmProgress};
 use crate::sync::StateServer;
 
 mod config;
+mod delayed;
 mod pace;
 mod state;
 
@@ -80,7 +82,8 @@ const RATE_WINDOW: Duration = Duration::from_secs(2);
 /// Trains one model with the swarm (see the module docs).
 pub struct CollaborativeOptimizer {
     cfg: CollaborativeConfig,
-    averager: Averager,
+    /// Shared with the background round of a delayed update.
+    averager: Arc<Averager>,
     /// Local SGD with [`Averaging::Gossip`].
     gossip: Option<GossipAverager>,
     tracker: ProgressTracker,
@@ -108,8 +111,8 @@ pub struct CollaborativeOptimizer {
     compute_rate: f64,
     /// The previous batch's arrival and its epoch (compute intervals are within one epoch).
     last_batch: Option<(Instant, u64)>,
-    /// The compute rate's current window: seconds and samples.
-    compute_window: (f64, u64),
+    /// The compute rate's current window: seconds, samples and batch intervals.
+    compute_window: (f64, u64, u32),
     /// Samples in the latest batch.
     last_batch_samples: u64,
     /// When the current epoch's first batch arrived.
@@ -123,6 +126,14 @@ pub struct CollaborativeOptimizer {
     /// This run's metrics, and the node's (journals, board).
     metrics: TrainingMetrics,
     node_metrics: starling_node::metrics::Metrics,
+    /// A state-server refresh in flight (hashing and announcing the new snapshot).
+    serving: Option<tokio::task::JoinHandle<()>>,
+    /// Delayed update: the round in flight.
+    pending: Option<delayed::Pending>,
+    /// Delayed update: rounds dropped unapplied (state replaced), awaited at shutdown.
+    cancelled: Vec<tokio::task::JoinHandle<delayed::Finished>>,
+    /// Delayed update: a gradient buffer back from the last applied round, for the next one.
+    spare: Vec<f32>,
 }
 
 impl CollaborativeOptimizer {
@@ -139,7 +150,20 @@ impl CollaborativeOptimizer {
         cfg.averager.prefix = format!("{}.train", cfg.run);
         cfg.progress.run = cfg.run.clone();
         cfg.progress.target_batch_size = cfg.target_batch_size;
-        let averager = Averager::new(node.clone(), cfg.averager.clone()).await?;
+        if cfg.delayed_update && matches!(cfg.mode, Mode::LocalSgd { .. }) {
+            return Err(TrainingError::Config(
+                "the delayed update is for gradient mode; local SGD already averages once per phase"
+                    .into(),
+            ));
+        }
+        if cfg.delayed_update {
+            // The round runs behind compute: waiting for a member that is late (peers start
+            // their rounds at their own batch boundaries, up to a batch apart) costs nothing
+            // while the round ends within an epoch; starting without it splits the swarm.
+            let grace = cfg.averager.matchmaking_time / 2;
+            cfg.averager.start_grace.get_or_insert(grace);
+        }
+        let averager = Arc::new(Averager::new(node.clone(), cfg.averager.clone()).await?);
         let gossip = match (&cfg.averaging, cfg.mode) {
             (Averaging::Group, _) => None,
             (Averaging::Gossip(g), Mode::LocalSgd { .. }) => {
@@ -187,7 +211,7 @@ impl CollaborativeOptimizer {
             rate_window: None,
             compute_rate: 0.0,
             last_batch: None,
-            compute_window: (0.0, 0),
+            compute_window: (0.0, 0, 0),
             last_batch_samples: 0,
             epoch_start: None,
             swarm: None,
@@ -195,6 +219,10 @@ impl CollaborativeOptimizer {
             errors: Vec::new(),
             metrics,
             node_metrics,
+            serving: None,
+            pending: None,
+            cancelled: Vec::new(),
+            spare: Vec::new(),
             cfg,
         })
     }
@@ -215,6 +243,7 @@ impl CollaborativeOptimizer {
     /// # }
     /// ```
     pub fn resume(&mut self, epoch: u64, params: &ParamSet) {
+        self.cancel_pending();
         self.epoch = epoch;
         self.accumulated.fill(0.0);
         self.samples = 0;
@@ -225,16 +254,26 @@ impl CollaborativeOptimizer {
         }
     }
 
-    /// Leaves the run cleanly: stops the state server (if any) and the averager (its
+    /// Leaves the run cleanly: stops the state server (if any), a delayed update's round in
+    /// flight (unapplied: [`flush`](Self::flush) first to keep it) and the averager (its
     /// background tasks and registrations); the node keeps running.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         if let Some(server) = &self.state_server {
             server.shutdown().await;
+        }
+        self.end_background_rounds().await;
+        if let Some(task) = self.serving.take() {
+            // The last state refresh completes: a peer that leaves still serves it until then.
+            let _ = task.await;
         }
         if let Some(g) = self.gossip {
             g.shutdown().await;
         }
-        self.averager.shutdown().await;
+        match Arc::try_unwrap(self.averager) {
+            Ok(averager) => averager.shutdown().await,
+            // Not reached: every round that shared it has ended. Dropping it stops its tasks.
+            Err(_) => tracing::debug!("the averager is still shared at shutdown"),
+        }
     }
 
     /// The gossip averager, in local SGD with [`Averaging::Gossip`] (its
@@ -325,8 +364,12 @@ impl CollaborativeOptimizer {
             .iter_mut()
             .zip(params.grads())
             .for_each(|(a, g)| *a += k * g);
-        let reported = self.tracker.report(self.local_progress()).await;
-        self.tolerate(reported)?;
+        // While a delayed update's round is in flight this peer's published progress stays
+        // that of the epoch the round ends (see `delayed`).
+        if self.pending.is_none() {
+            let reported = self.tracker.report(self.local_progress()).await;
+            self.tolerate(reported)?;
+        }
         self.try_global_step(params).await
     }
 
@@ -343,7 +386,11 @@ impl CollaborativeOptimizer {
                     samples_per_second: 0.0,
                     ..self.local_progress()
                 };
-                let reported = self.tracker.report_final(last).await;
+                let reported = if self.pending.is_none() {
+                    self.tracker.report_final(last).await
+                } else {
+                    Ok(false)
+                };
                 let report = match self.tolerate(reported) {
                     Ok(_) => self.try_global_step(params).await,
                     Err(e) => Err(e),
@@ -387,34 +434,22 @@ impl CollaborativeOptimizer {
         &mut self,
         params: &mut ParamSet,
     ) -> Result<StepReport, TrainingError> {
+        // Delayed update: a round that finished meanwhile is applied first. While one is in
+        // flight the swarm's reports of the next epoch cannot be in yet (every member of the
+        // round publishes when its round ends): nothing to read unless this peer alone has the
+        // batch.
+        let mut applied = self.apply_if_finished(params).await?;
+        if self.pending.is_some() && self.samples < self.cfg.target_batch_size {
+            return Ok(applied.unwrap_or_else(|| self.idle_report()));
+        }
+        let read_at = Instant::now();
         let mut swarm = self.swarm_progress().await?;
-        self.take_swarm_epoch(&swarm);
-        // The swarm has its batch when this peer's samples plus the others' (reported, or
-        // projected from their compute rates over the time this peer computed) reach the
-        // target: each peer then computes about its share, not the whole batch (a step can take
-        // less than one progress read). Our own samples count even if our report has not
-        // reached the others yet.
-        let target = self.cfg.target_batch_size;
-        // Half a batch ahead: with every peer computing one more batch the swarm would jump
-        // past the target by up to a batch per peer; stopping when the target is nearer than
-        // half that jump lands the global batch on the target on average, not above it.
-        let ahead = self.samples + self.last_batch_samples / 2;
-        let projection = swarm.projected_with(ahead, self.compute_rate);
-        let projected =
-            self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
         tracing::trace!(
-            epoch = self.epoch,
-            own = self.samples,
-            swarm_epoch = swarm.epoch,
-            projection,
-            own_compute_rate = self.compute_rate,
-            peers_in_epoch = swarm.peers_in_epoch,
-            peers = swarm.peers,
-            rate = swarm.samples_per_second,
-            own_rate = swarm.own_samples_per_second,
-            "progress towards the global batch"
+            reading_ms = read_at.elapsed().as_secs_f64() * 1e3,
+            "swarm progress"
         );
-        let ready = swarm.ready || self.samples >= target || projected;
+        self.take_swarm_epoch(&swarm);
+        let ready = self.batch_ready(&swarm);
         if ready && (swarm.peers_in_epoch < swarm.peers || self.state_due()) {
             // About to average while a live peer's report of this epoch is missing (it may
             // have stepped a moment ago), or in a round that would carry the state (a joiner
@@ -430,7 +465,11 @@ impl CollaborativeOptimizer {
         report.swarm = Some(swarm);
         report.behind = behind;
         if !ready || self.samples == 0 {
-            return Ok(report);
+            return Ok(applied.unwrap_or(report));
+        }
+        // Rounds apply in order: the one in flight (delayed update) before this one starts.
+        if let Some(r) = self.apply_pending(params).await? {
+            applied = Some(r);
         }
         // The local mean gradient, averaged with the group's weighted by samples: the global
         // batch's mean gradient.
@@ -456,6 +495,34 @@ impl CollaborativeOptimizer {
         // matchmaking window for one that is averaging something else.
         let with_state = self.state_due();
         let weight = self.samples as f32;
+        if self.cfg.delayed_update && !alone {
+            let mut grads = std::mem::take(&mut self.spare);
+            grads.resize(self.len, 0.0);
+            grads.copy_from_slice(params.grads());
+            report.samples = self.samples;
+            self.launch(
+                params,
+                delayed::Launch {
+                    grads,
+                    with_state,
+                    weight,
+                    deadline,
+                    report,
+                },
+            );
+            self.accumulated.fill(0.0);
+            self.samples = 0;
+            self.swarm = None;
+            self.epoch_start = None;
+            // Published when the round ends (`apply_pending`): a report of the next epoch now
+            // would tell the peers still about to start this round that they are behind.
+            return Ok(applied.unwrap_or_else(|| self.idle_report()));
+        }
+        if let Some(r) = applied {
+            // A delayed round applied just now, and this step (alone) taken at once: both
+            // steps happened; the report is this one's, with the other's failures.
+            report.errors.extend(r.errors);
+        }
         if alone {
             report.averaging_error = Some(ALONE.into());
         } else if with_state {
@@ -488,9 +555,19 @@ impl CollaborativeOptimizer {
         self.swarm = None;
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
+        let stepped_at = Instant::now();
         self.refresh_served_state(params).await;
+        let served_at = Instant::now();
         let published = self.tracker.publish(self.local_progress()).await;
         self.tolerate(published)?;
+        tracing::debug!(
+            epoch = self.epoch,
+            averaging_ms = report.timings.averaging.as_secs_f64() * 1e3,
+            optimizer_ms = report.timings.optimizer.as_secs_f64() * 1e3,
+            serving_ms = (served_at - stepped_at).as_secs_f64() * 1e3,
+            publishing_ms = served_at.elapsed().as_secs_f64() * 1e3,
+            "global step taken"
+        );
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
@@ -556,6 +633,39 @@ impl CollaborativeOptimizer {
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
+    }
+}
+
+impl CollaborativeOptimizer {
+    /// Whether the swarm has its global batch by `swarm`: this peer's samples plus the
+    /// others' (reported, or projected from their compute rates over the time this peer
+    /// computed) reach the target. Each peer then computes about its share, not the whole
+    /// batch (a step can take less than one progress read). Our own samples count even if our
+    /// report has not reached the others yet.
+    fn batch_ready(&self, swarm: &SwarmProgress) -> bool {
+        let target = self.cfg.target_batch_size;
+        // Half a batch ahead: with every peer computing one more batch the swarm would jump
+        // past the target by up to a batch per peer; stopping when the target is nearer than
+        // half that jump lands the global batch on the target on average, not above it.
+        let ahead = self.samples + self.last_batch_samples / 2;
+        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let projected =
+            self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
+        tracing::trace!(
+            epoch = self.epoch,
+            own = self.samples,
+            swarm_epoch = swarm.epoch,
+            projection,
+            own_compute_rate = self.compute_rate,
+            peers_in_epoch = swarm.peers_in_epoch,
+            peers = swarm.peers,
+            rate = swarm.samples_per_second,
+            own_rate = swarm.own_samples_per_second,
+            "progress towards the global batch"
+        );
+        // (A reading of an earlier epoch than this peer's says nothing of this one's batch:
+        // this peer's own report may not have reached the DHT yet.)
+        (swarm.ready && swarm.epoch >= self.epoch) || self.samples >= target || projected
     }
 }
 

@@ -7,6 +7,9 @@ use std::time::Instant;
 use starling_node::NodeError;
 
 use super::{CollaborativeOptimizer, StepReport, TrainingError, RATE_WINDOW};
+
+/// Batch intervals after which the compute rate is measured afresh (or a quarter second).
+const COMPUTE_WINDOW_BATCHES: u32 = 8;
 use crate::progress::{LocalProgress, ProgressError, SwarmProgress};
 
 impl CollaborativeOptimizer {
@@ -50,18 +53,23 @@ impl CollaborativeOptimizer {
         self.last_batch_samples = batch_samples;
         let now = Instant::now();
         // The compute rate: only intervals between batches of one epoch (the first batch after
-        // a step waited for the step's averaging), over windows of a quarter second.
+        // a step waited for the step's averaging), over windows of a quarter second or of
+        // `COMPUTE_WINDOW_BATCHES` intervals, whichever fills first: a peer that computes only a
+        // few fast batches per epoch would otherwise keep its first measurement (often a slow
+        // start) for hundreds of epochs, and the others would count it several times too slow.
         if let Some((prev, epoch)) = self.last_batch {
             if epoch == self.epoch {
-                let (secs, samples) = &mut self.compute_window;
+                let (secs, samples, intervals) = &mut self.compute_window;
                 *secs += now.duration_since(prev).as_secs_f64();
                 *samples += batch_samples;
-                let full = *secs >= RATE_WINDOW.as_secs_f64() / 8.0;
+                *intervals += 1;
+                let full = *secs >= RATE_WINDOW.as_secs_f64() / 8.0
+                    || *intervals >= COMPUTE_WINDOW_BATCHES;
                 if full || self.compute_rate == 0.0 {
                     self.compute_rate = *samples as f64 / secs.max(1e-6);
                 }
                 if full {
-                    self.compute_window = (0.0, 0);
+                    self.compute_window = (0.0, 0, 0);
                 }
             }
         }

@@ -1,6 +1,8 @@
 //! State sync for the collaborative optimizer: serving this peer's state as a donor, and
 //! taking a synced state as a joiner.
 
+use tracing::Instrument;
+
 use crate::params::ParamSet;
 use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
@@ -22,6 +24,10 @@ impl CollaborativeOptimizer {
     pub async fn serve_state(&mut self, server: StateServer, params: &ParamSet) {
         self.state_server = Some(server);
         self.refresh_served_state(params).await;
+        // The first state is served when this returns.
+        if let Some(task) = self.serving.take() {
+            let _ = task.await;
+        }
     }
 
     /// This peer's state as state sync moves it: the epoch, the parameters and, in gradient
@@ -65,6 +71,8 @@ impl CollaborativeOptimizer {
                 epoch
             }
         };
+        // A delayed update's round in flight belonged to the state just replaced.
+        self.cancel_pending();
         self.epoch = epoch;
         self.accumulated.fill(0.0);
         // What earlier rounds owed belongs to the state this peer left behind.
@@ -75,23 +83,28 @@ impl CollaborativeOptimizer {
         Ok(())
     }
 
-    /// Gives the state server, if any, the state at this step boundary. (`&mut self` keeps the
-    /// future `Send`: the boxed optimizer is `Send` but not `Sync`.)
+    /// Gives the state server, if any, the state at this step boundary: the copy is taken
+    /// now; hashing it and announcing it run in the background, so the step does not wait for
+    /// them, unless the previous refresh still runs (steps faster than hashing): that one is
+    /// waited for first, so refreshes land in order and the last state is always served.
     pub(super) async fn refresh_served_state(&mut self, params: &ParamSet) {
         let Some(server) = self.state_server.clone() else {
             return;
         };
-        // A statement of its own: the view (which borrows the optimizer) ends before the await.
-        let snapshot = self.state_view(params).capture();
-        let updated = match snapshot {
-            Ok(snapshot) => server.update(snapshot).await.map(|_| ()),
-            Err(e) => Err(e),
-        };
-        if let Err(e) = updated {
-            tracing::warn!(
-                epoch = self.epoch,
-                "state sync: serving the new state failed: {e}"
-            );
+        if let Some(previous) = self.serving.take() {
+            let _ = previous.await;
+        }
+        let epoch = self.epoch;
+        match self.state_view(params).capture() {
+            Ok(snapshot) => {
+                let refresh = async move {
+                    if let Err(e) = server.update(snapshot).await {
+                        tracing::warn!(epoch, "state sync: serving the new state failed: {e}");
+                    }
+                };
+                self.serving = Some(tokio::spawn(refresh.in_current_span()));
+            }
+            Err(e) => tracing::warn!(epoch, "state sync: serving the new state failed: {e}"),
         }
     }
 }

@@ -1,0 +1,247 @@
+//! The delayed parameter update ([`CollaborativeConfig::delayed_update`]): an epoch's averaging
+//! round runs as a background task on owned copies of what it averages, while the caller
+//! computes the next epoch's batches; its optimizer step is applied at the first call that
+//! finds it finished, or before the next round starts (rounds apply in order, one in flight at
+//! a time).
+//!
+//! The parameters do not change between a round's start and its application (this peer takes
+//! no other step meanwhile), so a round that also carries the state averages the same values a
+//! synchronous round would have, and applying its results writes back exactly what the averager
+//! wrote.
+//!
+//! This peer publishes its progress in the next epoch only when the round has ended, as a
+//! synchronous peer does after its step: a report of the next epoch while the round is still
+//! forming would tell the peers about to start it that they are behind. Meanwhile its samples
+//! count towards the next epoch locally.
+//!
+//! Which parameters a batch computed during the round sees depends on when the round ends
+//! (before or after its application): the gradients are up to one step stale. Every peer still
+//! applies the same averaged gradients to the same parameters.
+//!
+//! [`CollaborativeConfig::delayed_update`]: super::CollaborativeConfig::delayed_update
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use starling_averager::{AveragerError, Residuals, RoundReport};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use super::{average_gradients, note_round, CollaborativeOptimizer, StepReport, TrainingError};
+use crate::params::ParamSet;
+
+/// A round in flight.
+pub(super) struct Pending {
+    task: JoinHandle<Finished>,
+    /// The report of the step, filled in when it is applied.
+    report: StepReport,
+    /// The epoch the step reaches.
+    epoch_after: u64,
+}
+
+/// What a background round hands back.
+pub(super) struct Finished {
+    /// The mean gradient, averaged with the group on the spans the round covered.
+    grads: Vec<f32>,
+    /// The parameters and the optimizer state, when the round carried them.
+    state: Option<(Vec<f32>, Vec<Vec<f32>>)>,
+    /// The error-feedback residuals the round took along.
+    residuals: Option<Residuals>,
+    result: Result<RoundReport, AveragerError>,
+    took: Duration,
+}
+
+/// What a round to start averages and how.
+pub(super) struct Launch {
+    /// The mean gradient of this peer's samples (the buffer moves into the task).
+    pub grads: Vec<f32>,
+    /// Whether the round also averages the parameters and the optimizer state.
+    pub with_state: bool,
+    pub weight: f32,
+    pub deadline: Instant,
+    /// The report of the step so far (progress, waiting time).
+    pub report: StepReport,
+}
+
+impl CollaborativeOptimizer {
+    /// Starts `launch`'s round in the background and moves this peer to the next epoch: the
+    /// samples it computes from now on count towards that one.
+    pub(super) fn launch(&mut self, params: &ParamSet, launch: Launch) {
+        let Launch {
+            mut grads,
+            with_state,
+            weight,
+            deadline,
+            report,
+        } = launch;
+        let mut state = with_state.then(|| {
+            let optimizer: Vec<Vec<f32>> = self
+                .optimizer
+                .state_mut()
+                .into_iter()
+                .map(|(_, b)| b.to_vec())
+                .collect();
+            (params.params().to_vec(), optimizer)
+        });
+        // The gradients' residual goes with a gradient round and comes back with it; a round
+        // that carries the state averages without feedback, like the synchronous one.
+        let mut residuals =
+            (self.cfg.error_feedback && !with_state).then(|| std::mem::take(&mut self.residuals));
+        let averager = Arc::clone(&self.averager);
+        let task = tokio::spawn(
+            async move {
+                let began = Instant::now();
+                let result = match state.as_mut() {
+                    Some((values, optimizer)) => {
+                        let mut buffers: Vec<&mut [f32]> = vec![&mut grads[..], &mut values[..]];
+                        buffers.extend(optimizer.iter_mut().map(|b| &mut b[..]));
+                        averager.step(&mut buffers, weight, deadline).await
+                    }
+                    None => {
+                        average_gradients(
+                            &averager,
+                            residuals.as_mut(),
+                            &mut grads,
+                            weight,
+                            deadline,
+                        )
+                        .await
+                    }
+                };
+                Finished {
+                    grads,
+                    state,
+                    residuals,
+                    result,
+                    took: began.elapsed(),
+                }
+            }
+            .in_current_span(),
+        );
+        self.epoch += 1;
+        self.pending = Some(Pending {
+            task,
+            report,
+            epoch_after: self.epoch,
+        });
+    }
+
+    /// Applies the round in flight if it has finished; `None` when none was (or it still runs).
+    pub(super) async fn apply_if_finished(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<Option<StepReport>, TrainingError> {
+        if self.pending.as_ref().is_some_and(|p| p.task.is_finished()) {
+            return self.apply_pending(params).await;
+        }
+        Ok(None)
+    }
+
+    /// Waits for the round in flight, if any, and applies its step: the averaged state (when
+    /// it carried it), then the optimizer step with the averaged gradient.
+    pub(super) async fn apply_pending(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<Option<StepReport>, TrainingError> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(None);
+        };
+        let mut report = pending.report;
+        let finished = match pending.task.await {
+            Ok(f) => f,
+            Err(e) => {
+                // Only a panic in the averager gets here (nothing else aborts a pending round
+                // while it is held): the gradients went with it, so this epoch takes no step.
+                let e = format!("the background averaging round failed: {e}");
+                tracing::warn!("{e}");
+                report.errors.push(e.clone());
+                report.averaging_error = Some(e);
+                report.epoch = pending.epoch_after;
+                report.stepped = true;
+                return Ok(Some(report));
+            }
+        };
+        if let Some(r) = finished.residuals {
+            self.residuals = r;
+        }
+        let carried_state = finished.state.is_some();
+        let averaged = finished.result.is_ok();
+        note_round(&mut report, finished.result)?;
+        report.timings.averaging = finished.took;
+        let applied_at = Instant::now();
+        if let Some((values, optimizer)) = finished.state {
+            // Spans the round did not cover hold this peer's own values: nothing changed them.
+            params.params_mut().copy_from_slice(&values);
+            for ((_, dst), src) in self.optimizer.state_mut().into_iter().zip(&optimizer) {
+                dst.copy_from_slice(src);
+            }
+            report.state_averaged = carried_state && averaged;
+        }
+        self.optimizer.step(params.params_mut(), &finished.grads)?;
+        report.timings.optimizer = applied_at.elapsed();
+        self.spare = finished.grads;
+        self.refresh_served_state(params).await;
+        // Now the others may read that this peer moved on (every member of the round has
+        // started it by now), with the samples it computed meanwhile.
+        let published = self.tracker.publish(self.local_progress()).await;
+        self.tolerate(published)?;
+        report.epoch = pending.epoch_after;
+        report.stepped = true;
+        Ok(Some(report))
+    }
+
+    /// Drops the round in flight, if any, without applying it (the state is being replaced);
+    /// [`CollaborativeOptimizer::shutdown`] waits for it to end.
+    pub(super) fn cancel_pending(&mut self) {
+        if let Some(p) = self.pending.take() {
+            p.task.abort();
+            self.cancelled.push(p.task);
+        }
+    }
+
+    /// Waits for the round in flight, if any, and applies its step, so that the parameters are
+    /// those of [`epoch`](CollaborativeOptimizer::epoch): call it before evaluating, saving a
+    /// checkpoint or reading the result, with [`CollaborativeConfig::delayed_update`]
+    /// (otherwise there is never a round in flight and it returns `None`). Returns the report
+    /// of the step it applied.
+    ///
+    /// ```no_run
+    /// # async fn demo(mut opt: starling_training::CollaborativeOptimizer, mut params: starling_training::ParamSet) -> Result<(), starling_training::TrainingError> {
+    /// if let Some(report) = opt.flush(&mut params).await? {
+    ///     println!("epoch {} applied", report.epoch);
+    /// }
+    /// assert_eq!(opt.params_epoch(), opt.epoch());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`CollaborativeConfig::delayed_update`]: super::CollaborativeConfig::delayed_update
+    pub async fn flush(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<Option<StepReport>, TrainingError> {
+        let Some(report) = self.apply_pending(params).await? else {
+            return Ok(None);
+        };
+        let report = self.with_errors(Ok(report));
+        self.record(&report);
+        report.map(Some)
+    }
+
+    /// The epoch the parameters are at: [`epoch`](CollaborativeOptimizer::epoch), less one
+    /// while a delayed update is in flight (its samples were counted, its step not yet
+    /// applied). A checkpoint saves this one.
+    pub fn params_epoch(&self) -> u64 {
+        self.epoch - u64::from(self.pending.is_some())
+    }
+
+    /// Waits for every background round to end (shutdown).
+    pub(super) async fn end_background_rounds(&mut self) {
+        if let Some(p) = self.pending.take() {
+            p.task.abort();
+            self.cancelled.push(p.task);
+        }
+        for t in self.cancelled.drain(..) {
+            let _ = t.await;
+        }
+    }
+}
