@@ -38,42 +38,9 @@ done
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
 bin="$(realpath "$bin")"
 
-tag="sb$$"
-hub="$tag-hub"
-hosts=()
-cleanup() {
-  for h in "${hosts[@]}"; do ip netns del "$h" 2>/dev/null || true; done
-  ip netns del "$hub" 2>/dev/null || true
-}
-trap cleanup EXIT
-
-ip netns add "$hub"
-ip -n "$hub" link add br0 type bridge
-ip -n "$hub" link set br0 up
-for i in $(seq 0 $((peers - 1))); do
-  h="$tag-$i"
-  hosts+=("$h")
-  ip netns add "$h"
-  ip link add "v$tag$i" type veth peer name "o$tag$i"
-  ip link set "v$tag$i" netns "$h"
-  ip link set "o$tag$i" netns "$hub"
-  ip -n "$h" link set "v$tag$i" name eth0
-  ip -n "$h" addr add "10.213.$(( $$ % 250 )).$((i + 1))/24" dev eth0
-  ip -n "$h" link set eth0 up
-  ip -n "$h" link set lo up
-  ip -n "$hub" link set "o$tag$i" master br0
-  ip -n "$hub" link set "o$tag$i" up
-done
-ns_list="$(IFS=,; echo "${hosts[*]}")"
-
-throttle() {
-  local rate="$1" verb="$2"
-  for i in $(seq 0 $((peers - 1))); do
-    ip -n "$tag-$i" link set eth0 up
-    tc -n "$tag-$i" qdisc "$verb" dev eth0 root tbf rate "$rate" burst 64kb latency 50ms
-    tc -n "$hub" qdisc "$verb" dev "o$tag$i" root tbf rate "$rate" burst 64kb latency 50ms
-  done
-}
+. scripts/netns_hosts.sh
+trap netns_hosts_down EXIT
+netns_hosts_up "$peers"
 
 field() { # field NAME JSON: the first numeric value of "NAME" in JSON
   printf '%s' "$2" | grep -o "\"$1\":[-0-9.e+]*" | head -n1 | cut -d: -f2
@@ -82,7 +49,7 @@ field() { # field NAME JSON: the first numeric value of "NAME" in JSON
 printf '%-8s %-9s %-5s %10s %12s %7s %6s %10s\n' rate size codec starling_s reference_s ratio warm max_err
 verb=add
 for rate in $rates; do
-  throttle "$rate" "$verb"
+  netns_throttle "$rate" "$verb"
   verb=change
   for size in $sizes; do
     for codec in $codecs; do

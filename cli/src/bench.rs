@@ -27,6 +27,9 @@ pub enum BenchCommand {
     /// Where a collaborative global step's time goes (waiting, averaging, optimizer) for a
     /// synthetic model, beside plain all-reduce rounds of the same size (in-process peers).
     Training(crate::bench_training::TrainingArgs),
+    /// One peer of `bench training --sample-ms` (started by it).
+    #[command(hide = true)]
+    TrainingWorker(crate::bench_training::simulated::SimWorkerArgs),
     /// Local collectives across N devices of this process (cpu threads or nccl GPUs): algorithm
     /// and bus bandwidth, and (cpu) this machine's memcpy bandwidth.
     Local(crate::bench_local::LocalArgs),
@@ -65,6 +68,9 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
         BenchCommand::Gossip(args) => crate::bench_gossip::run(args).await?,
         BenchCommand::Training(args) => crate::bench_training::run(args).await?,
+        BenchCommand::TrainingWorker(args) => {
+            crate::bench_training::simulated::worker(args).await?
+        }
         BenchCommand::Local(args) => crate::bench_local::run(args)?,
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
         BenchCommand::Dht(args) => crate::bench_dht::run(args).await?,

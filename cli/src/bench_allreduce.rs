@@ -471,17 +471,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
         "/ip4/0.0.0.0/tcp/0"
     };
     let boot = Node::start(NodeConfig::default().listen_on(listen.parse()?)).await?;
-    // Interfaces are reported one by one: wait (a little) for one the workers can reach.
-    let wanted = |a: &Multiaddr| args.netns.is_empty() || !a.to_string().starts_with("/ip4/127.");
-    let give_up = Instant::now() + Duration::from_secs(5);
-    let boot_addr = loop {
-        let found = boot.listen_addrs().await?.into_iter().find(wanted);
-        match found {
-            Some(a) => break a,
-            None if Instant::now() < give_up => tokio::time::sleep(Duration::from_millis(50)).await,
-            None => bail!("the bootstrap node has no address the workers can reach"),
-        }
-    };
+    let boot_addr = reachable_addr(&boot, !args.netns.is_empty()).await?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for i in 0..args.peers {
@@ -543,6 +533,21 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
     }
     boot.shutdown().await;
     Ok(summarize_with_reference(args, per_peer))
+}
+
+/// An address of `boot` that workers can dial: any, on one host; across namespaces a
+/// non-loopback one (interfaces are reported one by one: this waits a little for one).
+pub(crate) async fn reachable_addr(boot: &Node, across_namespaces: bool) -> Result<Multiaddr> {
+    let wanted = |a: &Multiaddr| !across_namespaces || !a.to_string().starts_with("/ip4/127.");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = boot.listen_addrs().await?.into_iter().find(wanted);
+        match found {
+            Some(a) => return Ok(a),
+            None if Instant::now() < give_up => tokio::time::sleep(Duration::from_millis(50)).await,
+            None => bail!("the bootstrap node has no address the workers can reach"),
+        }
+    }
 }
 
 #[derive(Args, Debug)]

@@ -32,6 +32,10 @@ pub struct DemoArgs {
     /// One JSON object per line per peer event, and a final `result` object.
     #[arg(long)]
     json: bool,
+    /// Apply each global step one epoch late, overlapping averaging with compute (see
+    /// `starling train --delayed-update`).
+    #[arg(long)]
+    delayed_update: bool,
 }
 
 pub async fn run(args: DemoArgs) -> Result<()> {
@@ -96,6 +100,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             stop: Arc::new(AtomicBool::new(false)),
             reporter,
             progress_interval: Some(Duration::from_millis(100)),
+            delayed_update: args.delayed_update,
         };
         tasks.push(tokio::spawn(session.run()));
     }

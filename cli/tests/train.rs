@@ -81,6 +81,55 @@ fn three_peers_and_a_late_fourth_train_the_digits_mlp_to_the_same_epoch() {
     println!("final test accuracy (creator, joiners, late joiner): {accuracies:?}");
 }
 
+/// Two peers, default flags, 300 global steps: once the joiner is in, no round fails or waits
+/// out a matchmaking window (5 s), and both end with bit-identical parameters (codec `none`).
+#[test]
+fn two_peers_take_300_steps_without_waiting_out_a_window_and_end_identical() {
+    let _one = serial();
+    const EPOCHS: u64 = 300;
+    let epochs = EPOCHS.to_string();
+    let a = train(&[
+        "--new-run",
+        "pair",
+        "--model",
+        "mlp",
+        "--epochs",
+        &epochs,
+        "--seed",
+        "3",
+    ]);
+    let (addr, creator) = address(&a);
+    let b = train(&["--run", &format!("pair@{creator}"), "--bootstrap", &addr]);
+    let (fa, la) = finished(a, "creator");
+    let (fb, lb) = finished(b, "joiner");
+    let joined = events(&lb, "step")
+        .first()
+        .and_then(|s| s["epoch"].as_u64())
+        .expect("the joiner stepped");
+    for (who, lines) in [("creator", &la), ("joiner", &lb)] {
+        for s in events(lines, "step") {
+            let epoch = s["epoch"].as_u64().unwrap();
+            let waited = s["averaging_seconds"].as_f64().unwrap();
+            assert!(
+                waited < 5.0,
+                "{who} epoch {epoch}: a round took {waited} s: {s}"
+            );
+            if epoch >= joined {
+                assert!(
+                    s["averaging_error"].is_null() && s["group_size"] == 2,
+                    "{who} epoch {epoch} (the joiner is in from epoch {joined}): {s}"
+                );
+            }
+        }
+    }
+    assert_eq!(fa["epoch"], EPOCHS);
+    assert_eq!(fb["epoch"], EPOCHS);
+    assert_eq!(
+        fa["params_sha256"], fb["params_sha256"],
+        "both peers end with the same parameters"
+    );
+}
+
 /// Writes images and labels as MNIST-style IDX files; the labels gzip-compressed.
 fn write_idx(dir: &Path, prefix: &str, x: &[f32], y: &[u32], side: usize) {
     let mut img = vec![0u8, 0, 8, 3];

@@ -76,6 +76,11 @@ pub struct TrainArgs {
     /// Epochs between checkpoints (one is also saved at the end and on Ctrl-C).
     #[arg(long, default_value_t = 10)]
     checkpoint_every: u64,
+    /// Gradient mode: apply each global step one epoch late, computing the next batches
+    /// while the step's averaging round runs (communication hidden behind compute; gradients
+    /// one step stale). Peers with and without it train together and stay identical.
+    #[arg(long)]
+    delayed_update: bool,
     /// One JSON object per line (events: node, devices, started, synced, step, eval,
     /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
@@ -534,6 +539,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         stop,
         reporter,
         progress_interval: None,
+        delayed_update: args.delayed_update,
     };
     let outcome = session.run().await;
     watcher.abort();

@@ -14,7 +14,8 @@ use starling_node::Node;
 use starling_training::checkpoint::{Restore, Snapshot};
 use starling_training::{
     sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, OptimizerConfig,
-    ParamSet, SgdConfig, StateServer, StateServerConfig, SyncConfig, SyncError, VarBinding,
+    ParamSet, SgdConfig, StateServer, StateServerConfig, StepReport, SyncConfig, SyncError,
+    VarBinding,
 };
 
 use super::data::Dataset;
@@ -58,6 +59,9 @@ pub struct Session {
     /// How often progress is published and read (`None`: the defaults, 1 s and 0.5 s; a
     /// loopback demo whose epochs take a tenth of a second needs faster).
     pub progress_interval: Option<Duration>,
+    /// Apply each global step one epoch late, computing the next batches while the round
+    /// runs (`CollaborativeConfig::delayed_update`).
+    pub delayed_update: bool,
 }
 
 /// How a session ended.
@@ -175,6 +179,7 @@ impl Session {
             stop,
             reporter,
             progress_interval,
+            delayed_update,
         } = self;
         let Built {
             net,
@@ -204,6 +209,7 @@ impl Session {
             cfg.progress.publish_interval = every;
             cfg.fetch_interval = every;
         }
+        cfg.delayed_update = delayed_update && matches!(cfg.mode, Mode::Gradients);
         let mut collab = CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
         if let (Some(epoch), Some(dir)) = (resumed, &checkpoint_dir) {
             collab.resume(epoch, &params);
@@ -289,13 +295,14 @@ impl Trainer {
     }
 
     fn save(&self, dir: &std::path::Path, reporter: &dyn Reporter) {
+        // The epoch the parameters are at (a delayed update's round in flight is not in them).
         let saved = Snapshot::new(&self.params)
-            .epoch(self.collab.epoch())
+            .epoch(self.collab.params_epoch())
             .optimizer("opt", self.collab.optimizer())
             .save(dir);
         match saved {
             Ok(_) => reporter.event(&Event::Checkpoint {
-                epoch: self.collab.epoch(),
+                epoch: self.collab.params_epoch(),
                 dir: dir.display().to_string(),
             }),
             Err(e) => tracing::warn!("saving a checkpoint in {} failed: {e}", dir.display()),
@@ -310,12 +317,11 @@ impl Trainer {
         let started = Instant::now();
         let mut samples_total = 0u64;
         let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
-        let mut rate = 0.0;
         let mut failures = 0u32;
-        // The mean loss of the batches since the last step: what the loss curve reports.
-        let (mut loss_sum, mut loss_batches) = (0.0f64, 0u32);
+        let mut steps = Steps::default();
         while self.collab.epoch() < m.epochs {
             if s.stop.load(Ordering::Relaxed) {
+                self.flush(s, m, &mut steps).await?;
                 if let Some(dir) = &s.checkpoint_dir {
                     self.save(dir, reporter);
                 }
@@ -371,8 +377,9 @@ impl Trainer {
             );
             samples_total += samples;
             window_samples += samples;
-            loss_sum += f64::from(loss);
-            loss_batches += 1;
+            steps.loss_sum += f64::from(loss);
+            steps.loss_batches += 1;
+            steps.last_loss = f64::from(loss);
             let before = self.collab.epoch();
             let report = self.collab.step(&mut self.params, samples).await?;
             if diloco || report.stepped {
@@ -380,38 +387,11 @@ impl Trainer {
             }
             let elapsed = window_start.elapsed().as_secs_f64();
             if elapsed >= 1.0 {
-                rate = window_samples as f64 / elapsed;
+                steps.rate = window_samples as f64 / elapsed;
                 (window_start, window_samples) = (Instant::now(), 0);
             }
             if report.stepped {
-                // Metrics, the node's loss curve (dashboard) and its heartbeat.
-                self.collab
-                    .report_loss(loss_sum / f64::from(loss_batches.max(1)));
-                (loss_sum, loss_batches) = (0.0, 0);
-                let swarm = report.swarm.clone();
-                reporter.event(&Event::Step {
-                    epoch: report.epoch,
-                    loss: loss as f64,
-                    samples_per_second: rate,
-                    swarm_samples_per_second: swarm.as_ref().map_or(rate, |s| s.samples_per_second),
-                    peers: swarm.as_ref().map_or(1, |s| s.peers.max(1)),
-                    samples: report.samples,
-                    waiting_seconds: report.timings.waiting.as_secs_f64(),
-                    averaging_seconds: report.timings.averaging.as_secs_f64(),
-                    group_size: report.group_size,
-                    averaging_error: report.averaging_error.clone(),
-                    errors: report.errors.clone(),
-                });
-                let epoch = report.epoch;
-                if epoch % m.eval_every == 0 && epoch < m.epochs {
-                    let eval = evaluate(self.net.clone(), &s.data).await?;
-                    reporter.event(&Event::eval(epoch, eval));
-                }
-                if let Some(dir) = &s.checkpoint_dir {
-                    if epoch % s.checkpoint_every.max(1) == 0 {
-                        self.save(dir, reporter);
-                    }
-                }
+                self.stepped(s, m, &report, &mut steps).await?;
             }
             // More than one epoch behind the swarm: catch up by state sync.
             if let Some(swarm) = &report.swarm {
@@ -422,6 +402,7 @@ impl Trainer {
                 }
             }
         }
+        self.flush(s, m, &mut steps).await?;
         let eval = evaluate(self.net.clone(), &s.data).await?;
         let (test_accuracy, val_loss_nats) = split(eval);
         if let Some(dir) = &s.checkpoint_dir {
@@ -444,8 +425,79 @@ impl Trainer {
     }
 }
 
+/// What the step events of a session carry over from batch to batch.
+#[derive(Default)]
+struct Steps {
+    /// The mean loss of the batches since the last step: what the loss curve reports.
+    loss_sum: f64,
+    loss_batches: u32,
+    /// The latest batch's loss.
+    last_loss: f64,
+    /// This peer's samples per second over the last second or so.
+    rate: f64,
+}
+
+impl Trainer {
+    /// After a global (or outer) step: the step event, the loss curve, an evaluation and a
+    /// checkpoint when due.
+    async fn stepped(
+        &mut self,
+        s: &Ctx,
+        m: &RunManifest,
+        report: &StepReport,
+        steps: &mut Steps,
+    ) -> Result<()> {
+        let reporter = s.reporter.as_ref();
+        // Metrics, the node's loss curve (dashboard) and its heartbeat.
+        self.collab
+            .report_loss(steps.loss_sum / f64::from(steps.loss_batches.max(1)));
+        (steps.loss_sum, steps.loss_batches) = (0.0, 0);
+        let rate = steps.rate;
+        let swarm = report.swarm.clone();
+        reporter.event(&Event::Step {
+            epoch: report.epoch,
+            loss: steps.last_loss,
+            samples_per_second: rate,
+            swarm_samples_per_second: swarm.as_ref().map_or(rate, |s| s.samples_per_second),
+            peers: swarm.as_ref().map_or(1, |s| s.peers.max(1)),
+            samples: report.samples,
+            waiting_seconds: report.timings.waiting.as_secs_f64(),
+            averaging_seconds: report.timings.averaging.as_secs_f64(),
+            group_size: report.group_size,
+            averaging_error: report.averaging_error.clone(),
+            errors: report.errors.clone(),
+        });
+        let epoch = report.epoch;
+        // With a delayed update in flight the parameters are one epoch short: evaluations and
+        // checkpoints wait for the epoch they name.
+        if epoch.is_multiple_of(m.eval_every)
+            && epoch < m.epochs
+            && epoch == self.collab.params_epoch()
+        {
+            let eval = evaluate(self.net.clone(), &s.data).await?;
+            reporter.event(&Event::eval(epoch, eval));
+        }
+        if let Some(dir) = &s.checkpoint_dir {
+            if epoch.is_multiple_of(s.checkpoint_every.max(1)) {
+                self.save(dir, reporter);
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a delayed update's round in flight (its step event too), so that the
+    /// parameters are the epoch's.
+    async fn flush(&mut self, s: &Ctx, m: &RunManifest, steps: &mut Steps) -> Result<()> {
+        if let Some(report) = self.collab.flush(&mut self.params).await? {
+            self.binding.params_to_vars(&self.params)?;
+            self.stepped(s, m, &report, steps).await?;
+        }
+        Ok(())
+    }
+}
+
 /// SHA-256 of `params`' bits, little-endian, as hex.
-fn params_sha256(params: &[f32]) -> String {
+pub(crate) fn params_sha256(params: &[f32]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for chunk in params.chunks(4096) {
