@@ -25,11 +25,9 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
-[ -x "$bin" ] || { echo "no starling binary at $bin (cargo build --release, or --bin)" >&2; exit 2; }
-[ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
-bin="$(realpath "$bin")"
 
 . scripts/netns_hosts.sh
+netns_need_root_and_bin
 trap netns_hosts_down EXIT
 netns_hosts_up "$peers"
 netns_throttle "$rate" add

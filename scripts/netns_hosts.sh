@@ -5,6 +5,7 @@
 #   netns_hosts_up PEERS       creates the hub and hosts; sets $hosts (array) and $ns_list
 #   netns_throttle RATE VERB   VERB add (first time) or change, RATE e.g. 100mbit
 #   netns_hosts_down           deletes them (trap it on EXIT)
+#   netns_need_root_and_bin    checks root and an executable $bin; makes $bin absolute
 
 netns_tag="sb$$"
 netns_hub="$netns_tag-hub"
@@ -44,4 +45,10 @@ netns_throttle() {
     tc -n "$netns_tag-$i" qdisc "$verb" dev eth0 root tbf rate "$rate" burst 64kb latency 50ms
     tc -n "$netns_hub" qdisc "$verb" dev "o$netns_tag$i" root tbf rate "$rate" burst 64kb latency 50ms
   done
+}
+
+netns_need_root_and_bin() {
+  [ -x "$bin" ] || { echo "no starling binary at $bin (cargo build --release, or --bin)" >&2; exit 2; }
+  [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
+  bin="$(realpath "$bin")"
 }

@@ -43,6 +43,86 @@ pub enum BenchCommand {
     DhtWorker(crate::bench_dht::DhtWorkerArgs),
 }
 
+/// Where the worker processes of a multi-process bench start from: a bootstrap node in this
+/// process (it takes no part in the bench) and, with network namespaces, one namespace per
+/// worker (entered through `ip netns exec`, as root).
+pub(crate) struct Workers {
+    pub boot: starling_node::Node,
+    boot_addr: starling_node::Multiaddr,
+    netns: Vec<String>,
+    exe: std::path::PathBuf,
+}
+
+impl Workers {
+    /// Starts the bootstrap node: on 127.0.0.1 for workers on this host, on every interface
+    /// (handing out a non-loopback address) when `netns` names one namespace per worker.
+    pub async fn start(netns: &[String], workers: usize) -> Result<Self> {
+        ensure!(
+            netns.is_empty() || netns.len() == workers,
+            "--netns must name one namespace per peer ({} names for {workers} peers)",
+            netns.len()
+        );
+        let listen = if netns.is_empty() {
+            "/ip4/127.0.0.1/tcp/0"
+        } else {
+            "/ip4/0.0.0.0/tcp/0"
+        };
+        let cfg = starling_node::NodeConfig::default().listen_on(listen.parse()?);
+        let boot = starling_node::Node::start(cfg).await?;
+        let boot_addr = reachable_addr(&boot, !netns.is_empty()).await?;
+        Ok(Workers {
+            boot,
+            boot_addr,
+            netns: netns.to_vec(),
+            exe: std::env::current_exe()?,
+        })
+    }
+
+    /// `starling bench SUBCOMMAND --bootstrap ADDR --index I` for worker `i`, in its namespace
+    /// if any (listening with the node's defaults there, as a user's node would; on one host,
+    /// on loopback only). The caller adds its own arguments and spawns it.
+    pub fn command(&self, subcommand: &str, i: usize) -> tokio::process::Command {
+        let mut cmd = match self.netns.get(i) {
+            Some(ns) => {
+                let mut c = tokio::process::Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.exe);
+                c
+            }
+            None => tokio::process::Command::new(&self.exe),
+        };
+        cmd.args(["bench", subcommand, "--bootstrap"])
+            .arg(self.boot_addr.to_string())
+            .args(["--index", &i.to_string()]);
+        if self.netns.is_empty() {
+            cmd.args(["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        }
+        cmd.kill_on_drop(true);
+        cmd
+    }
+}
+
+/// An address of `boot` that workers can dial: any, on one host; across namespaces a
+/// non-loopback one (interfaces are reported one by one: this waits a little for one).
+async fn reachable_addr(
+    boot: &starling_node::Node,
+    across_namespaces: bool,
+) -> Result<starling_node::Multiaddr> {
+    let wanted = |a: &starling_node::Multiaddr| {
+        !across_namespaces || !a.to_string().starts_with("/ip4/127.")
+    };
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let found = boot.listen_addrs().await?.into_iter().find(wanted);
+        match found {
+            Some(a) => return Ok(a),
+            None if std::time::Instant::now() < give_up => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            None => anyhow::bail!("the bootstrap node has no address the workers can reach"),
+        }
+    }
+}
+
 /// The `p` quantile (0..=1, nearest rank) of `sorted` values; 0 when there are none.
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

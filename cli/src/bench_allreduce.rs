@@ -457,45 +457,11 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
     averager_config(args)?;
-    ensure!(
-        args.netns.is_empty() || args.netns.len() == args.peers,
-        "--netns must name one namespace per peer ({} names for {} peers)",
-        args.netns.len(),
-        args.peers
-    );
-    // A bootstrap node in this process; it does not average. Across namespaces it listens on
-    // every interface and gives the workers its first non-loopback address.
-    let listen = if args.netns.is_empty() {
-        "/ip4/127.0.0.1/tcp/0"
-    } else {
-        "/ip4/0.0.0.0/tcp/0"
-    };
-    let boot = Node::start(NodeConfig::default().listen_on(listen.parse()?)).await?;
-    let boot_addr = reachable_addr(&boot, !args.netns.is_empty()).await?;
-    let exe = std::env::current_exe()?;
+    let workers = crate::bench::Workers::start(&args.netns, args.peers).await?;
     let mut children = Vec::new();
     for i in 0..args.peers {
-        let mut cmd = match args.netns.get(i) {
-            Some(ns) => {
-                let mut c = tokio::process::Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&exe);
-                c
-            }
-            None => tokio::process::Command::new(&exe),
-        };
-        cmd.args([
-            "bench",
-            "allreduce-worker",
-            "--bootstrap",
-            &boot_addr.to_string(),
-            "--index",
-            &i.to_string(),
-        ]);
-        // One machine: loopback only. Across namespaces: the node's defaults, as a user's.
-        if args.netns.is_empty() {
-            cmd.args(["--listen", "/ip4/127.0.0.1/tcp/0"]);
-        }
-        let child = cmd
+        let child = workers
+            .command("allreduce-worker", i)
             .args([
                 "--peers",
                 &args.peers.to_string(),
@@ -509,7 +475,6 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             .args(args.reference.then_some("--reference"))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .kill_on_drop(true)
             .spawn()
             .context("spawning a worker process")?;
         children.push(child);
@@ -531,23 +496,8 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
         }
         per_peer.push(samples);
     }
-    boot.shutdown().await;
+    workers.boot.shutdown().await;
     Ok(summarize_with_reference(args, per_peer))
-}
-
-/// An address of `boot` that workers can dial: any, on one host; across namespaces a
-/// non-loopback one (interfaces are reported one by one: this waits a little for one).
-pub(crate) async fn reachable_addr(boot: &Node, across_namespaces: bool) -> Result<Multiaddr> {
-    let wanted = |a: &Multiaddr| !across_namespaces || !a.to_string().starts_with("/ip4/127.");
-    let give_up = Instant::now() + Duration::from_secs(5);
-    loop {
-        let found = boot.listen_addrs().await?.into_iter().find(wanted);
-        match found {
-            Some(a) => return Ok(a),
-            None if Instant::now() < give_up => tokio::time::sleep(Duration::from_millis(50)).await,
-            None => bail!("the bootstrap node has no address the workers can reach"),
-        }
-    }
 }
 
 #[derive(Args, Debug)]

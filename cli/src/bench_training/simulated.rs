@@ -269,37 +269,12 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
         sim.batch >= 1 && sim.target >= sim.batch,
         "--batch must be at least 1 and at most --target"
     );
-    ensure!(
-        sim.netns.is_empty() || sim.netns.len() == args.peers,
-        "--netns must name one namespace per peer ({} names for {} peers)",
-        sim.netns.len(),
-        args.peers
-    );
-    let listen = if sim.netns.is_empty() {
-        "/ip4/127.0.0.1/tcp/0"
-    } else {
-        "/ip4/0.0.0.0/tcp/0"
-    };
-    let boot = Node::start(NodeConfig::default().listen_on(listen.parse()?)).await?;
-    let boot_addr = crate::bench_allreduce::reachable_addr(&boot, !sim.netns.is_empty()).await?;
-    let exe = std::env::current_exe()?;
+    let hosts = crate::bench::Workers::start(&sim.netns, args.peers).await?;
     let mut children = Vec::new();
     for i in 0..args.peers {
-        let mut cmd = match sim.netns.get(i) {
-            Some(ns) => {
-                let mut c = tokio::process::Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&exe);
-                c
-            }
-            None => tokio::process::Command::new(&exe),
-        };
-        cmd.args(["bench", "training-worker", "--bootstrap"])
-            .arg(boot_addr.to_string())
-            .args(["--index", &i.to_string()]);
-        if sim.netns.is_empty() {
-            cmd.args(["--listen", "/ip4/127.0.0.1/tcp/0"]);
-        }
-        cmd.args(["--peers", &args.peers.to_string()])
+        let child = hosts
+            .command("training-worker", i)
+            .args(["--peers", &args.peers.to_string()])
             .args(["--params", &args.params.to_string()])
             .args(["--steps", &args.steps.to_string()])
             .args(["--codec", &args.codec])
@@ -308,12 +283,10 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
             .args(["--batch", &sim.batch.to_string()])
             .args(["--warmup", &sim.warmup.to_string()])
             .args(sim.delayed_update.then_some("--delayed-update"))
-            .args(sim.per_step.then_some("--per-step"));
-        let child = cmd
+            .args(sim.per_step.then_some("--per-step"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .kill_on_drop(true)
             .spawn()
             .context("spawning a worker process")?;
         children.push(child);
@@ -346,7 +319,7 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
         ensure!(status.success(), "worker {i} failed ({status})");
     }
     let wall_s = go.elapsed().as_secs_f64();
-    boot.shutdown().await;
+    hosts.boot.shutdown().await;
     let result = summarize(args, sample_ms, workers, wall_s)?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(())
