@@ -43,6 +43,21 @@ pub enum BenchCommand {
     DhtWorker(crate::bench_dht::DhtWorkerArgs),
 }
 
+/// Where a bench worker joins: the options [`Workers::command`] passes it.
+#[derive(clap::Args, Debug)]
+pub(crate) struct WorkerPlace {
+    /// Where to join (the bench's bootstrap node).
+    #[arg(long)]
+    pub bootstrap: starling_node::Multiaddr,
+    /// This worker's index (selects its data).
+    #[arg(long)]
+    pub index: usize,
+    /// Address to listen on. Default: the node's (TCP and QUIC on all interfaces), as a
+    /// `starling node` on another machine would.
+    #[arg(long)]
+    pub listen: Option<starling_node::Multiaddr>,
+}
+
 /// Where the worker processes of a multi-process bench start from: a bootstrap node in this
 /// process (it takes no part in the bench) and, with network namespaces, one namespace per
 /// worker (entered through `ip netns exec`, as root).

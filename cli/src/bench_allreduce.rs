@@ -9,7 +9,7 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use starling_averager::{Averager, AveragerConfig};
 use starling_compression::{bench::relative_error, synthetic::normal};
-use starling_node::{Multiaddr, Node, NodeConfig};
+use starling_node::{Node, NodeConfig};
 use starling_tests::{AveragingSwarm, WeightedMean};
 
 use crate::bench_reference::TcpButterfly;
@@ -504,16 +504,8 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
 pub struct WorkerArgs {
     #[command(flatten)]
     common: AllreduceArgs,
-    /// Where to join.
-    #[arg(long)]
-    bootstrap: Multiaddr,
-    /// This worker's index (selects its data).
-    #[arg(long)]
-    index: usize,
-    /// Address to listen on. Default: the node's (TCP and QUIC on all interfaces), as a
-    /// `starling node` on another machine would.
-    #[arg(long)]
-    listen: Option<Multiaddr>,
+    #[command(flatten)]
+    place: crate::bench::WorkerPlace,
     #[command(flatten)]
     nat: crate::NatArgs,
     /// Before the first round, wait up to this many seconds for autonat to judge whether this
@@ -543,8 +535,8 @@ async fn await_reachability(node: &Node, secs: u64) -> Result<()> {
 pub async fn worker(args: WorkerArgs) -> Result<()> {
     let cfg = averager_config(&args.common)?;
     let started = Instant::now();
-    let mut node_cfg = NodeConfig::default().bootstrap_from(args.bootstrap.clone());
-    node_cfg.listen.extend(args.listen.clone());
+    let mut node_cfg = NodeConfig::default().bootstrap_from(args.place.bootstrap.clone());
+    node_cfg.listen.extend(args.place.listen.clone());
     args.nat.apply(&mut node_cfg);
     let node = Node::start(node_cfg).await?;
     if args.await_reachability > 0 {
@@ -553,13 +545,13 @@ pub async fn worker(args: WorkerArgs) -> Result<()> {
     let averager = Averager::new(node.clone(), cfg).await?;
     let mean = exact_mean(args.common.peers, args.common.size);
     tracing::info!(
-        index = args.index,
+        index = args.place.index,
         setup_s = started.elapsed().as_secs_f64(),
         "worker ready"
     );
-    let mut samples = worker_rounds(&averager, args.index, &args.common, &mean).await?;
+    let mut samples = worker_rounds(&averager, args.place.index, &args.common, &mean).await?;
     if args.common.reference {
-        samples.extend(reference_rounds(&node, args.index, &args.common, &mean).await?);
+        samples.extend(reference_rounds(&node, args.place.index, &args.common, &mean).await?);
     }
     for s in samples {
         println!("{}", serde_json::to_string(&s)?);

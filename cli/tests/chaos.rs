@@ -30,8 +30,11 @@ fn sigkilled_peers_and_a_killed_creator_end_nobody_elses_run() {
     let _one = serial();
     let ckpt = tempfile::tempdir().unwrap();
     let ckpt = ckpt.path().to_str().unwrap();
+    let creator_ckpt = tempfile::tempdir().unwrap();
+    let creator_ckpt = creator_ckpt.path().to_str().unwrap();
     let epochs = EPOCHS.to_string();
-    let creator = train(&[
+    // The creator's command, as its user would type it again after a crash.
+    let creator_args = [
         "--new-run",
         "chaos",
         "--model",
@@ -42,7 +45,12 @@ fn sigkilled_peers_and_a_killed_creator_end_nobody_elses_run() {
         "5",
         "--codec",
         "none",
-    ]);
+        "--checkpoint-dir",
+        creator_ckpt,
+        "--checkpoint-every",
+        "20",
+    ];
+    let creator = train(&creator_args);
     let (creator_addr, creator_id) = address(&creator);
     let run = format!("chaos@{creator_id}");
     let joiner = |boot: &str, extra: &[&str]| {
@@ -65,13 +73,24 @@ fn sigkilled_peers_and_a_killed_creator_end_nobody_elses_run() {
     std::thread::sleep(Duration::from_secs(2));
     let d = joiner(&b_addr, &keep);
     reach(&d, "the restarted joiner", 1);
-    // Then the creator dies, and a newcomer joins through a joiner's address.
+    // Then the creator dies, and a newcomer joins through a joiner's address; the creator
+    // comes back with its own command (plus a live peer's address) and rejoins its run from
+    // its checkpoint instead of creating another one.
     reach(&b, "joiner b", 150);
     drop(creator); // SIGKILL
     std::thread::sleep(Duration::from_secs(1));
     let e = joiner(&c_addr, &[]);
+    let mut again = creator_args.to_vec();
+    again.extend_from_slice(&["--bootstrap", &c_addr]);
+    let a = train(&again);
     let mut digests = Vec::new();
-    for (p, who) in [(b, "b"), (c, "c"), (d, "restarted d"), (e, "newcomer e")] {
+    for (p, who) in [
+        (b, "b"),
+        (c, "c"),
+        (d, "restarted d"),
+        (e, "newcomer e"),
+        (a, "restarted creator"),
+    ] {
         let (ok, lines) = p.finish(who, LIMIT);
         assert!(ok, "{who} failed; its output:\n{}", lines.join("\n"));
         let finished = events(&lines, "finished");
@@ -87,7 +106,7 @@ fn sigkilled_peers_and_a_killed_creator_end_nobody_elses_run() {
             "{who}: epoch {} accuracy {acc:.3}, {errors} steps met an error they went on from",
             finished[0]["epoch"]
         );
-        if who == "restarted d" {
+        if who == "restarted d" || who == "restarted creator" {
             let resumed = events(&lines, "resumed");
             assert!(
                 resumed.first().and_then(|r| r["epoch"].as_u64()) >= Some(20),

@@ -18,7 +18,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use starling_compression::synthetic;
-use starling_node::{Multiaddr, Node, NodeConfig};
+use starling_node::{Node, NodeConfig};
 use starling_training::{
     CollaborativeConfig, CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig, StepReport,
 };
@@ -63,15 +63,8 @@ pub struct SimArgs {
 pub struct SimWorkerArgs {
     #[command(flatten)]
     common: TrainingArgs,
-    /// Where to join.
-    #[arg(long)]
-    bootstrap: Multiaddr,
-    /// This peer's index (selects its gradients).
-    #[arg(long)]
-    index: usize,
-    /// Address to listen on (default: the node's).
-    #[arg(long)]
-    listen: Option<Multiaddr>,
+    #[command(flatten)]
+    place: crate::bench::WorkerPlace,
 }
 
 /// What a worker prints, one JSON object per line.
@@ -196,13 +189,13 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let common = &args.common;
     let sim = &common.sim;
     let sample_ms = sim.sample_ms.context("--sample-ms")?;
-    let mut node_cfg = NodeConfig::default().bootstrap_from(args.bootstrap.clone());
-    node_cfg.listen.extend(args.listen.clone());
+    let mut node_cfg = NodeConfig::default().bootstrap_from(args.place.bootstrap.clone());
+    node_cfg.listen.extend(args.place.listen.clone());
     let node = Node::start(node_cfg).await?;
     let n = common.params;
     let mut params = ParamSet::new();
     params.add("w", &[n], &synthetic::normal(n, 99))?;
-    let grads: Vec<f32> = synthetic::normal(n, 1000 + args.index as u64)
+    let grads: Vec<f32> = synthetic::normal(n, 1000 + args.place.index as u64)
         .into_iter()
         .map(|g| g * 1e-3)
         .collect();

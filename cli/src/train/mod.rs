@@ -396,8 +396,22 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     let mut cfg = args.join.config()?;
     args.listen.apply(&mut cfg);
     args.nat.apply(&mut cfg);
+    // A creator restarted with its own command (after a crash): its --checkpoint-dir holds the
+    // run it created, so it rejoins that run (hyper-parameters from the saved manifest) instead
+    // of creating a second one under the same name.
+    let restarted = match (&args.new_run, &args.checkpoint_dir) {
+        (Some(name), Some(dir)) => session::saved_manifest(dir)?.filter(|(m, _)| &m.name == name),
+        _ => None,
+    };
+    if let (Some(dir), true) = (&args.checkpoint_dir, restarted.is_some()) {
+        tracing::info!(
+            "--checkpoint-dir {} holds this run: rejoining it (its manifest's hyper-parameters apply)",
+            dir.display()
+        );
+    }
     // Everything that can be refused is checked before anything is written or announced.
-    let (manifest, signed, node, data, built, sync_first) = if let Some(name) = &args.new_run {
+    let creating = args.new_run.as_ref().filter(|_| restarted.is_none());
+    let (manifest, signed, node, data, built, sync_first) = if let Some(name) = creating {
         let model_name = args
             .model
             .as_deref()
@@ -427,34 +441,41 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         let signed = SignedManifest::sign(&manifest, node.owner_key())?;
         (manifest, signed, node, data, built, false)
     } else {
-        let run = args
-            .run
-            .clone()
-            .context("give --new-run NAME or --run NAME")?;
         let given = args.hyper.given();
-        ensure!(
-            given.is_empty() && args.model.is_none(),
-            "{} set a new run's hyper-parameters; a joiner takes them from the run's manifest (drop them, or create a run with --new-run)",
-            if args.model.is_some() { "--model".to_string() } else { given.join(", ") }
-        );
-        ensure!(
-            args.manifest.is_some() || !args.join.bootstrap.is_empty(),
-            "--run needs --bootstrap ADDR (a peer of the run) or --manifest FILE"
-        );
+        if restarted.is_none() {
+            ensure!(
+                given.is_empty() && args.model.is_none(),
+                "{} set a new run's hyper-parameters; a joiner takes them from the run's manifest (drop them, or create a run with --new-run)",
+                if args.model.is_some() { "--model".to_string() } else { given.join(", ") }
+            );
+            ensure!(
+                args.manifest.is_some() || !args.join.bootstrap.is_empty(),
+                "--run needs --bootstrap ADDR (a peer of the run) or --manifest FILE"
+            );
+        }
+        let run = args.run.clone();
         let from_file = match &args.manifest {
             Some(path) => {
+                let run = run.as_ref().context("give --new-run NAME or --run NAME")?;
                 let bytes = std::fs::read(path)
                     .with_context(|| format!("reading --manifest {}", path.display()))?;
                 let signed = SignedManifest::from_json(&bytes)
                     .with_context(|| format!("--manifest {}", path.display()))?;
-                Some(manifest::choose(&run, &[signed])?)
+                Some(manifest::choose(run, &[signed])?)
             }
-            None => None,
+            None => restarted.clone(),
+        };
+        // The manifest in hand (from --manifest or the checkpoint directory), or the run to
+        // look up in the DHT.
+        let source = match (from_file, run) {
+            (Some(c), _) => Ok(c),
+            (None, Some(run)) => Err(run),
+            (None, None) => anyhow::bail!("give --new-run NAME or --run NAME"),
         };
         let node = Node::start(cfg).await?;
-        let chosen = match from_file {
-            Some(c) => Ok(c),
-            None => manifest::fetch(&node, &run, MANIFEST_LOOKUP).await,
+        let chosen = match source {
+            Ok(c) => Ok(c),
+            Err(run) => manifest::fetch(&node, &run, MANIFEST_LOOKUP).await,
         };
         let (manifest, signed) = match chosen {
             Ok(c) => c,
@@ -503,7 +524,10 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         std::fs::write(path, signed.to_json())
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    if args.new_run.is_some() {
+    if restarted.is_some() {
+        // Its peers may all be gone: the run's manifest is readable again from here.
+        manifest::publish(&node, &manifest.name, &signed).await?;
+    } else if args.new_run.is_some() {
         manifest::publish(&node, &manifest.name, &signed).await?;
         if !args.json {
             let boot = addrs

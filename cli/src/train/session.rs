@@ -126,6 +126,23 @@ fn context_of(m: &RunManifest) -> usize {
     }
 }
 
+/// The run a checkpoint directory was claimed for (its signed manifest, verified), if any.
+pub fn saved_manifest(dir: &std::path::Path) -> Result<Option<(RunManifest, SignedManifest)>> {
+    let path = dir.join(CHECKPOINT_MANIFEST);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let signed = SignedManifest::from_json(&bytes)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let (manifest, _) = signed
+                .verify()
+                .with_context(|| format!("verifying {}", path.display()))?;
+            Ok(Some((manifest, signed)))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
 /// Checks that a checkpoint directory belongs to this run, or claims an empty one for it.
 pub fn check_checkpoint_dir(dir: &std::path::Path, signed: &SignedManifest) -> Result<bool> {
     let path = dir.join(CHECKPOINT_MANIFEST);
