@@ -250,6 +250,10 @@ def churn(args, run_no, rng, with_churn=True):
             boot, _ = rng.choice(others).address()
             victim.start(from_checkpoint=(kills % 2 == 0), bootstrap=boot)
             restarts += 1
+    else:
+        # The same window without kills, so that both rates cover the same stretch of the run.
+        while time.time() - began < args.duration and any(p.alive() for p in peers):
+            time.sleep(0.5)
     epochs_at_end_of_churn = max(p.epoch() for p in peers)
     churn_seconds = time.time() - began
     results = finish_all(peers, args.limit)
@@ -264,6 +268,7 @@ def churn(args, run_no, rng, with_churn=True):
         "restarts": restarts,
         "epochs_per_second_during": round(epochs_at_end_of_churn / max(churn_seconds, 1e-9), 3),
         "seconds_to_end": round(time.time() - began, 1),
+        "epochs_per_second_overall": round(args.epochs / max(time.time() - began, 1e-9), 3),
         "mean_test_accuracy": round(sum(acc) / len(acc), 4) if acc else None,
         "epochs": {n: (r if isinstance(r, str) else r["epoch"]) for n, r in results.items()},
         "failures": failures,
