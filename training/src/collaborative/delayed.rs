@@ -193,6 +193,8 @@ impl CollaborativeOptimizer {
     /// Drops the round in flight, if any, without applying it (the state is being replaced);
     /// [`CollaborativeOptimizer::shutdown`] waits for it to end.
     pub(super) fn cancel_pending(&mut self) {
+        // Rounds dropped earlier that have ended need no waiting for: the list stays short.
+        self.cancelled.retain(|t| !t.is_finished());
         if let Some(p) = self.pending.take() {
             p.task.abort();
             self.cancelled.push(p.task);
@@ -236,10 +238,7 @@ impl CollaborativeOptimizer {
 
     /// Waits for every background round to end (shutdown).
     pub(super) async fn end_background_rounds(&mut self) {
-        if let Some(p) = self.pending.take() {
-            p.task.abort();
-            self.cancelled.push(p.task);
-        }
+        self.cancel_pending();
         for t in self.cancelled.drain(..) {
             let _ = t.await;
         }
