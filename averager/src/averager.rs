@@ -16,6 +16,7 @@ use tracing::Instrument;
 
 use crate::allreduce::{run_allreduce, RoundEnv};
 use crate::bandwidth::Bandwidth;
+use crate::group::Group;
 use crate::matchmaking::{find_group, Matchmaker};
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::Router;
@@ -77,10 +78,34 @@ pub struct Averager {
     /// The schema this peer last announced, and until when the announcement lasts.
     announced: Mutex<Option<(u64, Instant)>>,
     busy: AtomicBool,
+    /// A search started ahead of its step (see [`Averager::prepare`]).
+    prepared: Mutex<Option<Prepared>>,
     /// Peers expected to search in the next rounds (0: no hint), see [`Averager::expect_peers`].
     expected_peers: AtomicUsize,
     tasks: Vec<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
+}
+
+/// A search started by [`Averager::prepare`] for the step with this schema and grid cell.
+struct Prepared {
+    schema: u64,
+    grid: u32,
+    task: JoinHandle<Result<Group, AveragerError>>,
+}
+
+/// A task that ends when its handle is dropped.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The tensor schema of a step: what peers must agree on to average together.
@@ -148,6 +173,7 @@ impl Averager {
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
+            prepared: Mutex::new(None),
             expected_peers: AtomicUsize::new(0),
             tasks,
             runtime: tokio::runtime::Handle::current(),
@@ -309,26 +335,6 @@ impl Averager {
         self.runtime.block_on(self.step(tensors, weight, deadline))
     }
 
-    /// The mode to declare this round: a `Node` peer that cannot accept connections (its node
-    /// runs in client mode, or autonat found it behind a NAT) takes part as a `Client`, so that
-    /// nobody waits on a reducer it cannot reach.
-    async fn effective_mode(&self) -> Result<AveragingMode, AveragerError> {
-        let reachability = self.transport.node().status().await?.reachability;
-        Ok(match (self.config.mode, reachability) {
-            (AveragingMode::Node, Reachability::Client | Reachability::Private) => {
-                tracing::debug!("this node accepts no inbound connections: averaging as a client");
-                AveragingMode::Client
-            }
-            (AveragingMode::Aux, Reachability::Client | Reachability::Private) => {
-                tracing::warn!(
-                    "an Aux averager behind a NAT or in client mode cannot be reached to reduce"
-                );
-                AveragingMode::Aux
-            }
-            (mode, _) => mode,
-        })
-    }
-
     async fn step_inner(
         &self,
         tensors: &mut [&mut [f32]],
@@ -362,38 +368,25 @@ impl Averager {
         let schema = Schema::of(&sizes, &cfg.codec.to_string());
         self.announce(&schema);
         let grid = *lock(&self.grid_index);
-        let group_key = format!("{}.averager.{:016x}.{grid}", cfg.prefix, schema.hash);
-        let node = self.transport.node();
-        let me = MemberInfo {
-            peer_id: node.peer_id().to_bytes(),
-            mode: self.effective_mode().await?,
-            bandwidth: self.bandwidth.current(),
-            addrs: node
-                .listen_addrs()
-                .await?
-                .iter()
-                .map(|a| a.to_string())
-                .collect(),
-        };
-
         let mm_start = Instant::now();
-        let expected = self.expected_peers.load(Ordering::Relaxed);
-        let config = if expected > 0 && expected < cfg.target_group_size {
-            Arc::new(AveragerConfig {
-                target_group_size: expected.max(cfg.min_group_size),
-                ..(**cfg).clone()
-            })
-        } else {
-            cfg.clone()
+        let prepared = self.take_prepared(schema.hash, grid);
+        let was_prepared = prepared.is_some();
+        let searched = match prepared {
+            // Started ahead by `prepare`: usually formed already, or about to.
+            // (Aborted if this step is dropped while it waits: nobody would use its group.)
+            Some(task) => match AbortOnDrop(task).join().await {
+                Ok(found) => found,
+                Err(e) => Err(AveragerError::Protocol(format!(
+                    "the matchmaking task ended: {e}"
+                ))),
+            },
+            None => {
+                let (group_key, mm) = self.search_inputs(schema.hash, grid);
+                let me = member_info(&self.transport, cfg.mode, self.bandwidth.current()).await?;
+                find_group(&mm, &group_key, me, deadline).await
+            }
         };
-        let mm = Matchmaker {
-            config,
-            router: self.router.clone(),
-            transport: self.transport.clone(),
-            previous: lock(&self.last_group).clone(),
-            declared_until: self.declared_until.clone(),
-        };
-        let group = match find_group(&mm, &group_key, me, deadline).await {
+        let group = match searched {
             Ok(group) => group,
             Err(e @ AveragerError::NoGroup { alone: true, .. }) => {
                 // Alone in its grid cell: the others moved on (they re-key by their index in
@@ -463,9 +456,113 @@ impl Averager {
             fast_lane_transfers: outcome.fast_lanes,
             warm_lane_transfers: outcome.warm_lanes,
             matchmaking_time,
+            prepared: was_prepared,
             allreduce_time,
             measured_upload: outcome.measured_bandwidth,
         })
+    }
+
+    /// Starts matchmaking for the next step in the background, so that its group is ready when
+    /// the tensors are (hivemind's pre-scheduled matchmaking): call it when the step is about
+    /// one matchmaking time away, with the sizes of the tensors that step will pass, then call
+    /// [`Averager::step`] as usual. The step uses the prepared search if it averages tensors of
+    /// these sizes (and the codec in force); otherwise it ends it and searches afresh. The
+    /// members of a group formed ahead wait for this peer's tensors in the all-reduce, so
+    /// prepare only a step that will follow soon, and [`Averager::cancel_prepared`] one that
+    /// will not. Returns `false`, starting nothing, while a step runs, when a search for the
+    /// same tensors is already prepared, for empty tensors or a deadline already past.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager, mut grads: Vec<f32>) -> Result<(), starling_averager::AveragerError> {
+    /// use std::time::{Duration, Instant};
+    /// let deadline = Instant::now() + Duration::from_secs(30);
+    /// averager.prepare(&[grads.len()], deadline);
+    /// // ... the last batches of the step are computed meanwhile ...
+    /// averager.step(&mut [&mut grads[..]], 1.0, deadline).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn prepare(&self, sizes: &[usize], deadline: std::time::Instant) -> bool {
+        if self.busy.load(Ordering::Acquire)
+            || sizes.iter().sum::<usize>() == 0
+            || deadline <= std::time::Instant::now()
+        {
+            return false;
+        }
+        let cfg = &self.config;
+        let schema = Schema::of(sizes, &cfg.codec.to_string());
+        let grid = *lock(&self.grid_index);
+        let mut prepared = lock(&self.prepared);
+        if prepared
+            .as_ref()
+            .is_some_and(|p| p.schema == schema.hash && p.grid == grid)
+        {
+            return false;
+        }
+        if let Some(old) = prepared.take() {
+            old.task.abort();
+        }
+        self.announce(&schema);
+        let (group_key, mm) = self.search_inputs(schema.hash, grid);
+        let (transport, mode, bandwidth) =
+            (self.transport.clone(), cfg.mode, self.bandwidth.current());
+        let span = tracing::debug_span!(parent: transport.node().span(), "averager");
+        let search = async move {
+            let me = member_info(&transport, mode, bandwidth).await?;
+            find_group(&mm, &group_key, me, Instant::from_std(deadline)).await
+        };
+        *prepared = Some(Prepared {
+            schema: schema.hash,
+            grid,
+            task: self.runtime.spawn(search.instrument(span)),
+        });
+        true
+    }
+
+    /// Ends a search started by [`Averager::prepare`] whose step will not come (the members of
+    /// a group it formed see this peer as failed). Does nothing when none is prepared.
+    pub fn cancel_prepared(&self) {
+        if let Some(p) = lock(&self.prepared).take() {
+            p.task.abort();
+        }
+    }
+
+    /// The prepared search for `schema` in grid cell `grid`, if any; a prepared search for
+    /// anything else ends.
+    fn take_prepared(
+        &self,
+        schema: u64,
+        grid: u32,
+    ) -> Option<JoinHandle<Result<Group, AveragerError>>> {
+        let p = lock(&self.prepared).take()?;
+        if p.schema == schema && p.grid == grid {
+            Some(p.task)
+        } else {
+            p.task.abort();
+            None
+        }
+    }
+
+    /// The group key of a search for `schema` in grid cell `grid`, and the matchmaker for it.
+    fn search_inputs(&self, schema: u64, grid: u32) -> (String, Matchmaker) {
+        let cfg = &self.config;
+        let group_key = format!("{}.averager.{schema:016x}.{grid}", cfg.prefix);
+        let expected = self.expected_peers.load(Ordering::Relaxed);
+        let config = if expected > 0 && expected < cfg.target_group_size {
+            Arc::new(AveragerConfig {
+                target_group_size: expected.max(cfg.min_group_size),
+                ..(**cfg).clone()
+            })
+        } else {
+            cfg.clone()
+        };
+        let mm = Matchmaker {
+            config,
+            router: self.router.clone(),
+            transport: self.transport.clone(),
+            previous: lock(&self.last_group).clone(),
+            declared_until: self.declared_until.clone(),
+        };
+        (group_key, mm)
     }
 
     /// Flattens the tensors into one pooled buffer (the round's snapshot) and checks for
@@ -572,6 +669,7 @@ impl Averager {
     /// Stops the accept loops and the last round's repair server. Rounds in flight on other
     /// peers see this peer as failed.
     pub async fn shutdown(mut self) {
+        self.cancel_prepared();
         self.keep_repair_server(None);
         self.router.stop_parked();
         for t in self.tasks.drain(..) {
@@ -583,12 +681,50 @@ impl Averager {
 
 impl Drop for Averager {
     fn drop(&mut self) {
+        self.cancel_prepared();
         self.keep_repair_server(None);
         self.router.stop_parked();
         for t in &self.tasks {
             t.abort();
         }
     }
+}
+
+/// This peer as a member of the group it searches for: the mode to declare (a `Node` peer that
+/// cannot accept connections, because its node runs in client mode or autonat found it behind a
+/// NAT, takes part as a `Client`, so that nobody waits on a reducer it cannot reach), its
+/// bandwidth and its addresses.
+async fn member_info(
+    transport: &Transport,
+    mode: AveragingMode,
+    bandwidth: f64,
+) -> Result<MemberInfo, AveragerError> {
+    let node = transport.node();
+    let reachability = node.status().await?.reachability;
+    let mode = match (mode, reachability) {
+        (AveragingMode::Node, Reachability::Client | Reachability::Private) => {
+            tracing::debug!("this node accepts no inbound connections: averaging as a client");
+            AveragingMode::Client
+        }
+        (AveragingMode::Aux, Reachability::Client | Reachability::Private) => {
+            tracing::warn!(
+                "an Aux averager behind a NAT or in client mode cannot be reached to reduce"
+            );
+            AveragingMode::Aux
+        }
+        (mode, _) => mode,
+    };
+    Ok(MemberInfo {
+        peer_id: node.peer_id().to_bytes(),
+        mode,
+        bandwidth,
+        addrs: node
+            .listen_addrs()
+            .await?
+            .iter()
+            .map(|a| a.to_string())
+            .collect(),
+    })
 }
 
 /// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.

@@ -142,6 +142,18 @@ pub enum Rogue {
 }
 
 impl AveragerConfig {
+    /// The start grace in force: `start_grace`, or by default a tenth of `matchmaking_time`,
+    /// at most half a second.
+    ///
+    /// ```
+    /// let cfg = starling_averager::AveragerConfig::new("run");
+    /// assert_eq!(cfg.effective_start_grace(), std::time::Duration::from_millis(500));
+    /// ```
+    pub fn effective_start_grace(&self) -> Duration {
+        self.start_grace
+            .unwrap_or((self.matchmaking_time / 10).min(Duration::from_millis(500)))
+    }
+
     /// Defaults for a run named `prefix`: groups of 4 (at least 2), 5 s matchmaking, no
     /// compression, 1 MiB chunks.
     pub fn new(prefix: impl Into<String>) -> Self {

@@ -85,8 +85,11 @@ pub struct RoundReport {
     /// Of those, how many reused a lane kept open from an earlier round with the same reducer
     /// (no new connection, no handshake: one round trip for the hello).
     pub warm_lane_transfers: usize,
-    /// Time spent finding the group.
+    /// Time this step spent finding the group (with a search started ahead by
+    /// [`crate::Averager::prepare`], only what was left of it when the step began).
     pub matchmaking_time: Duration,
+    /// Whether the group came from a search started ahead by [`crate::Averager::prepare`].
+    pub prepared: bool,
     /// Time spent in the all-reduce.
     pub allreduce_time: Duration,
     /// This round's measurement of this peer's upload rate (bytes/s), from its phase-1 sends;

@@ -59,6 +59,12 @@ pub struct AllreduceArgs {
     /// (run it inside the first one). See `scripts/bench_netns.sh`.
     #[arg(long, value_delimiter = ',', requires = "procs")]
     pub netns: Vec<String>,
+    /// Pre-scheduled matchmaking, as training does it: each round's search starts
+    /// (`Averager::prepare`) this many milliseconds before its step, the time a peer would
+    /// still spend computing its last batches. `matchmaking` then reports what is left of the
+    /// search when the step begins. 0 (the default) searches when the step begins.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub prepare_ms: u64,
 }
 
 /// One worker's view of one round.
@@ -193,6 +199,10 @@ async fn worker_rounds(
     for round in 0..=args.rounds {
         data.copy_from_slice(&original);
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        if args.prepare_ms > 0 {
+            averager.prepare(&[data.len()], deadline);
+            tokio::time::sleep(Duration::from_millis(args.prepare_ms)).await;
+        }
         let started_at = unix_now();
         let report = averager.step(&mut [&mut data[..]], 1.0, deadline).await?;
         let finished_at = unix_now();
@@ -470,6 +480,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             ])
             .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
+            .args(["--prepare-ms", &args.prepare_ms.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))
             .args(args.no_fast_lane.then_some("--no-fast-lane"))
             .args(args.reference.then_some("--reference"))

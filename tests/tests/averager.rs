@@ -511,3 +511,68 @@ async fn after_a_peer_leaves_the_rest_do_not_wait_out_the_window() {
     })
     .await;
 }
+
+/// Matchmaking started ahead (`prepare`): three peers search before their tensors are ready,
+/// then step 0, 300 and 600 ms later; every step uses the group formed ahead, and all hold the
+/// exact weighted mean. A second round in which one peer prepared for other tensor sizes
+/// searches afresh and still averages with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_search_prepared_ahead_gives_its_step_the_group() {
+    init_tracing();
+    bounded(Duration::from_secs(90), async {
+        let swarm = AveragingSwarm::start(3, NodeConfig::default(), |_| {
+            let mut cfg = AveragerConfig::new("prepared");
+            cfg.target_group_size = 3;
+            cfg.matchmaking_time = Duration::from_secs(10);
+            cfg
+        })
+        .await
+        .unwrap();
+        let sizes = [1000, 4000];
+        for a in swarm.averagers() {
+            a.expect_peers(Some(3));
+        }
+        for round in 0..2u64 {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            for (p, a) in swarm.averagers().iter().enumerate() {
+                // In the second round peer 2 prepares for the wrong tensors.
+                let prepared_sizes: &[usize] = if round == 1 && p == 2 { &[10] } else { &sizes };
+                assert!(a.prepare(prepared_sizes, deadline), "peer {p}");
+                assert!(!a.prepare(prepared_sizes, deadline), "prepared twice");
+            }
+            let mut data: Vec<Vec<Vec<f32>>> = (0..3)
+                .map(|p| normal_tensors(&sizes, 100 * round + 10 * p))
+                .collect();
+            let weights = [1.0, 2.0, 3.0];
+            let expected = exact_weighted_mean(&data, &weights);
+            let steps = swarm
+                .averagers()
+                .iter()
+                .zip(data.iter_mut())
+                .zip(weights)
+                .enumerate()
+                .map(|(p, ((a, t), w))| async move {
+                    tokio::time::sleep(Duration::from_millis(300 * p as u64)).await;
+                    let mut views: Vec<&mut [f32]> = t.iter_mut().map(Vec::as_mut_slice).collect();
+                    a.step(&mut views, w, deadline).await
+                });
+            let reports = futures::future::join_all(steps).await;
+            for (p, r) in reports.iter().enumerate() {
+                let r = r
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("round {round}, peer {p}: {e}"));
+                assert_eq!(r.group.len(), 3, "round {round}, peer {p}");
+                assert_eq!(
+                    r.prepared,
+                    !(round == 1 && p == 2),
+                    "round {round}, peer {p}"
+                );
+                for (t, e) in data[p].iter().zip(&expected) {
+                    assert!(rel_error(t, e) < 1e-6, "round {round}, peer {p}");
+                }
+            }
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}

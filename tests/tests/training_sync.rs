@@ -346,7 +346,16 @@ async fn donor(
         groups.push(epoch(&mut collab, &mut params, p).await);
     }
     let mut history = vec![params.params().to_vec()];
-    assert_eq!(server.served().unwrap().epoch, EPOCHS_BEFORE);
+    // The new state is hashed and announced in the background after the step: wait for it.
+    let served_by = tokio::time::Instant::now() + Duration::from_secs(10);
+    while server.served().map(|s| s.epoch) != Some(EPOCHS_BEFORE) {
+        assert!(
+            tokio::time::Instant::now() < served_by,
+            "epoch {EPOCHS_BEFORE}'s state is not served: {:?}",
+            server.served().map(|s| s.epoch)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     gates.0.wait().await; // 3 epochs done: the joiner may start
     gates.1.wait().await; // the joiner has synced
     for _ in 0..EPOCHS_AFTER {

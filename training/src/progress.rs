@@ -272,17 +272,20 @@ impl ProgressTracker {
                 local.samples_per_second
             )));
         }
-        let due = {
-            let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-            (*last).is_none_or(|(at, prev)| {
-                prev.epoch != local.epoch || at.elapsed() >= self.cfg.publish_interval
-            })
-        };
-        if !due {
+        if !self.due(&local) {
             return Ok(false);
         }
         self.publish(local).await?;
         Ok(true)
+    }
+
+    /// Whether [`ProgressTracker::report`] would publish `local`: the last publication (or
+    /// the one in flight) is older than `publish_interval` or named another epoch.
+    pub fn due(&self, local: &LocalProgress) -> bool {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        (*last).is_none_or(|(at, prev)| {
+            prev.epoch != local.epoch || at.elapsed() >= self.cfg.publish_interval
+        })
     }
 
     /// Publishes `local` unless exactly that was the last report: for a peer that has stopped
@@ -312,23 +315,36 @@ impl ProgressTracker {
         let expires = now + self.cfg.report_lifetime.as_millis() as u64;
         let t = self.cfg.request_timeout;
         let subkey = self.node.owner_marker();
-        let stored = timeout(
+        // Counted as published from now on (`report` does not repeat a publication still in
+        // flight); a failed one is forgotten, so the next report publishes again.
+        let before = self
+            .last
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace((Instant::now(), local));
+        let stored = match timeout(
             t,
             self.node.store(&self.cfg.key(), &subkey, &value, expires),
         )
         .await
-        .map_err(|_| ProgressError::Timeout(t))?;
-        match stored {
-            Ok(_) => {}
+        {
+            Ok(Ok(_)) => Ok(()),
             // Stored here but no other peer acknowledged it: a run's first peer, or one whose
             // neighbours just left. Its own store answers the others' reads; not an error.
-            Err(NodeError::QuorumFailed { .. }) => {
-                tracing::debug!("progress stored locally only (no peer acknowledged it yet)")
+            Ok(Err(NodeError::QuorumFailed { .. })) => {
+                tracing::debug!("progress stored locally only (no peer acknowledged it yet)");
+                Ok(())
             }
-            Err(e) => return Err(e.into()),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(ProgressError::Timeout(t)),
+        };
+        if stored.is_err() {
+            let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+            if last.as_ref().is_some_and(|(_, l)| *l == local) {
+                *last = before;
+            }
         }
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), local));
-        Ok(())
+        stored
     }
 
     /// Every live peer's genuine report: only entries whose sub-key is the owner marker of the

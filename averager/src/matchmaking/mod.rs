@@ -322,8 +322,7 @@ fn pick_leader(
 /// `AveragerConfig::start_grace`), so a group does not start without a peer that was only a few
 /// milliseconds late; a peer that left costs this much instead of the whole window.
 fn early_start_grace(cfg: &AveragerConfig) -> Duration {
-    cfg.start_grace
-        .unwrap_or((cfg.matchmaking_time / 10).min(Duration::from_millis(500)))
+    cfg.effective_start_grace()
 }
 
 /// Whether every member of this peer's previous group either joined or is gone (no connection

@@ -110,6 +110,11 @@ pub struct CollaborativeConfig {
     /// `CollaborativeOptimizer::flush` before reading the parameters as the run's result
     /// (evaluation, checkpoints, the end of training). Off by default; local SGD refuses it.
     pub delayed_update: bool,
+    /// Gradient mode: matchmaking for a round starts in the background when the swarm is
+    /// projected to reach its batch within about two matchmaking times (as measured in earlier
+    /// rounds), so that the group is ready when the gradients are and a step does not wait for
+    /// the DHT's round trips (hivemind's pre-scheduled matchmaking). On by default.
+    pub scheduled_matchmaking: bool,
 }
 
 impl CollaborativeConfig {
@@ -135,6 +140,7 @@ impl CollaborativeConfig {
             state_averaging_every: Some(10),
             error_feedback: true,
             delayed_update: false,
+            scheduled_matchmaking: true,
         }
     }
 }

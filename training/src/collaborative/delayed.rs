@@ -167,6 +167,7 @@ impl CollaborativeOptimizer {
         let carried_state = finished.state.is_some();
         let averaged = finished.result.is_ok();
         note_round(&mut report, finished.result)?;
+        self.learn_matchmaking(&report);
         report.timings.averaging = finished.took;
         let applied_at = Instant::now();
         if let Some((values, optimizer)) = finished.state {
@@ -183,16 +184,18 @@ impl CollaborativeOptimizer {
         self.refresh_served_state(params).await;
         // Now the others may read that this peer moved on (every member of the round has
         // started it by now), with the samples it computed meanwhile.
-        let published = self.tracker.publish(self.local_progress()).await;
-        self.tolerate(published)?;
+        self.publish_in_background().await?;
         report.epoch = pending.epoch_after;
         report.stepped = true;
         Ok(Some(report))
     }
 
-    /// Drops the round in flight, if any, without applying it (the state is being replaced);
+    /// Drops the round in flight, if any, without applying it (the state is being replaced),
+    /// and a search started ahead;
     /// [`CollaborativeOptimizer::shutdown`] waits for it to end.
     pub(super) fn cancel_pending(&mut self) {
+        // A search started ahead was for the epoch being left.
+        self.averager.cancel_prepared();
         // Rounds dropped earlier that have ended need no waiting for: the list stays short.
         self.cancelled.retain(|t| !t.is_finished());
         if let Some(p) = self.pending.take() {

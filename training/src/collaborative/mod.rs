@@ -55,6 +55,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use starling_averager::gossip::{GossipAverager, GossipReport};
 use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
 use starling_node::{Node, NodeError};
@@ -63,7 +64,7 @@ use crate::metrics::TrainingMetrics;
 
 use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
-use crate::progress::{LocalProgress, ProgressTracker, SwarmProgress};
+use crate::progress::{LocalProgress, ProgressError, ProgressTracker, SwarmProgress};
 use crate::sync::StateServer;
 
 mod config;
@@ -86,7 +87,12 @@ pub struct CollaborativeOptimizer {
     averager: Arc<Averager>,
     /// Local SGD with [`Averaging::Gossip`].
     gossip: Option<GossipAverager>,
-    tracker: ProgressTracker,
+    /// Shared with the background publication of the progress after a step.
+    tracker: Arc<ProgressTracker>,
+    /// A publication of this peer's progress in flight (see `publish_in_background`).
+    publishing: Option<tokio::task::JoinHandle<Result<(), ProgressError>>>,
+    /// The least time matchmaking took in rounds that searched when the step began: how far ahead of the batch a round's search starts. `None` until measured.
+    matchmaking_estimate: Option<Duration>,
     optimizer: Box<dyn Optimizer>,
     /// Local SGD: the outer optimizer and the parameters at the start of the phase.
     outer: Option<(Sgd, Vec<f32>)>,
@@ -189,7 +195,7 @@ impl CollaborativeOptimizer {
                 loss: None,
             })
         });
-        let tracker = ProgressTracker::new(node, cfg.progress.clone());
+        let tracker = Arc::new(ProgressTracker::new(node, cfg.progress.clone()));
         let outer = match cfg.mode {
             Mode::Gradients => None,
             Mode::LocalSgd { .. } => Some((Sgd::new(cfg.outer, len)?, params.params().to_vec())),
@@ -198,6 +204,8 @@ impl CollaborativeOptimizer {
             averager,
             gossip,
             tracker,
+            publishing: None,
+            matchmaking_estimate: None,
             optimizer,
             outer,
             state_server: None,
@@ -262,6 +270,7 @@ impl CollaborativeOptimizer {
             server.shutdown().await;
         }
         self.end_background_rounds().await;
+        let _ = self.settle_publication().await;
         if let Some(task) = self.serving.take() {
             // The last state refresh completes: a peer that leaves still serves it until then.
             let _ = task.await;
@@ -367,8 +376,14 @@ impl CollaborativeOptimizer {
         // While a delayed update's round is in flight this peer's published progress stays
         // that of the epoch the round ends (see `delayed`).
         if self.pending.is_none() {
-            let reported = self.tracker.report(self.local_progress()).await;
-            self.tolerate(reported)?;
+            let local = self.local_progress();
+            if self.tracker.due(&local) {
+                self.settle_publication().await?;
+                let reported = self.tracker.publish(local).await;
+                self.tolerate(reported)?;
+            } else {
+                self.collect_publication()?;
+            }
         }
         self.try_global_step(params).await
     }
@@ -387,6 +402,7 @@ impl CollaborativeOptimizer {
                     ..self.local_progress()
                 };
                 let reported = if self.pending.is_none() {
+                    self.settle_publication().await?;
                     self.tracker.report_final(last).await
                 } else {
                     Ok(false)
@@ -465,6 +481,9 @@ impl CollaborativeOptimizer {
         report.swarm = Some(swarm);
         report.behind = behind;
         if !ready || self.samples == 0 {
+            if let Some(swarm) = &report.swarm {
+                self.schedule_matchmaking(swarm);
+            }
             return Ok(applied.unwrap_or(report));
         }
         // Rounds apply in order: the one in flight (delayed update) before this one starts.
@@ -524,6 +543,8 @@ impl CollaborativeOptimizer {
             report.errors.extend(r.errors);
         }
         if alone {
+            // A search started ahead would form a group nobody steps in.
+            self.averager.cancel_prepared();
             report.averaging_error = Some(ALONE.into());
         } else if with_state {
             // Weighted by samples like the gradients (any weights give every member the same
@@ -535,6 +556,7 @@ impl CollaborativeOptimizer {
             let averaged = self.averager.step(&mut buffers, weight, deadline).await;
             report.state_averaged = averaged.is_ok();
             note_round(&mut report, averaged)?;
+            self.learn_matchmaking(&report);
         } else {
             let averaged = average_gradients(
                 &self.averager,
@@ -545,6 +567,7 @@ impl CollaborativeOptimizer {
             )
             .await;
             note_round(&mut report, averaged)?;
+            self.learn_matchmaking(&report);
         }
         let averaged_at = Instant::now();
         report.timings.averaging = averaged_at - began;
@@ -557,15 +580,19 @@ impl CollaborativeOptimizer {
         self.epoch_start = None;
         let stepped_at = Instant::now();
         self.refresh_served_state(params).await;
-        let served_at = Instant::now();
-        let published = self.tracker.publish(self.local_progress()).await;
-        self.tolerate(published)?;
+        // The others learn of the new epoch a moment later; this peer goes on computing
+        // meanwhile (its next report waits for this publication, so they stay in order).
+        self.publish_in_background().await?;
         tracing::debug!(
             epoch = self.epoch,
             averaging_ms = report.timings.averaging.as_secs_f64() * 1e3,
+            matchmaking_ms = report
+                .round
+                .as_ref()
+                .map_or(0.0, |r| r.matchmaking_time.as_secs_f64() * 1e3),
+            prepared = report.round.as_ref().is_some_and(|r| r.prepared),
             optimizer_ms = report.timings.optimizer.as_secs_f64() * 1e3,
-            serving_ms = (served_at - stepped_at).as_secs_f64() * 1e3,
-            publishing_ms = served_at.elapsed().as_secs_f64() * 1e3,
+            serving_ms = stepped_at.elapsed().as_secs_f64() * 1e3,
             "global step taken"
         );
         report.epoch = self.epoch;
@@ -666,6 +693,119 @@ impl CollaborativeOptimizer {
         // (A reading of an earlier epoch than this peer's says nothing of this one's batch:
         // this peer's own report may not have reached the DHT yet.)
         (swarm.ready && swarm.epoch >= self.epoch) || self.samples >= target || projected
+    }
+}
+
+impl CollaborativeOptimizer {
+    /// The sizes of the tensors the round that ends this epoch averages: the gradients, and in
+    /// a round that carries the state the parameters and the optimizer state after them.
+    fn round_sizes(&self, with_state: bool) -> Vec<usize> {
+        let mut sizes = vec![self.len];
+        if with_state {
+            sizes.push(self.len);
+            sizes.extend(self.optimizer.state().iter().map(|(_, b)| b.len()));
+        }
+        sizes
+    }
+
+    /// Pre-scheduled matchmaking: once the swarm is projected to reach its batch within about
+    /// twice the least time matchmaking took (at most half the start grace; plus one batch,
+    /// the time until this is checked again), the round's search starts in the background, so that its group is ready when
+    /// the gradients are. Not before a round measured how long matchmaking takes, nor while a
+    /// delayed update's round is in flight, nor for a peer alone in the run.
+    fn schedule_matchmaking(&self, swarm: &SwarmProgress) {
+        let Some(estimate) = self.matchmaking_estimate else {
+            return;
+        };
+        if !self.cfg.scheduled_matchmaking
+            || self.pending.is_some()
+            || self.samples == 0
+            || swarm.peers <= 1
+            || swarm.epoch != self.epoch
+            || self.compute_rate.is_nan()
+            || self.compute_rate <= 0.0
+        {
+            return;
+        }
+        let ahead = self.samples + self.last_batch_samples / 2;
+        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let remaining = self.cfg.target_batch_size.saturating_sub(projection);
+        let others = (swarm.samples_per_second - swarm.own_samples_per_second).max(0.0);
+        let eta = remaining as f64 / (self.compute_rate + others);
+        let batch = self.last_batch_samples as f64 / self.compute_rate;
+        // Never earlier than half the start grace: a leader whose search opened that long ago
+        // begins with the peers declared by then, without one that prepares later.
+        let grace = self.cfg.averager.effective_start_grace().as_secs_f64();
+        let lead = (2.0 * estimate.as_secs_f64()).min(grace / 2.0);
+        if eta > lead + batch {
+            return;
+        }
+        self.averager.expect_peers(swarm_peers(Some(swarm)));
+        let sizes = self.round_sizes(self.state_due());
+        let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
+        if self.averager.prepare(&sizes, deadline) {
+            tracing::trace!(
+                epoch = self.epoch,
+                eta_ms = eta * 1e3,
+                estimate_ms = estimate.as_secs_f64() * 1e3,
+                "matchmaking started ahead of the batch"
+            );
+        }
+    }
+
+    /// Keeps the matchmaking estimate: the time a round that searched only when its step began
+    /// took to find its group (a round whose search started ahead says nothing of that).
+    fn learn_matchmaking(&mut self, report: &StepReport) {
+        let Some(round) = report.round.as_ref().filter(|r| !r.prepared) else {
+            return;
+        };
+        // The least time seen: a round's matchmaking time also counts the wait for peers still
+        // computing, which starting early cannot save; the peer that arrived last saw only the
+        // search.
+        let took = round.matchmaking_time;
+        self.matchmaking_estimate = Some(self.matchmaking_estimate.map_or(took, |e| e.min(took)));
+    }
+
+    /// Publishes this peer's progress in a background task (the step does not wait for the
+    /// DHT's acknowledgement); the previous publication, if still in flight, ends first.
+    async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
+        self.settle_publication().await?;
+        let (tracker, local) = (self.tracker.clone(), self.local_progress());
+        self.publishing = Some(tokio::spawn(async move { tracker.publish(local).await }));
+        Ok(())
+    }
+
+    /// The outcome of a background publication of the progress that has ended, if any (one
+    /// still in flight is left to run).
+    fn collect_publication(&mut self) -> Result<(), TrainingError> {
+        let Some(task) = self.publishing.as_mut() else {
+            return Ok(());
+        };
+        let Some(ended) = task.now_or_never() else {
+            return Ok(());
+        };
+        self.publishing = None;
+        let published = ended.unwrap_or_else(|e| {
+            Err(ProgressError::Invalid(format!(
+                "the publishing task ended: {e}"
+            )))
+        });
+        self.tolerate(published).map(|_| ())
+    }
+
+    /// Waits for a background publication of the progress, if any, so that what this peer
+    /// reports next lands after it (its failure counts like any failed report).
+    async fn settle_publication(&mut self) -> Result<(), TrainingError> {
+        let Some(task) = self.publishing.take() else {
+            return Ok(());
+        };
+        let published = match task.await {
+            Ok(r) => r,
+            Err(e) => Err(ProgressError::Invalid(format!(
+                "the publishing task ended: {e}"
+            ))),
+        };
+        self.tolerate(published).map(|_| ())
     }
 }
 
