@@ -365,7 +365,7 @@ impl Averager {
             f.add_residual_to(&mut flat)
                 .map_err(|e| AveragerError::Schema(e.to_string()))?;
         }
-        let schema = Schema::of(&sizes, &cfg.codec.to_string());
+        let schema = Schema::of(&sizes, &wire_label(cfg));
         self.announce(&schema);
         let grid = *lock(&self.grid_index);
         let mm_start = Instant::now();
@@ -489,7 +489,7 @@ impl Averager {
             return false;
         }
         let cfg = &self.config;
-        let schema = Schema::of(sizes, &cfg.codec.to_string());
+        let schema = Schema::of(sizes, &wire_label(cfg));
         let grid = *lock(&self.grid_index);
         let mut prepared = lock(&self.prepared);
         if prepared
@@ -725,6 +725,16 @@ async fn member_info(
             .map(|a| a.to_string())
             .collect(),
     })
+}
+
+/// What besides the tensor sizes peers must agree on: the codec, and the aggregation unless it
+/// is the mean (so that the schema of a mean round stays what it always was).
+fn wire_label(cfg: &AveragerConfig) -> String {
+    if cfg.aggregation.is_mean() {
+        cfg.codec.to_string()
+    } else {
+        format!("{} with {}", cfg.codec, cfg.aggregation)
+    }
 }
 
 /// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.

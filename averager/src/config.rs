@@ -62,6 +62,10 @@ pub struct AveragerConfig {
     pub repair_min_time: Duration,
     /// Codec for the tensors on the wire (see `starling_compression::Codec`).
     pub codec: Codec,
+    /// How reducers combine the contributions to their spans: the weighted mean (the default)
+    /// or a robust aggregator that lying peers cannot move far (see [`crate::Aggregation`]).
+    /// Part of the schema: peers with different aggregations never group.
+    pub aggregation: crate::Aggregation,
     /// Largest chunk on the wire, in bytes.
     pub chunk_bytes: usize,
     /// Declared bandwidth in bytes per second; `None` uses the measured value (starting from
@@ -168,6 +172,7 @@ impl AveragerConfig {
             reducer_timeout: Duration::from_secs(10),
             repair_min_time: Duration::from_secs(1),
             codec: Codec::None,
+            aggregation: crate::Aggregation::Mean,
             chunk_bytes: 1 << 20,
             bandwidth: None,
             initial_bandwidth: 100e6,
@@ -211,6 +216,9 @@ impl AveragerConfig {
         if self.group_bits > 16 {
             return bad("group_bits is at most 16");
         }
+        self.aggregation
+            .validate()
+            .map_err(crate::AveragerError::Config)?;
         if let Some(b) = self.bandwidth {
             if !(b.is_finite() && b > 0.0) {
                 return bad("bandwidth must be a positive number of bytes per second");

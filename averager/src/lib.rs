@@ -142,6 +142,7 @@
 //! `reduce` (the no-I/O `PartReducer`) and `repair`. Fault-injection hooks (`Fault`,
 //! `AveragerConfig::fault`) exist only with the `testing` feature.
 
+mod aggregation;
 mod allreduce;
 mod averager;
 mod bandwidth;
@@ -161,6 +162,7 @@ mod sync;
 mod transport;
 pub mod wire;
 
+pub use aggregation::Aggregation;
 pub use averager::Averager;
 pub use config::{AveragerConfig, AveragingMode};
 #[cfg(feature = "testing")]

@@ -26,6 +26,10 @@ pub struct AllreduceArgs {
     /// Codec on the wire (none, f16, bf16, u8, blockwise8, ...).
     #[arg(long, default_value = "none")]
     pub codec: String,
+    /// How reducers combine contributions (mean, median, trimmed-mean[:F],
+    /// centered-clip[:iters=N][,tau=T]). The exactness check (`rel_error`) is against the mean.
+    #[arg(long, default_value = "mean")]
+    pub aggregation: String,
     /// Measured rounds (one extra warm-up round runs first).
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
@@ -168,6 +172,10 @@ fn exact_mean(peers: usize, size: usize) -> Vec<f32> {
 fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
     let mut c = AveragerConfig::new("bench-allreduce");
     c.codec = args.codec.parse().map_err(|e| anyhow!("--codec: {e}"))?;
+    c.aggregation = args
+        .aggregation
+        .parse()
+        .map_err(|e| anyhow!("--aggregation: {e}"))?;
     c.target_group_size = args.peers;
     c.min_group_size = args.peers;
     c.matchmaking_time = Duration::from_secs(30);
@@ -479,6 +487,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
                 &args.size.to_string(),
             ])
             .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
+            .args(["--aggregation", &args.aggregation])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
             .args(["--prepare-ms", &args.prepare_ms.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))

@@ -2,7 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use starling_averager::{Averager, AveragerConfig, AveragingMode, RoundReport, SpanOutcome};
+use starling_averager::{
+    Aggregation, Averager, AveragerConfig, AveragingMode, RoundReport, SpanOutcome,
+};
 use starling_node::{cluster::LocalCluster, Node, NodeConfig};
 use starling_tests::{
     bounded, exact_weighted_mean, init_tracing, normal_tensors, normal_vec, rel_error,
@@ -570,6 +572,141 @@ async fn a_search_prepared_ahead_gives_its_step_the_group() {
                 for (t, e) in data[p].iter().zip(&expected) {
                     assert!(rel_error(t, e) < 1e-6, "round {round}, peer {p}");
                 }
+            }
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
+/// Robust aggregation across reducers: five peers (equal weights) average 5000 values under
+/// `median` and `trimmed-mean:0.2`, and every peer holds the coordinate-wise rule computed over
+/// the whole vectors (each reducer applies it to its span); under `centered-clip` one peer
+/// sending its values x1000 moves nobody far from the honest peers' mean, where `mean` moves
+/// them hundreds of units. Peers that differ in aggregation never share a group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn robust_aggregators_apply_their_rule_and_never_group_with_another() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let n = 5;
+        let len = 5000;
+        let originals: Vec<Vec<Vec<f32>>> = (0..n)
+            .map(|p| normal_tensors(&[len], 50 + p as u64))
+            .collect();
+        let column = |j: usize, data: &[Vec<Vec<f32>>]| {
+            let mut c: Vec<f32> = data.iter().map(|d| d[0][j]).collect();
+            c.sort_by(f32::total_cmp);
+            c
+        };
+        for (name, rule) in [
+            ("median", (|c: &[f32]| c[2]) as fn(&[f32]) -> f32),
+            ("trimmed-mean:0.2", |c: &[f32]| (c[1] + c[2] + c[3]) / 3.0),
+        ] {
+            let swarm = AveragingSwarm::start(n, NodeConfig::default(), |_| {
+                let mut cfg = AveragerConfig::new(format!("agg-{name}"));
+                cfg.target_group_size = n;
+                cfg.aggregation = name.parse().unwrap();
+                cfg
+            })
+            .await
+            .unwrap();
+            let mut data = originals.clone();
+            let reports = swarm
+                .step_all(
+                    &mut data,
+                    &[1.0; 5],
+                    Instant::now() + Duration::from_secs(30),
+                )
+                .await;
+            for (p, r) in reports.iter().enumerate() {
+                assert_eq!(
+                    r.as_ref()
+                        .unwrap_or_else(|e| panic!("{name}, peer {p}: {e}"))
+                        .group
+                        .len(),
+                    n
+                );
+                for (j, got) in data[p][0].iter().enumerate() {
+                    let want = rule(&column(j, &originals));
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "{name}, peer {p}, element {j}: {got} vs {want}"
+                    );
+                }
+            }
+            swarm.shutdown().await;
+        }
+        // One liar sends x1000.
+        let mut lying = originals[..4].to_vec();
+        lying[3][0].iter_mut().for_each(|v| *v *= 1000.0);
+        let honest_mean: Vec<f32> = (0..len)
+            .map(|j| (0..3).map(|p| originals[p][0][j]).sum::<f32>() / 3.0)
+            .collect();
+        for (name, bound) in [("mean", None), ("centered-clip", Some(1.5f32))] {
+            let swarm = AveragingSwarm::start(4, NodeConfig::default(), |_| {
+                let mut cfg = AveragerConfig::new(format!("agg-lie-{name}"));
+                cfg.target_group_size = 4;
+                cfg.aggregation = name.parse().unwrap();
+                cfg
+            })
+            .await
+            .unwrap();
+            let mut data = lying.clone();
+            let reports = swarm
+                .step_all(
+                    &mut data,
+                    &[1.0; 4],
+                    Instant::now() + Duration::from_secs(30),
+                )
+                .await;
+            assert!(reports
+                .iter()
+                .all(|r| r.as_ref().is_ok_and(|r| r.group.len() == 4)));
+            let off = data[0][0]
+                .iter()
+                .zip(&honest_mean)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            match bound {
+                Some(b) => assert!(off < b, "{name}: {off} from the honest mean"),
+                None => assert!(off > 100.0, "{name}: the liar moved it only {off}"),
+            }
+            swarm.shutdown().await;
+        }
+        // Two aggregations in one run: two groups of two, never a group of four.
+        let swarm = AveragingSwarm::start(4, NodeConfig::default(), |i| {
+            let mut cfg = AveragerConfig::new("agg-mixed");
+            cfg.target_group_size = 4;
+            cfg.min_group_size = 2;
+            cfg.matchmaking_time = Duration::from_secs(3);
+            cfg.aggregation = if i % 2 == 0 {
+                Aggregation::Mean
+            } else {
+                "median".parse().unwrap()
+            };
+            cfg
+        })
+        .await
+        .unwrap();
+        let mut data = originals[..4].to_vec();
+        let reports = swarm
+            .step_all(
+                &mut data,
+                &[1.0; 4],
+                Instant::now() + Duration::from_secs(30),
+            )
+            .await;
+        let ids = swarm.peer_ids();
+        for (p, r) in reports.iter().enumerate() {
+            let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            assert_eq!(r.group.len(), 2, "peer {p}");
+            for member in &r.group {
+                let q = ids.iter().position(|id| id == member).unwrap();
+                assert_eq!(
+                    q % 2,
+                    p % 2,
+                    "peer {p} grouped with peer {q} of another aggregation"
+                );
             }
         }
         swarm.shutdown().await;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::Segment;
 use crate::wire::MemberIdx;
+use crate::Aggregation;
 
 /// One contribution to a part: whose it is, its weight, and its values of the part.
 pub(crate) struct Input<'a> {
@@ -25,6 +26,7 @@ pub(crate) struct PartReducer {
     /// Index of the next part to reduce.
     next: usize,
     segments: Vec<Segment>,
+    aggregation: Aggregation,
 }
 
 impl PartReducer {
@@ -36,7 +38,14 @@ impl PartReducer {
             part_len: part_len.max(1),
             next: 0,
             segments: Vec::new(),
+            aggregation: Aggregation::Mean,
         }
+    }
+
+    /// Combines each part's inputs by `aggregation` instead of the weighted mean.
+    pub fn with_aggregation(mut self, aggregation: Aggregation) -> Self {
+        self.aggregation = aggregation;
+        self
     }
 
     /// Whether every part has been reduced (or skipped).
@@ -62,9 +71,9 @@ impl PartReducer {
             .filter(|p| prefixes.all(|got| got >= p.end))
     }
 
-    /// Writes the weighted mean of the next part's `inputs` into `mean` (the part's slice of
-    /// the result) and moves on. Weights are normalised by their sum; if they sum to 0 every
-    /// input counts equally. Returns the part (offsets within the range) and its sorted
+    /// Writes the weighted mean (or the aggregate, see [`PartReducer::with_aggregation`]) of the
+    /// next part's `inputs` into `mean` (the part's slice of the result) and moves on. Weights
+    /// are normalised by their sum; if they sum to 0 every input counts equally. Returns the part (offsets within the range) and its sorted
     /// contributors, or `None` for the part when nobody contributed (it keeps local values).
     pub fn reduce_next(
         &mut self,
@@ -81,21 +90,8 @@ impl PartReducer {
         );
         let mut contributors: Vec<MemberIdx> = inputs.iter().map(|i| i.member).collect();
         contributors.sort_unstable();
-        let total_weight: f64 = inputs.iter().map(|i| i.weight).sum();
-        let scale = |w: f64| {
-            if total_weight > 0.0 {
-                (w / total_weight) as f32
-            } else {
-                1.0 / inputs.len() as f32
-            }
-        };
-        mean.fill(0.0);
-        for input in inputs {
-            let k = scale(input.weight);
-            mean.iter_mut()
-                .zip(input.values)
-                .for_each(|(m, x)| *m += k * x);
-        }
+        let pairs: Vec<(f64, &[f32])> = inputs.iter().map(|i| (i.weight, i.values)).collect();
+        self.aggregation.aggregate(mean, &pairs);
         let abs = self.start + part.start..self.start + part.end;
         match self.segments.last_mut() {
             Some(last) if last.1 == contributors && last.0.end == abs.start => last.0.end = abs.end,

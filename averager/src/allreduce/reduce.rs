@@ -129,7 +129,7 @@ pub(super) async fn reduce_span(
     let no_show = (Instant::now() + cfg.request_timeout + cfg.sender_timeout).min(round.deadline);
     let (events, mut ev_rx) = mpsc::channel::<Inbound>(4 * round.peers.len() + 16);
     let mut r = Reduction {
-        parts: PartReducer::new(job.range.clone(), part_len),
+        parts: PartReducer::new(job.range.clone(), part_len).with_aggregation(cfg.aggregation),
         // Each part is cleared and summed into before it is read.
         values: round.env.pool.take_dirty(job.range.len()),
         round: round.clone(),

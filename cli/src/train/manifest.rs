@@ -41,6 +41,11 @@ pub fn run_key(name: &str) -> String {
 }
 
 /// Everything a peer needs to train in a run, identically to the others.
+/// The aggregation of manifests that do not name one.
+fn mean() -> String {
+    "mean".into()
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunManifest {
@@ -58,6 +63,10 @@ pub struct RunManifest {
     pub mode: ModeSpec,
     /// The averaging codec (`none`, `f16`, `u8`, ...).
     pub codec: String,
+    /// How reducers combine contributions (`mean`, `median`, `trimmed-mean[:F]`,
+    /// `centered-clip[:iters=N][,tau=T]`); manifests written before it existed mean `mean`.
+    #[serde(default = "mean")]
+    pub aggregation: String,
     /// Samples per local batch.
     pub batch_size: u64,
     /// Samples per global step (gradient mode).
@@ -206,6 +215,8 @@ impl RunManifest {
         in_range("--weight-decay", self.optimizer.weight_decay, 0.0, 1.0)?;
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
         Codec::from_str(&self.codec).map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
+        starling_averager::Aggregation::from_str(&self.aggregation)
+            .map_err(|e| anyhow!("--aggregation {:?}: {e}", self.aggregation))?;
         if let ModeSpec::Diloco {
             inner_steps,
             outer_lr,
@@ -586,6 +597,7 @@ pub(crate) fn test_manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
         },
         mode: ModeSpec::Gradients,
         codec: "none".into(),
+        aggregation: "mean".into(),
         batch_size: 32,
         target_batch_size: 128,
         epochs: 10,
@@ -652,6 +664,13 @@ mod tests {
         let mut m = manifest("r", 1);
         m.codec = "zip".into();
         assert!(m.validate().unwrap_err().to_string().contains("--codec"));
+        m.codec = "none".into();
+        m.aggregation = "centered-clip:iters=0".into();
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--aggregation"));
         let mut m = manifest("r", 1);
         m.data = DataSpec::Text { vocab: "ab".into() };
         assert!(m.validate().is_err(), "an mlp on text");

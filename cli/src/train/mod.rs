@@ -132,6 +132,10 @@ pub struct HyperArgs {
     /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none).
     #[arg(long)]
     pub(crate) codec: Option<String>,
+    /// How reducers combine the peers' contributions: mean (default), median,
+    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).
+    #[arg(long)]
+    pub(crate) aggregation: Option<String>,
     /// Seed of the initial parameters (default: from the clock).
     #[arg(long)]
     pub(crate) seed: Option<u64>,
@@ -184,6 +188,7 @@ impl HyperArgs {
         note(self.outer_lr.is_some(), "--outer-lr");
         note(self.outer_momentum.is_some(), "--outer-momentum");
         note(self.codec.is_some(), "--codec");
+        note(self.aggregation.is_some(), "--aggregation");
         note(self.seed.is_some(), "--seed");
         note(self.hidden.is_some(), "--hidden");
         note(self.context.is_some(), "--context");
@@ -269,6 +274,7 @@ pub fn new_manifest(name: &str, model: &str, h: &HyperArgs, data: DataSpec) -> R
         },
         mode,
         codec: h.codec.clone().unwrap_or_else(|| "none".into()),
+        aggregation: h.aggregation.clone().unwrap_or_else(|| "mean".into()),
         batch_size: h.batch_size.unwrap_or(if lm { 16 } else { 32 }),
         target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
         epochs,

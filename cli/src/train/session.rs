@@ -104,6 +104,10 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         .codec
         .parse::<Codec>()
         .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?;
+    cfg.averager.aggregation = m
+        .aggregation
+        .parse()
+        .map_err(|e| anyhow!("aggregation {:?}: {e}", m.aggregation))?;
     cfg.averaging_timeout = Duration::from_secs(15);
     if let ModeSpec::Diloco {
         outer_lr,
