@@ -580,8 +580,7 @@ impl CollaborativeOptimizer {
         self.epoch_start = None;
         let stepped_at = Instant::now();
         self.refresh_served_state(params).await;
-        // The others learn of the new epoch a moment later; this peer goes on computing
-        // meanwhile (its next report waits for this publication, so they stay in order).
+        // The others learn of the new epoch now.
         self.publish_in_background().await?;
         tracing::debug!(
             epoch = self.epoch,
@@ -766,13 +765,16 @@ impl CollaborativeOptimizer {
         self.matchmaking_estimate = Some(self.matchmaking_estimate.map_or(took, |e| e.min(took)));
     }
 
-    /// Publishes this peer's progress in a background task (the step does not wait for the
-    /// DHT's acknowledgement); the previous publication, if still in flight, ends first.
+    /// Publishes this peer's progress after a step (in a task, so that a dropped step does not
+    /// cut a publication short); the previous publication, if still in flight, ends first.
     async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
         self.settle_publication().await?;
         let (tracker, local) = (self.tracker.clone(), self.local_progress());
         self.publishing = Some(tokio::spawn(async move { tracker.publish(local).await }));
-        Ok(())
+        // Awaited for now: left in flight while the next batches run, it made a kill/restart
+        // test hang about one run in five (training_sync's a_killed_peer_...); until that is
+        // understood the step waits for its publication as before.
+        self.settle_publication().await
     }
 
     /// The outcome of a background publication of the progress that has ended, if any (one
