@@ -11,12 +11,13 @@ use clap::Args;
 use indicatif::MultiProgress;
 use starling_node::{cluster::LocalCluster, NodeConfig};
 
-use crate::train::data::{self, Dataset};
-use crate::train::manifest::{self, DataSpec, SignedManifest};
-use crate::train::model::{self, Eval, Sampler};
-use crate::train::session::{optimizer_config, Session};
-use crate::train::ui::{Bar, JsonLines, Reporter};
-use crate::train::{build_model, new_manifest, HyperArgs};
+use starling_run::data::{self, Dataset};
+use starling_run::manifest::{self, DataSpec, SignedManifest};
+use starling_run::model::{self, Eval};
+use starling_run::setup::{build_model, new_manifest, train_alone, Hyper};
+use starling_run::{Reporter, Session};
+
+use crate::train::ui::{Bar, JsonLines};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -43,11 +44,11 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         (1..=16).contains(&args.peers),
         "--peers must be between 1 and 16"
     );
-    let hyper = HyperArgs {
+    let hyper = Hyper {
         epochs: Some(args.epochs),
         codec: Some(args.codec.clone()),
         seed: Some(7),
-        ..HyperArgs::default()
+        ..Hyper::default()
     };
     let mut manifest = new_manifest("demo", "mlp", &hyper, DataSpec::Digits)?;
     let digits = Dataset::Images(data::digits());
@@ -127,7 +128,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let baseline = {
         let manifest = manifest.clone();
         let data = data.clone();
-        tokio::task::spawn_blocking(move || baseline(&manifest, &data, global_batch)).await??
+        let eval = tokio::task::spawn_blocking(move || train_alone(&manifest, &data, global_batch))
+            .await??;
+        match eval {
+            Eval::Accuracy(a) => a,
+            Eval::ValLoss(_) => anyhow::bail!("the demo's model is a classifier"),
+        }
     };
     let baseline_seconds = baseline_started.elapsed().as_secs_f64();
     let mean = accuracies.iter().sum::<f64>() / accuracies.len().max(1) as f64;
@@ -168,29 +174,4 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         println!("Across machines: `starling train --new-run NAME --model mlp` on one, then the `starling train --run ...` line it prints on the others.");
     }
     Ok(())
-}
-
-/// One peer trains alone for the run's epochs on batches of `global_batch` samples (what the
-/// swarm's global steps averaged); returns its test accuracy.
-fn baseline(m: &manifest::RunManifest, data: &Dataset, global_batch: u64) -> Result<f64> {
-    let mut built = build_model(m, data, None, tokio_handle()?)?;
-    let mut opt = optimizer_config(m)
-        .build(built.params.len())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut sampler = Sampler::new(global_batch as usize, 1);
-    for _ in 0..m.epochs {
-        let batch = sampler.next(data, 0)?;
-        let grads = built.net.loss(&batch)?.backward()?;
-        built.binding.grads_to_set(&grads, &mut built.params)?;
-        opt.step_set(&mut built.params)?;
-        built.binding.params_to_vars(&built.params)?;
-    }
-    match built.net.evaluate(data)? {
-        Eval::Accuracy(a) => Ok(a),
-        Eval::ValLoss(_) => anyhow::bail!("the demo's model is a classifier"),
-    }
-}
-
-fn tokio_handle() -> Result<tokio::runtime::Handle> {
-    tokio::runtime::Handle::try_current().context("no runtime")
 }

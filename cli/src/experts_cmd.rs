@@ -5,38 +5,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Subcommand, ValueEnum};
 use starling_experts::{
-    expand_uid_pattern, ActivationReuse, ClientConfig, Expert, ExpertClient, ExpertServer,
-    ExpertSpec, ServerConfig,
+    expand_uid_pattern, ClientConfig, Expert, ExpertClient, ExpertServer, ExpertSpec, ServerConfig,
 };
 use starling_node::{Multiaddr, Node};
 
 use crate::observe::{ObserveArgs, Observer};
 use crate::JoinArgs;
-
-/// How a server keeps forward activations for backwards (`experts serve`, `bench experts`).
-#[derive(Args, Debug, Clone, Copy)]
-pub struct ReuseArgs {
-    /// Memory for forward activations kept until their backward (MiB, all experts together);
-    /// 0 recomputes them in every backward.
-    #[arg(long, default_value_t = 128, value_name = "MIB")]
-    activation_cache_mb: usize,
-    /// Optimizer steps an expert may take between a request's forward and its backward for the
-    /// kept activations to be used (0: only when the expert has not stepped, exact).
-    #[arg(long, default_value_t = 32)]
-    max_stale_steps: u64,
-}
-
-impl ReuseArgs {
-    /// The server setting.
-    pub fn reuse(&self) -> ActivationReuse {
-        ActivationReuse {
-            max_bytes: self.activation_cache_mb << 20,
-            max_stale_steps: self.max_stale_steps,
-        }
-    }
-}
+use starling_bench::experts::ReuseArgs;
 
 /// Expert architectures the CLI can host.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

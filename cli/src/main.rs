@@ -1,14 +1,5 @@
 //! `starling`: train together (`train`, `demo`), run a node, bootstrap a private swarm, use the DHT, host experts, benchmark.
 
-mod bench;
-mod bench_allreduce;
-mod bench_dht;
-mod bench_experts;
-mod bench_gossip;
-mod bench_lane;
-mod bench_local;
-mod bench_reference;
-mod bench_training;
 mod demo;
 mod dht_cmd;
 mod experts_cmd;
@@ -21,7 +12,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use starling_node::{Multiaddr, NatConfig, NodeConfig, SwarmKey};
+use starling_bench::NatArgs;
+use starling_node::{Multiaddr, NodeConfig, SwarmKey};
 
 #[derive(Parser)]
 #[command(
@@ -64,7 +56,7 @@ enum Command {
     /// Benchmarks that print one JSON object.
     Bench {
         #[command(subcommand)]
-        command: bench::BenchCommand,
+        command: starling_bench::BenchCommand,
     },
 }
 
@@ -134,32 +126,6 @@ impl ListenArgs {
     }
 }
 
-/// Reachability options of long-running nodes (`node`, benchmark workers).
-#[derive(Args, Clone, Debug)]
-pub struct NatArgs {
-    /// Let autonat ask, and answer, peers at private IP addresses (10/8, 172.16/12,
-    /// 192.168/16): for swarms whose shared network is itself private (a campus, a VPC, a test
-    /// network). Leave off on the internet.
-    #[arg(long)]
-    autonat_private_ips: bool,
-    /// An address this node is known to be reachable at (a public IP, a forwarded port),
-    /// announced without waiting for autonat. A relay needs one before it accepts
-    /// reservations. Repeatable.
-    #[arg(long, value_name = "MULTIADDR")]
-    external: Vec<Multiaddr>,
-}
-
-impl NatArgs {
-    /// Applies these options to `cfg`.
-    pub fn apply(&self, cfg: &mut NodeConfig) {
-        cfg.nat = NatConfig {
-            private_ips: self.autonat_private_ips,
-            ..cfg.nat.clone()
-        };
-        cfg.external_addrs.extend(self.external.iter().cloned());
-    }
-}
-
 fn init_swarm(out: &std::path::Path) -> Result<()> {
     let key = SwarmKey::generate();
     key.write_new(out)
@@ -223,7 +189,7 @@ fn main() {
             Command::Dht { command } => dht_cmd::run(command).await,
             Command::Experts { command } => experts_cmd::run(command).await,
             Command::Status(args) => status_cmd::run(args).await,
-            Command::Bench { command } => bench::run(command).await,
+            Command::Bench { command } => starling_bench::run(command).await,
         }
     });
     if let Err(e) = result {

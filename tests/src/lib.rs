@@ -1,27 +1,18 @@
 //! Multi-peer integration tests for Starling: whole swarms on 127.0.0.1. The tests live in
-//! `tests/tests/`; this library holds their shared helpers, which the `starling bench allreduce`
-//! benchmark uses too:
+//! `tests/tests/`; this library gives them the in-process swarms of
+//! [`starling_bench::harness`] (the ones `starling bench` measures with) and what only tests
+//! need:
 //!
-//! - [`AveragingSwarm`]: N averagers on a [`LocalCluster`](starling_node::cluster::LocalCluster),
-//!   stepped concurrently; [`RoundCheck`] checks every peer's result span by span against the
-//!   exact weighted mean of the contributors its report names.
-//! - [`exact_weighted_mean`] and [`WeightedMean`]: the reference mean, in f64.
-//! - [`normal_tensors`] (and [`normal_vec`]): deterministic data from
-//!   [`starling_compression::synthetic`].
-//! - [`GossipSwarm`]: N gossip averagers stepped round by round, with the live peers'
-//!   weighted mean and consensus distance ([`Consensus`]).
-//! - [`bounded`], [`init_tracing`], [`rel_error`]: every test is time-bounded, logs through
-//!   `RUST_LOG`, and measures errors the same way.
+//! - [`AveragingSwarm`], [`RoundCheck`], [`exact_weighted_mean`], [`WeightedMean`],
+//!   [`normal_tensors`], [`normal_vec`], [`GossipSwarm`], [`Consensus`], [`rel_error`]: see
+//!   [`starling_bench::harness`].
+//! - [`bounded`], [`init_tracing`]: every test is time-bounded and logs through `RUST_LOG`.
 
 use std::time::Duration;
 
-mod gossip;
-mod swarm;
-
-pub use gossip::{Consensus, GossipSwarm};
-
-pub use swarm::{
-    exact_weighted_mean, normal_tensors, AveragingSwarm, RoundCheck, WeightedMean, EXACT,
+pub use starling_bench::harness::{
+    exact_weighted_mean, normal_tensors, normal_vec, rel_error, AveragingSwarm, Consensus,
+    GossipSwarm, RoundCheck, WeightedMean, EXACT,
 };
 
 /// Installs a `tracing` subscriber honouring `RUST_LOG` (once per test binary).
@@ -41,16 +32,4 @@ pub async fn bounded<F: std::future::Future>(limit: Duration, fut: F) -> F::Outp
         Ok(v) => v,
         Err(_) => panic!("test exceeded its time bound of {limit:?}"),
     }
-}
-
-/// `n` deterministic samples of N(0, 1): [`starling_compression::synthetic::normal`], the one
-/// generator of the workspace's tests and benchmarks.
-pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
-    starling_compression::synthetic::normal(n, seed)
-}
-
-/// `||a - b|| / ||b||` in f64 (`b` is the reference).
-pub fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    starling_compression::bench::relative_error(b, a)
 }

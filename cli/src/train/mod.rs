@@ -1,10 +1,6 @@
 //! `starling train`: create a training run (a signed manifest in the DHT) or join one, and
 //! train in it until its last epoch.
 
-pub mod data;
-pub mod manifest;
-pub mod model;
-pub mod session;
 pub mod ui;
 
 use std::path::PathBuf;
@@ -12,21 +8,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Args;
-use starling_experts::{ClientConfig, ExpertClient, MoeConfig, RemoteMixtureOfExperts};
 use starling_node::{Multiaddr, Node};
+use starling_run::manifest::{self, DataSpec, OptimizerKind, SignedManifest};
+use starling_run::session::{self, Session};
+use starling_run::setup::{
+    build_model, check_data, new_manifest, new_run_data, schema_matches, seed_of, Hyper,
+};
+use starling_run::{data, model, Reporter};
 
 use crate::observe::{ObserveArgs, Observer};
 use crate::{JoinArgs, ListenArgs, NatArgs};
-use data::Dataset;
-use manifest::{
-    DataSpec, ModeSpec, ModelSpec, MoeSpec, OptimizerKind, OptimizerSpec, RunManifest, RunRef,
-    SignedManifest, KNOWN_MODELS, MANIFEST_FORMAT,
-};
-use model::Built;
-use session::Session;
-use ui::{Bar, JsonLines, Reporter};
+use ui::{Bar, JsonLines};
 
 /// How long a joiner looks for the run's manifest.
 const MANIFEST_LOOKUP: Duration = Duration::from_secs(30);
@@ -45,7 +39,7 @@ pub struct TrainArgs {
     /// Join a run: NAME, or NAME@KEY to accept only a manifest signed by KEY (the creator's peer
     /// id, as `--new-run` prints it, or its 64-digit hex key).
     #[arg(long, value_name = "NAME[@KEY]")]
-    run: Option<RunRef>,
+    run: Option<manifest::RunRef>,
     /// With --run: read the signed manifest from this file (written by --save-manifest) instead
     /// of the DHT.
     #[arg(long, value_name = "FILE", requires = "run")]
@@ -93,7 +87,7 @@ pub struct TrainArgs {
 #[derive(Args, Debug, Default)]
 pub struct HyperArgs {
     /// Optimizer: adamw or sgd (Nesterov momentum when --momentum > 0). Default adamw.
-    #[arg(long, value_enum)]
+    #[arg(long)]
     pub(crate) optimizer: Option<OptimizerKind>,
     /// Learning rate (default: mlp 0.005, charlm 0.003).
     #[arg(long)]
@@ -167,6 +161,35 @@ pub struct HyperArgs {
 }
 
 impl HyperArgs {
+    /// The hyper-parameters the flags give.
+    pub fn hyper(&self) -> Hyper {
+        Hyper {
+            optimizer: self.optimizer,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
+            batch_size: self.batch_size,
+            target_batch_size: self.target_batch_size,
+            epochs: self.epochs,
+            eval_every: self.eval_every,
+            mode: self.mode.clone(),
+            inner_steps: self.inner_steps,
+            outer_lr: self.outer_lr,
+            outer_momentum: self.outer_momentum,
+            codec: self.codec.clone(),
+            aggregation: self.aggregation.clone(),
+            seed: self.seed,
+            hidden: self.hidden,
+            context: self.context,
+            dim: self.dim,
+            layers: self.layers,
+            heads: self.heads,
+            moe_grid: self.moe_grid.clone(),
+            moe_experts: self.moe_experts,
+            moe_k: self.moe_k,
+        }
+    }
+
     /// The flags given, by name (a joiner may give none).
     fn given(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
@@ -200,180 +223,6 @@ impl HyperArgs {
         note(self.moe_k.is_some(), "--moe-k");
         v
     }
-}
-
-/// A new run's manifest from the flags (schema hash still empty), validated.
-pub fn new_manifest(name: &str, model: &str, h: &HyperArgs, data: DataSpec) -> Result<RunManifest> {
-    ensure!(
-        KNOWN_MODELS.contains(&model),
-        "unknown model {model:?}: this binary builds {}",
-        KNOWN_MODELS.join(", ")
-    );
-    let lm = model == "charlm";
-    let model_spec = if lm {
-        ModelSpec::Charlm {
-            context: h.context.unwrap_or(32),
-            dim: h.dim.unwrap_or(64),
-            layers: h.layers.unwrap_or(2),
-            heads: h.heads.unwrap_or(4),
-            moe: h.moe_grid.as_ref().map(|grid| MoeSpec {
-                grid: grid.clone(),
-                experts: h.moe_experts.unwrap_or(4),
-                k_best: h.moe_k.unwrap_or(2),
-            }),
-        }
-    } else {
-        for (flag, given) in [
-            ("--context", h.context.is_some()),
-            ("--dim", h.dim.is_some()),
-            ("--layers", h.layers.is_some()),
-            ("--heads", h.heads.is_some()),
-            ("--moe-grid", h.moe_grid.is_some()),
-        ] {
-            ensure!(
-                !given,
-                "{flag} is a charlm option; model mlp does not take it"
-            );
-        }
-        ModelSpec::Mlp {
-            hidden: h.hidden.unwrap_or(64),
-        }
-    };
-    ensure!(
-        !(lm && h.hidden.is_some()),
-        "--hidden is an mlp option; charlm's width is --dim"
-    );
-    let mode = match h.mode.as_deref() {
-        Some("diloco") => ModeSpec::Diloco {
-            inner_steps: h.inner_steps.unwrap_or(10),
-            outer_lr: h.outer_lr.unwrap_or(0.7),
-            outer_momentum: h.outer_momentum.unwrap_or(0.9),
-        },
-        _ => {
-            for (flag, given) in [
-                ("--inner-steps", h.inner_steps.is_some()),
-                ("--outer-lr", h.outer_lr.is_some()),
-                ("--outer-momentum", h.outer_momentum.is_some()),
-            ] {
-                ensure!(!given, "{flag} applies only with --mode diloco");
-            }
-            ModeSpec::Gradients
-        }
-    };
-    let epochs = h.epochs.unwrap_or(if lm { 150 } else { 60 });
-    let manifest = RunManifest {
-        format: MANIFEST_FORMAT,
-        name: name.to_string(),
-        model: model_spec,
-        data,
-        optimizer: OptimizerSpec {
-            kind: h.optimizer.unwrap_or(OptimizerKind::Adamw),
-            lr: h.lr.unwrap_or(if lm { 3e-3 } else { 5e-3 }),
-            weight_decay: h.weight_decay.unwrap_or(0.0),
-            momentum: h.momentum.unwrap_or(0.9),
-        },
-        mode,
-        codec: h.codec.clone().unwrap_or_else(|| "none".into()),
-        aggregation: h.aggregation.clone().unwrap_or_else(|| "mean".into()),
-        batch_size: h.batch_size.unwrap_or(if lm { 16 } else { 32 }),
-        target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
-        epochs,
-        eval_every: h.eval_every.unwrap_or((epochs / 6).max(1)),
-        seed: h.seed.unwrap_or_else(starling_dht::now_ms),
-        schema_hash: "0".into(),
-        created_ms: starling_dht::now_ms(),
-    };
-    manifest.validate()?;
-    Ok(manifest)
-}
-
-/// The data kind of a new run, from `--data` (reading what it must to know the sizes).
-fn new_run_data(model: &str, data: Option<&std::path::Path>) -> Result<(DataSpec, Dataset)> {
-    match (model, data) {
-        ("charlm", Some(file)) => {
-            let text = data::read_text(file, None)?;
-            let vocab = text.vocab.iter().collect();
-            Ok((DataSpec::Text { vocab }, Dataset::Text(text)))
-        }
-        ("charlm", None) => bail!("model charlm trains on text: give --data FILE (UTF-8)"),
-        (_, Some(dir)) => {
-            let images = data::read_idx_dir(dir)?;
-            let side = (images.inputs as f64).sqrt() as usize;
-            let (rows, cols) = if side * side == images.inputs {
-                (side, side)
-            } else {
-                (1, images.inputs)
-            };
-            Ok((
-                DataSpec::Idx {
-                    rows,
-                    cols,
-                    classes: images.classes,
-                },
-                Dataset::Images(images),
-            ))
-        }
-        (_, None) => Ok((DataSpec::Digits, Dataset::Images(data::digits()))),
-    }
-}
-
-/// Checks that `data` suits the manifest's model (text longer than the context).
-fn check_data(m: &RunManifest, data: &Dataset) -> Result<()> {
-    if let (ModelSpec::Charlm { context, .. }, Dataset::Text(t)) = (&m.model, data) {
-        ensure!(
-            t.train.len() > context + 1 && t.val.len() > context + 1,
-            "--data: the text is too short for a context of {context} characters (training part {}, validation part {})",
-            t.train.len(),
-            t.val.len()
-        );
-    }
-    Ok(())
-}
-
-/// Builds the manifest's model (with its remote MoE layer on `node` when it has one) and checks
-/// its schema against the manifest's.
-pub fn build_model(
-    m: &RunManifest,
-    data: &Dataset,
-    node: Option<&Node>,
-    rt: tokio::runtime::Handle,
-) -> Result<Built> {
-    let moe_spec = match &m.model {
-        ModelSpec::Charlm {
-            moe: Some(spec),
-            dim,
-            ..
-        } => Some((spec.clone(), *dim)),
-        _ => None,
-    };
-    let make = |vb: candle_nn::VarBuilder| -> Result<RemoteMixtureOfExperts> {
-        let (spec, dim) = moe_spec.clone().context("no MoE layer")?;
-        let mut cfg = MoeConfig::new(&spec.grid, &[1, spec.experts], &[dim]);
-        cfg.k_best = spec.k_best;
-        cfg.k_min = 1;
-        cfg.timeout_after_k_min = Duration::from_millis(500);
-        cfg.forward_timeout = Duration::from_secs(5);
-        cfg.backward_timeout = Duration::from_secs(10);
-        let client = match node {
-            Some(n) => ExpertClient::new(n.clone(), ClientConfig::default()),
-            None => bail!("the MoE layer needs a node"),
-        };
-        Ok(RemoteMixtureOfExperts::new(vb, client, cfg, rt.clone())?)
-    };
-    let built = model::build(m, data, Some(&make))?;
-    Ok(built)
-}
-
-fn schema_matches(m: &RunManifest, built: &Built) -> Result<()> {
-    let mine = model::schema_hex(&built.params);
-    ensure!(
-        mine == m.schema_hash,
-        "this binary builds a different {} for run {:?} (tensor schema {mine}, the run's {}): it cannot train in it",
-        m.model.name(),
-        m.name,
-        m.schema_hash
-    );
-    Ok(())
 }
 
 /// Prints the node's identity and dialable addresses (the first is the one to give others).
@@ -429,9 +278,9 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         } else {
             DataSpec::Digits
         };
-        new_manifest(name, model_name, &args.hyper, placeholder)?;
+        new_manifest(name, model_name, &args.hyper.hyper(), placeholder)?;
         let (spec, data) = new_run_data(model_name, args.data.as_deref())?;
-        let mut manifest = new_manifest(name, model_name, &args.hyper, spec)?;
+        let mut manifest = new_manifest(name, model_name, &args.hyper.hyper(), spec)?;
         check_data(&manifest, &data)?;
         if let Some(path) = &args.save_manifest {
             ensure!(
@@ -576,16 +425,6 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     observer.stop().await;
     node.shutdown().await;
     outcome.map(|_| ())
-}
-
-/// A batch-sampling seed of this peer's own (peers draw different batches).
-pub fn seed_of(node: &Node) -> u64 {
-    node.peer_id()
-        .to_bytes()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
-        })
 }
 
 /// First Ctrl-C (or SIGTERM): leave after the current step, saving a checkpoint. Second: quit.

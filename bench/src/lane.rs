@@ -13,6 +13,7 @@ const PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/bench/lane/1");
 /// Bytes per write (like one averaging chunk).
 const WRITE: usize = 1 << 20;
 
+/// The flags of `starling bench lane`.
 #[derive(Args, Debug)]
 pub struct LaneArgs {
     /// MiB sent one way per transport.
@@ -128,6 +129,7 @@ where
     tasks
 }
 
+/// Runs `starling bench lane` and prints its JSON report.
 pub async fn run(args: LaneArgs) -> Result<()> {
     ensure!(
         args.mib >= 1 && args.streams >= 1,

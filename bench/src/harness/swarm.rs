@@ -9,7 +9,7 @@ use std::time::Instant;
 use starling_averager::{Averager, AveragerConfig, AveragerError, RoundReport, SpanOutcome};
 use starling_node::{cluster::LocalCluster, Node, NodeConfig, PeerId};
 
-use crate::rel_error;
+use super::rel_error;
 
 /// The relative error below which a span counts as holding the exact mean: what f32 rounding of
 /// an uncompressed round leaves.
@@ -24,7 +24,7 @@ pub const EXACT: f64 = 1e-6;
 /// use std::time::{Duration, Instant};
 /// use starling_averager::AveragerConfig;
 /// use starling_node::NodeConfig;
-/// use starling_tests::{exact_weighted_mean, normal_tensors, rel_error, AveragingSwarm, RoundCheck};
+/// use starling_bench::harness::{exact_weighted_mean, normal_tensors, rel_error, AveragingSwarm, RoundCheck};
 ///
 /// let swarm = AveragingSwarm::start(4, NodeConfig::default(), |_| AveragerConfig::new("demo")).await?;
 /// let before: Vec<Vec<Vec<f32>>> = (0..4).map(|p| normal_tensors(&[10, 1000], p)).collect();
@@ -150,7 +150,7 @@ impl AveragingSwarm {
 /// tensor `t` seeded with `seed + t`: deterministic per-peer data.
 ///
 /// ```
-/// let t = starling_tests::normal_tensors(&[3, 5], 10);
+/// let t = starling_bench::harness::normal_tensors(&[3, 5], 10);
 /// assert_eq!(t[1], starling_compression::synthetic::normal(5, 11));
 /// ```
 pub fn normal_tensors(sizes: &[usize], seed: u64) -> Vec<Vec<f32>> {
@@ -165,7 +165,7 @@ pub fn normal_tensors(sizes: &[usize], seed: u64) -> Vec<Vec<f32>> {
 /// needs one peer's data in memory at a time, not everyone's).
 ///
 /// ```
-/// let mut mean = starling_tests::WeightedMean::default();
+/// let mut mean = starling_bench::harness::WeightedMean::default();
 /// mean.add(&[vec![1.0, 2.0]], 1.0);
 /// mean.add(&[vec![4.0, 8.0]], 2.0);
 /// assert_eq!(mean.finish(), vec![vec![3.0, 6.0]]);
@@ -219,7 +219,7 @@ impl WeightedMean {
 ///
 /// ```
 /// let data = vec![vec![vec![1.0f32, 2.0]], vec![vec![4.0, 8.0]]];
-/// assert_eq!(starling_tests::exact_weighted_mean(&data, &[1.0, 2.0]), vec![vec![3.0, 6.0]]);
+/// assert_eq!(starling_bench::harness::exact_weighted_mean(&data, &[1.0, 2.0]), vec![vec![3.0, 6.0]]);
 /// ```
 pub fn exact_weighted_mean(data: &[Vec<Vec<f32>>], weights: &[f32]) -> Vec<Vec<f32>> {
     assert_eq!(data.len(), weights.len(), "one weight per peer");
@@ -234,7 +234,7 @@ pub fn exact_weighted_mean(data: &[Vec<Vec<f32>>], weights: &[f32]) -> Vec<Vec<f
 /// result span by span against what its [`RoundReport`] says happened.
 ///
 /// ```
-/// use starling_tests::RoundCheck;
+/// use starling_bench::harness::RoundCheck;
 /// let ids = vec![starling_node::PeerId::random(), starling_node::PeerId::random()];
 /// let check = RoundCheck::new(ids.clone(), &[vec![vec![1.0, 2.0]], vec![vec![4.0, 8.0]]], &[1.0, 2.0]);
 /// assert_eq!(check.mean_over(&ids, 1..2), vec![6.0]);

@@ -8,10 +8,35 @@ use clap::Args;
 use serde::Serialize;
 use starling_experts::candle_core::{Device, Tensor};
 use starling_experts::{
-    ClientConfig, Expert, ExpertClient, ExpertServer, ExpertSpec, RemoteExpert, ServerConfig,
+    ActivationReuse, ClientConfig, Expert, ExpertClient, ExpertServer, ExpertSpec, RemoteExpert,
+    ServerConfig,
 };
 use starling_node::{cluster::LocalCluster, NodeConfig};
 
+/// How a server keeps forward activations for backwards (`starling experts serve`, `starling bench experts`).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct ReuseArgs {
+    /// Memory for forward activations kept until their backward (MiB, all experts together);
+    /// 0 recomputes them in every backward.
+    #[arg(long, default_value_t = 128, value_name = "MIB")]
+    activation_cache_mb: usize,
+    /// Optimizer steps an expert may take between a request's forward and its backward for the
+    /// kept activations to be used (0: only when the expert has not stepped, exact).
+    #[arg(long, default_value_t = 32)]
+    max_stale_steps: u64,
+}
+
+impl ReuseArgs {
+    /// The server setting.
+    pub fn reuse(&self) -> ActivationReuse {
+        ActivationReuse {
+            max_bytes: self.activation_cache_mb << 20,
+            max_stale_steps: self.max_stale_steps,
+        }
+    }
+}
+
+/// The flags of `starling bench experts`.
 #[derive(Args, Debug)]
 pub struct ExpertsBenchArgs {
     /// Clients, each its own peer, calling at the same time.
@@ -36,7 +61,7 @@ pub struct ExpertsBenchArgs {
     #[arg(long, default_value = "none")]
     codec: String,
     #[command(flatten)]
-    reuse: crate::experts_cmd::ReuseArgs,
+    reuse: ReuseArgs,
 }
 
 #[derive(Serialize)]
@@ -111,7 +136,7 @@ async fn phase(
         .collect();
     let failed = results.iter().map(|(_, f)| f).sum();
     lat.sort_by(f64::total_cmp);
-    let pct = |p| crate::bench::percentile(&lat, p);
+    let pct = |p| crate::percentile(&lat, p);
     Phase {
         requests: lat.len(),
         failed,
@@ -122,6 +147,7 @@ async fn phase(
     }
 }
 
+/// Runs `starling bench experts` and prints its JSON report.
 pub async fn run(args: ExpertsBenchArgs) -> Result<()> {
     ensure!(
         args.clients >= 1 && args.batch >= 1 && args.hidden >= 1 && args.experts >= 1,

@@ -1,8 +1,40 @@
-//! `starling bench ...`: measurements that print one JSON object.
+//! The measurements behind `starling bench ...`, each printing JSON on stdout, and the
+//! in-process swarms they run ([`harness`], shared with the integration tests).
+//!
+//! Each bench declares its flags (a clap `Args`) beside the code that reads them, and
+//! [`BenchCommand`] gathers them; the binary nests it under `starling bench` and calls [`run`].
+//! Multi-process benches start their workers through the same binary ([`Workers`]).
+//!
+//! - [`allreduce`]: rounds of butterfly all-reduce, beside [`reference`], a plain-TCP butterfly
+//!   over the same sockets' kind, in one process or one process per peer (optionally in network
+//!   namespaces).
+//! - [`training`]: where a collaborative global step's time goes, and (with simulated compute)
+//!   how close a swarm of N processes comes to N times one peer's samples per second.
+//! - [`gossip`], [`lane`], [`local`], [`experts`], [`dht`]: gossip rounds, fast lane against
+//!   libp2p streams, local collectives, an expert server under load, DHT latencies at scale.
+//!
+//! ```
+//! // The quantile helper every bench reports latencies with (nearest rank).
+//! assert_eq!(starling_bench::percentile(&[1.0, 2.0, 3.0, 4.0], 0.5), 3.0);
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod allreduce;
+pub mod dht;
+pub mod experts;
+pub mod gossip;
+pub mod harness;
+pub mod lane;
+pub mod local;
+pub mod reference;
+pub mod training;
 
 use anyhow::{ensure, Result};
-use clap::Subcommand;
+use clap::{Args, Subcommand};
+use starling_node::{Multiaddr, NodeConfig};
 
+/// Every bench, as `starling bench` names them.
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
     /// Encode/decode throughput, wire size and error of every codec: one JSON object per codec.
@@ -15,37 +47,63 @@ pub enum BenchCommand {
         iterations: usize,
     },
     /// Rounds of butterfly all-reduce between N peers on 127.0.0.1 (one group).
-    Allreduce(crate::bench_allreduce::AllreduceArgs),
+    Allreduce(crate::allreduce::AllreduceArgs),
     /// One peer of `bench allreduce --procs` (started by it).
     #[command(hide = true)]
-    AllreduceWorker(crate::bench_allreduce::WorkerArgs),
+    AllreduceWorker(crate::allreduce::WorkerArgs),
     /// N in-process peers gossip random vectors on a topology: exchanges per second and the
     /// consensus distance after every round.
-    Gossip(crate::bench_gossip::GossipArgs),
+    Gossip(crate::gossip::GossipArgs),
     /// One-way throughput between two peers on 127.0.0.1: fast lane against libp2p stream.
-    Lane(crate::bench_lane::LaneArgs),
+    Lane(crate::lane::LaneArgs),
     /// Where a collaborative global step's time goes (waiting, averaging, optimizer) for a
     /// synthetic model, beside plain all-reduce rounds of the same size (in-process peers).
-    Training(crate::bench_training::TrainingArgs),
+    Training(crate::training::TrainingArgs),
     /// One peer of `bench training --sample-ms` (started by it).
     #[command(hide = true)]
-    TrainingWorker(crate::bench_training::simulated::SimWorkerArgs),
+    TrainingWorker(crate::training::simulated::SimWorkerArgs),
     /// Local collectives across N devices of this process (cpu threads or nccl GPUs): algorithm
     /// and bus bandwidth, and (cpu) this machine's memcpy bandwidth.
-    Local(crate::bench_local::LocalArgs),
+    Local(crate::local::LocalArgs),
     /// Samples per second and latency of an expert server under many clients (in-process peers).
-    Experts(crate::bench_experts::ExpertsBenchArgs),
+    Experts(crate::experts::ExpertsBenchArgs),
     /// Store and read records across N peers (in this process, or spread over K processes)
     /// on 127.0.0.1: sequential and concurrent latencies, after killing a fraction, memory.
-    Dht(crate::bench_dht::DhtArgs),
+    Dht(crate::dht::DhtArgs),
     /// One process of `bench dht --procs` (started by it).
     #[command(hide = true)]
-    DhtWorker(crate::bench_dht::DhtWorkerArgs),
+    DhtWorker(crate::dht::DhtWorkerArgs),
+}
+
+/// Reachability options of long-running nodes (`node`, benchmark workers).
+#[derive(Args, Clone, Debug)]
+pub struct NatArgs {
+    /// Let autonat ask, and answer, peers at private IP addresses (10/8, 172.16/12,
+    /// 192.168/16): for swarms whose shared network is itself private (a campus, a VPC, a test
+    /// network). Leave off on the internet.
+    #[arg(long)]
+    autonat_private_ips: bool,
+    /// An address this node is known to be reachable at (a public IP, a forwarded port),
+    /// announced without waiting for autonat. A relay needs one before it accepts
+    /// reservations. Repeatable.
+    #[arg(long, value_name = "MULTIADDR")]
+    external: Vec<Multiaddr>,
+}
+
+impl NatArgs {
+    /// Applies these options to `cfg`.
+    pub fn apply(&self, cfg: &mut NodeConfig) {
+        cfg.nat = starling_node::NatConfig {
+            private_ips: self.autonat_private_ips,
+            ..cfg.nat.clone()
+        };
+        cfg.external_addrs.extend(self.external.iter().cloned());
+    }
 }
 
 /// Where a bench worker joins: the options [`Workers::command`] passes it.
 #[derive(clap::Args, Debug)]
-pub(crate) struct WorkerPlace {
+pub struct WorkerPlace {
     /// Where to join (the bench's bootstrap node).
     #[arg(long)]
     pub bootstrap: starling_node::Multiaddr,
@@ -61,7 +119,8 @@ pub(crate) struct WorkerPlace {
 /// Where the worker processes of a multi-process bench start from: a bootstrap node in this
 /// process (it takes no part in the bench) and, with network namespaces, one namespace per
 /// worker (entered through `ip netns exec`, as root).
-pub(crate) struct Workers {
+pub struct Workers {
+    /// The bootstrap node the workers join through.
     pub boot: starling_node::Node,
     boot_addr: starling_node::Multiaddr,
     netns: Vec<String>,
@@ -139,7 +198,7 @@ async fn reachable_addr(
 }
 
 /// The `p` quantile (0..=1, nearest rank) of `sorted` values; 0 when there are none.
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         0.0
     } else {
@@ -147,6 +206,7 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
 }
 
+/// Runs one bench, printing its JSON.
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Compression { size, iterations } => {
@@ -158,18 +218,16 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             }
         }
-        BenchCommand::Allreduce(args) => crate::bench_allreduce::run(args).await?,
-        BenchCommand::Experts(args) => crate::bench_experts::run(args).await?,
-        BenchCommand::Lane(args) => crate::bench_lane::run(args).await?,
-        BenchCommand::Gossip(args) => crate::bench_gossip::run(args).await?,
-        BenchCommand::Training(args) => crate::bench_training::run(args).await?,
-        BenchCommand::TrainingWorker(args) => {
-            crate::bench_training::simulated::worker(args).await?
-        }
-        BenchCommand::Local(args) => crate::bench_local::run(args)?,
-        BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(args).await?,
-        BenchCommand::Dht(args) => crate::bench_dht::run(args).await?,
-        BenchCommand::DhtWorker(args) => crate::bench_dht::worker(args).await?,
+        BenchCommand::Allreduce(args) => crate::allreduce::run(args).await?,
+        BenchCommand::Experts(args) => crate::experts::run(args).await?,
+        BenchCommand::Lane(args) => crate::lane::run(args).await?,
+        BenchCommand::Gossip(args) => crate::gossip::run(args).await?,
+        BenchCommand::Training(args) => crate::training::run(args).await?,
+        BenchCommand::TrainingWorker(args) => crate::training::simulated::worker(args).await?,
+        BenchCommand::Local(args) => crate::local::run(args)?,
+        BenchCommand::AllreduceWorker(args) => crate::allreduce::worker(args).await?,
+        BenchCommand::Dht(args) => crate::dht::run(args).await?,
+        BenchCommand::DhtWorker(args) => crate::dht::worker(args).await?,
     }
     Ok(())
 }

@@ -8,18 +8,18 @@ pub mod simulated;
 
 use std::time::{Duration, Instant};
 
+use crate::harness::AveragingSwarm;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use starling_averager::AveragerConfig;
 use starling_compression::synthetic;
 use starling_node::{cluster::LocalCluster, NodeConfig};
-use starling_tests::AveragingSwarm;
 use starling_training::{
     CollaborativeConfig, CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig, StepTimings,
 };
 
-use crate::bench::percentile;
+use crate::percentile;
 
 /// Options of `starling bench training`.
 #[derive(Args, Debug)]

@@ -4,17 +4,18 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use crate::harness::{AveragingSwarm, WeightedMean};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use starling_averager::{Averager, AveragerConfig};
 use starling_compression::{bench::relative_error, synthetic::normal};
 use starling_node::{Node, NodeConfig};
-use starling_tests::{AveragingSwarm, WeightedMean};
 
-use crate::bench_reference::TcpButterfly;
+use crate::reference::TcpButterfly;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
+/// The flags of `starling bench allreduce`.
 #[derive(Args, Debug, Clone)]
 pub struct AllreduceArgs {
     /// Number of peers (one group of this size).
@@ -397,6 +398,8 @@ fn summarize_with_reference(
     result
 }
 
+/// Runs `starling bench allreduce`: every peer in this process, or one process per peer
+/// (`--procs`), beside the plain-TCP reference butterfly when asked; prints one JSON object.
 pub async fn run(args: AllreduceArgs) -> Result<()> {
     ensure!(args.peers >= 2, "--peers must be at least 2");
     ensure!(args.size >= 1, "--size must be at least 1");
@@ -475,7 +478,7 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
     averager_config(args)?;
-    let workers = crate::bench::Workers::start(&args.netns, args.peers).await?;
+    let workers = crate::Workers::start(&args.netns, args.peers).await?;
     let mut children = Vec::new();
     for i in 0..args.peers {
         let child = workers
@@ -520,12 +523,13 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
     Ok(summarize_with_reference(args, per_peer))
 }
 
+/// The flags of one worker process of `bench allreduce --procs`.
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
     #[command(flatten)]
     common: AllreduceArgs,
     #[command(flatten)]
-    place: crate::bench::WorkerPlace,
+    place: crate::WorkerPlace,
     #[command(flatten)]
     nat: crate::NatArgs,
     /// Before the first round, wait up to this many seconds for autonat to judge whether this

@@ -23,6 +23,7 @@ use clap::Args;
 use serde::Serialize;
 use starling_averager::local::{Backend, DeviceReport, LocalError, LocalGroup, ReduceOp};
 
+/// The flags of `starling bench local`.
 #[derive(Args, Debug)]
 pub struct LocalArgs {
     /// Devices in the group (CPU: threads; NCCL: the first N GPUs).
@@ -160,6 +161,7 @@ fn memcpy_gb_s(bytes: usize, warmup: usize, iterations: usize) -> Result<f64> {
     Ok(bytes as f64 / secs / 1e9)
 }
 
+/// Runs `starling bench local` and prints its JSON report.
 pub fn run(args: LocalArgs) -> Result<()> {
     ensure!(
         args.size >= 1 && args.iterations >= 1,

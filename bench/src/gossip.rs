@@ -4,13 +4,14 @@
 
 use std::time::{Duration, Instant};
 
+use crate::harness::GossipSwarm;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use starling_averager::gossip::{GossipConfig, Topology};
 use starling_node::{cluster::LocalCluster, NodeConfig};
-use starling_tests::GossipSwarm;
 
+/// The flags of `starling bench gossip`.
 #[derive(Args, Debug)]
 pub struct GossipArgs {
     /// Number of peers.
@@ -55,6 +56,7 @@ struct GossipBench {
     bytes_per_peer_round: f64,
 }
 
+/// Runs `starling bench gossip` and prints its JSON report.
 pub async fn run(args: GossipArgs) -> Result<()> {
     ensure!(args.peers >= 2, "--peers must be at least 2");
     ensure!(

@@ -18,8 +18,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use starling_experts::RemoteMixtureOfExperts;
 use starling_training::{Init, ParamSet, TensorInfo, VarBinding};
 
-use super::data::{Dataset, Images, Text};
-use super::manifest::{DataSpec, ModelSpec, RunManifest};
+use crate::data::{Dataset, Images, Text};
+use crate::manifest::{DataSpec, ModelSpec, RunManifest};
 
 /// Windows of validation text evaluated at most (bounds an evaluation's time).
 const MAX_EVAL_WINDOWS: usize = 64;
@@ -435,8 +435,8 @@ fn eval_text(lm: &CharLm, t: &Text) -> Result<Eval> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::data::digits;
-    use crate::train::manifest::test_manifest;
+    use crate::data::digits;
+    use crate::manifest::test_manifest;
 
     fn manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
         RunManifest {

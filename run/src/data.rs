@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 
-use super::manifest::DataSpec;
+use crate::manifest::DataSpec;
 
 /// Largest file read, in bytes (after decompression).
 const MAX_FILE_BYTES: u64 = 1 << 31;

@@ -18,10 +18,10 @@ use starling_training::{
     VarBinding,
 };
 
-use super::data::Dataset;
-use super::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
-use super::model::{Built, Eval, Net, Sampler};
-use super::ui::{split, Event, Reporter};
+use crate::data::Dataset;
+use crate::event::{split, Event, Reporter};
+use crate::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
+use crate::model::{Built, Eval, Net, Sampler};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
 const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
@@ -518,7 +518,7 @@ impl Trainer {
 }
 
 /// SHA-256 of `params`' bits, little-endian, as hex.
-pub(crate) fn params_sha256(params: &[f32]) -> String {
+pub fn params_sha256(params: &[f32]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for chunk in params.chunks(4096) {

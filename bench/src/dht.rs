@@ -29,7 +29,7 @@ use starling_node::{Multiaddr, Node, NodeConfig};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::bench::percentile;
+use crate::percentile;
 
 /// Arguments of `starling bench dht`.
 #[derive(Args, Debug, Clone)]

@@ -25,7 +25,7 @@ use starling_training::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use super::TrainingArgs;
-use crate::bench::percentile;
+use crate::percentile;
 
 /// Simulated compute (`bench training --sample-ms`).
 #[derive(Args, Debug, Clone)]
@@ -64,7 +64,7 @@ pub struct SimWorkerArgs {
     #[command(flatten)]
     common: TrainingArgs,
     #[command(flatten)]
-    place: crate::bench::WorkerPlace,
+    place: crate::WorkerPlace,
 }
 
 /// What a worker prints, one JSON object per line.
@@ -230,7 +230,7 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
         print_line(&Line::Step(StepLine::of(&r, batch_calls)))?;
     }
     print_line(&Line::Done {
-        params_sha256: crate::train::session::params_sha256(params.params()),
+        params_sha256: starling_run::session::params_sha256(params.params()),
     })?;
     // The others may still be in their last round with this peer: leave after a moment.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -262,7 +262,7 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
         sim.batch >= 1 && sim.target >= sim.batch,
         "--batch must be at least 1 and at most --target"
     );
-    let hosts = crate::bench::Workers::start(&sim.netns, args.peers).await?;
+    let hosts = crate::Workers::start(&sim.netns, args.peers).await?;
     let mut children = Vec::new();
     for i in 0..args.peers {
         let child = hosts
