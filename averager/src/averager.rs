@@ -20,10 +20,10 @@ use crate::group::Group;
 use crate::matchmaking::{find_group, Matchmaker};
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::Router;
-use crate::sync::lock;
 use crate::transport::Transport;
 use crate::wire::MemberInfo;
 use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport};
+use starling_node::lock::lock;
 
 /// Elements flattened and checked at a time (fits in L1/L2).
 const FLATTEN_PIECE: usize = 8192;

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::partition::geometric_median;
-use crate::sync::lock;
+use starling_node::lock::lock;
 
 /// Measurements the estimate is the median of. A median, not an average: one round's
 /// measurement can be off several times either way (a reducer that admitted this peer late, a

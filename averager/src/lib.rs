@@ -158,7 +158,6 @@ pub mod partition;
 mod pool;
 mod report;
 mod router;
-mod sync;
 mod transport;
 pub mod wire;
 

@@ -7,7 +7,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sync::lock;
+use starling_node::lock::lock;
 
 /// Free buffers, best fit first, holding at most `limit` bytes.
 #[derive(Default)]

@@ -15,13 +15,13 @@ use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::{timeout, Instant};
 use tracing::Instrument;
 
-use crate::sync::lock;
 use crate::transport::{young, Lane, LANE_IDLE_IN};
 use crate::wire::{
     read_control, write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
     MATCHMAKING_PROTOCOL, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::AveragerError;
+use starling_node::lock::lock;
 
 /// Inbound streams whose first message is being read at once, per protocol (bounds tasks and
 /// buffers).

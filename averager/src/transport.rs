@@ -27,8 +27,8 @@ use starling_node::{
 use tokio::time::{timeout, Instant};
 
 use crate::metrics::{AveragerMetrics, Counted};
-use crate::sync::lock;
 use crate::AveragerError;
+use starling_node::lock::lock;
 
 /// How long a peer whose fast lane failed is reached over libp2p streams only.
 const LANE_RETRY_AFTER: Duration = Duration::from_secs(300);

@@ -34,6 +34,7 @@
 //! ```
 
 mod error;
+pub mod lock;
 pub mod owner;
 mod quota;
 mod record;

@@ -1,9 +1,10 @@
 use std::collections::{HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+use crate::lock::lock;
 use crate::{owner::verify_entry, DhtError, DhtTime, DictionaryRecord};
 
 /// Bounds on what a peer accepts and holds. Every field is a hard limit checked before a record
@@ -138,12 +139,6 @@ fn entry_digest(key: &str, entry: &crate::Entry) -> [u8; 32] {
     }
     h.update(entry.expiration.to_le_bytes());
     h.finalize().into()
-}
-
-/// The guarded value even if another thread panicked holding it (the set stays consistent:
-/// each operation leaves it whole).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn check(what: &'static str, actual: usize, limit: usize) -> Result<(), DhtError> {

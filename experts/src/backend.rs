@@ -14,9 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::activations::{ActivationCache, ActivationReuse};
 use crate::ffn_step::{ffn_forward, ffn_gradients, BackwardPhases, FfnVars, FlatAdamW};
-use crate::lock::lock;
 use crate::schema::{ExpertSchema, TensorSpec};
 use crate::{ExpertError, Result};
+use starling_node::lock::lock;
 
 /// The architectures an expert can have.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -17,11 +17,11 @@ use starling_node::{Multiaddr, Node, PeerId, Stream};
 use tokio::time::Instant;
 
 use crate::grid::{parse_declaration, prefix_key, ExpertHost, ExpertUid};
-use crate::lock::lock;
 use crate::wire::{
     read_msg, write_msg, ExpertInfo, Request, Response, WireTensor, EXPERTS_PROTOCOL,
 };
 use crate::{ExpertError, RemoteError, Result};
+use starling_node::lock::lock;
 
 /// Streams [`ExpertClient`] opens to one server before it gives up on a call (each attempt
 /// that the server's accept queue dropped costs one).

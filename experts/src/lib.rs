@@ -45,7 +45,6 @@ pub mod client;
 mod error;
 mod ffn_step;
 pub mod grid;
-mod lock;
 pub mod moe;
 mod schema;
 pub mod server;

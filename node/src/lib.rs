@@ -62,13 +62,14 @@ pub mod metrics;
 mod node;
 pub mod streams;
 mod swarm_key;
-mod sync;
 
 pub use config::{NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL};
 pub use error::NodeError;
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
 pub use node::{NatEvent, Node, NodeStatus, PutReport, Reachability};
+/// Locks, and the workspace's one policy for poisoned ones (see the module).
+pub use starling_dht::lock;
 pub use swarm_key::SwarmKey;
 
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};

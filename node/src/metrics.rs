@@ -45,7 +45,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
-use crate::sync::lock;
+use starling_dht::lock::lock;
 
 /// Entries kept in each journal (recent rounds, loss curve); older ones are dropped.
 pub const JOURNAL_LEN: usize = 512;

@@ -32,10 +32,10 @@ use crate::group::Group;
 use crate::partition::spans;
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::{Registration, Router};
-use crate::sync::lock;
 use crate::transport::Transport;
 use crate::wire::MemberIdx;
 use crate::{SpanOutcome, SpanReport};
+use starling_node::lock::lock;
 
 use reduce::{reduce_span, ReduceJob};
 use repair::Repair;

@@ -21,13 +21,13 @@ use crate::config::{AveragingMode, Fault, Rogue};
 use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
-use crate::sync::lock;
 use crate::transport::{unsplit_fast, LaneReader, LaneWriter};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
     SpanChunks,
 };
 use crate::AveragerError;
+use starling_node::lock::lock;
 
 /// How long a reducer crashing by `Fault::WhileReturning` lets its served results travel first.
 const FAULT_FLUSH_GRACE: Duration = Duration::from_millis(500);

@@ -13,13 +13,13 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
-use crate::sync::lock;
 use crate::transport::{unsplit_fast, Lane, LaneWriter};
 use crate::wire::{
     read_control, read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control,
     Frame, MemberIdx, ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
 };
 use crate::AveragerError;
+use starling_node::lock::lock;
 
 /// What a sender streams: its part of a reducer's span (phase 1), or its part of a failed
 /// reducer's span to a surviving reducer (phase 2).

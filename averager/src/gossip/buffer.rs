@@ -3,8 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::sync::lock;
 use crate::AveragerError;
+use starling_node::lock::lock;
 
 /// A flat `f32` vector and its averaging weight, shared (cheap to clone) between the caller and
 /// a background gossip loop ([`GossipAverager::start_background`](super::GossipAverager::start_background)).

@@ -77,7 +77,7 @@ pub(crate) async fn initiate(shared: &Shared, target: &Member, deadline: Instant
                 }
             }
         };
-        let mut backoff = crate::sync::lock(&shared.backoff);
+        let mut backoff = starling_node::lock::lock(&shared.backoff);
         match &ex.outcome {
             ExchangeOutcome::Averaged | ExchangeOutcome::Busy => backoff.ok(&target.peer),
             ExchangeOutcome::Failed(why) => {

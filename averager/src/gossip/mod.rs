@@ -117,11 +117,11 @@ pub use topology::Topology;
 
 use crate::averager::schema_hash;
 use crate::router::{serve_lanes, MAX_INBOUND_HANDSHAKES};
-use crate::sync::lock;
 use crate::transport::Transport;
 use crate::wire::{Control, GOSSIP_PROTOCOL, MAX_CONTROL_BYTES};
 use crate::AveragerError;
 use membership::{Backoff, Member};
+use starling_node::lock::lock;
 
 /// The vector exchanges work on, and its schema.
 #[derive(Clone)]

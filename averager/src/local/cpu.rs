@@ -26,7 +26,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use super::{panic_text, part, LocalError};
-use crate::sync::lock;
+use starling_node::lock::lock;
 
 /// Elements handled at a time: a block of the accumulator and of one source buffer (16 KiB
 /// each) stay in L1 while the block is summed and written back.

@@ -28,8 +28,8 @@ use tracing::{debug, Instrument};
 
 use crate::client::ExpertClient;
 use crate::grid::ExpertUid;
-use crate::lock::lock;
 use crate::{ExpertError, Result};
+use starling_node::lock::lock;
 
 use dispatch::{call_forward, group, Call};
 use op::{ExpertsOp, Plan};

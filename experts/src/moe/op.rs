@@ -11,8 +11,8 @@ use tracing::debug;
 
 use super::dispatch::Call;
 use super::{block_on, MoeStats};
-use crate::lock::lock;
 use crate::ExpertError;
+use starling_node::lock::lock;
 
 /// Everything the backward needs from the forward.
 pub(super) struct Plan {

@@ -11,8 +11,8 @@ use tracing::debug;
 use super::MoeConfig;
 use crate::client::{ExpertClient, RemoteExpert};
 use crate::grid::{ExpertHost, ExpertUid};
-use crate::lock::lock;
 use crate::Result;
+use starling_node::lock::lock;
 
 /// Live next coordinates under a prefix, with the servers that declared each.
 type Hosts = HashMap<u32, Vec<ExpertHost>>;

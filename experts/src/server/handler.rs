@@ -213,8 +213,8 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use crate::lock::lock;
     use crate::server::{ServerConfig, ServerStats};
+    use starling_node::lock::lock;
 
     /// A client stream: replays `input`, then stays silent (pending) forever; keeps what the
     /// server writes; flags its drop.

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
-use crate::sync::lock;
+use starling_dht::lock::lock;
 
 /// Which allowance a ticket was granted from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

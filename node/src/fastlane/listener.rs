@@ -24,8 +24,8 @@ use super::handshake::{Keys, HELLO, MAX_HANDSHAKE_MSG, MAX_LANE_ADDRS, READY};
 use super::record::{open_greeting, seal_greeting, GREETING};
 use super::{FastLane, FASTLANE_PROTOCOL};
 use crate::framing::{read_msg, write_msg};
-use crate::sync::lock;
 use crate::NodeError;
+use starling_dht::lock::lock;
 
 /// How long a new connection on the lane port has to send its token and hello (and to take
 /// the answer): the dialer sends both at once, right after connecting.

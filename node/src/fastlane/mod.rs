@@ -62,7 +62,6 @@ use tokio::time::{timeout, Instant};
 use tracing::Instrument;
 
 use crate::framing::{read_msg, write_msg};
-use crate::sync::lock;
 use crate::NodeError;
 use gate::Gate;
 use handshake::{derive_keys, lane_port, Handshake, Keys, Secret, Token, HELLO};
@@ -72,6 +71,7 @@ use listener::{MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_IP};
 use offers::{Offers, Pending, MAX_PENDING, MAX_PENDING_PER_PEER, OFFER_LIFETIME};
 use record::{open_greeting, seal_greeting, LaneGuard, GREETING};
 pub use record::{FastReader, FastStream, FastWriter, MAX_RECORD};
+use starling_dht::lock::lock;
 
 /// The libp2p protocol on which fast lanes are requested.
 pub const FASTLANE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/fastlane/2");

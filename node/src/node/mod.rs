@@ -698,7 +698,7 @@ mod tests {
 
     impl std::io::Write for Captured {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            crate::sync::lock(&self.0).extend_from_slice(buf);
+            starling_dht::lock::lock(&self.0).extend_from_slice(buf);
             Ok(buf.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -724,7 +724,7 @@ mod tests {
         node.shutdown().await;
         node.closed().await;
         tokio::task::yield_now().await;
-        let logs = String::from_utf8(crate::sync::lock(&out.0).clone()).unwrap();
+        let logs = String::from_utf8(starling_dht::lock::lock(&out.0).clone()).unwrap();
         for line in ["fast lane listening", "swarm task stopped"] {
             assert!(
                 logs.lines().any(|l| l.contains(line) && l.contains(&tag)),

@@ -30,8 +30,8 @@ use tokio::sync::broadcast;
 
 use super::Reachability;
 use crate::behaviour::Behaviour;
-use crate::sync::lock;
 use crate::{NatConfig, NodeConfig};
+use starling_dht::lock::lock;
 
 /// Relay candidates remembered at most (peers announcing the hop protocol).
 const MAX_RELAY_CANDIDATES: usize = 32;

@@ -2,7 +2,9 @@
 //! agree on, and fetches and verifies every chunk through [`fetch_chunks`] over
 //! `/starling/state/1` streams (see the module docs of [`sync`](super)).
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
+
+use starling_node::lock::lock;
 use std::time::Duration;
 
 use rand::seq::SliceRandom;
@@ -21,10 +23,6 @@ use super::wire::{
     TAG_REPLY, WIRE_VERSION,
 };
 use super::{state_key, DonorReport, SyncConfig, SyncError, SyncReport};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// A donor of the chosen manifest, with its idle streams (at most `per_donor_in_flight`).
 struct Donor {

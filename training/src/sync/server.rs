@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use starling_node::lock::lock;
 
 use futures::AsyncWriteExt;
 use starling_dht::now_ms;
@@ -28,10 +30,6 @@ use super::wire::{
     TAG_REPLY, WIRE_VERSION,
 };
 use super::{StateServerConfig, SyncError};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// What a [`StateServer`] serves now (returned by [`StateServer::update`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
