@@ -169,4 +169,5 @@ pub use config::{Fault, Rogue};
 pub use error::AveragerError;
 pub use feedback::Residuals;
 pub use local::{Hierarchical, LocalGroup};
+pub use metrics::{AveragerBoard, RoundRecord};
 pub use report::{RoundReport, SpanOutcome, SpanReport};

@@ -11,8 +11,9 @@
 //! - `bandwidth_bytes_per_second`: the bandwidth this peer declares (measured upload rate);
 //! - `allreduce_seconds` and `matchmaking_seconds`: how long rounds take (histograms).
 //!
-//! Each round is also added to the node's recent-rounds journal, and the measured bandwidth to
-//! its board (what its heartbeat says).
+//! Each round is also added to the node's journal of [`RoundRecord`]s (what a dashboard shows),
+//! and the measured bandwidth to its board as the [`AveragerBoard`] section (what its heartbeat
+//! says).
 
 use std::io;
 use std::pin::Pin;
@@ -26,10 +27,57 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
-use starling_node::metrics::{latency_buckets, RoundRecord};
+use serde::{Deserialize, Serialize};
+use starling_node::board::Section;
+use starling_node::metrics::latency_buckets;
 use starling_node::Node;
 
 use crate::{AveragerError, RoundReport};
+
+/// One averaging round as a dashboard shows it, kept in the node's journal
+/// (`node.metrics().journal::<RoundRecord>()`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundRecord {
+    /// When the round ended (unix ms).
+    pub time_ms: u64,
+    /// The group's round id (0 when no group was found).
+    pub round_id: u64,
+    /// Members in the group, this peer included (0 when no group was found).
+    pub group_size: usize,
+    /// `ok` (everything averaged with everyone), `partial` (some spans kept local or a member
+    /// failed) or `failed` (no round: no group, an error).
+    pub outcome: String,
+    /// Fraction of this peer's elements averaged with at least one other peer.
+    pub averaged_fraction: f64,
+    /// Bytes this peer wrote to averaging streams.
+    pub bytes_sent: u64,
+    /// Bytes this peer read from averaging streams.
+    pub bytes_received: u64,
+    /// Seconds spent in the all-reduce.
+    pub allreduce_seconds: f64,
+    /// What went wrong, for failed rounds.
+    pub error: Option<String>,
+}
+
+/// The averager's section of its node's board (see [`starling_node::board`]): what the
+/// heartbeat says of this peer's averaging.
+///
+/// ```
+/// use starling_averager::AveragerBoard;
+/// let m = starling_node::metrics::Metrics::new();
+/// m.set_section(&AveragerBoard { bandwidth: 1e8 });
+/// assert_eq!(m.board().get::<AveragerBoard>().unwrap().bandwidth, 1e8);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AveragerBoard {
+    /// Measured averaging bandwidth (upload), bytes per second (0: not measured).
+    pub bandwidth: f64,
+}
+
+impl Section for AveragerBoard {
+    const NAME: &'static str = "averager";
+    const VERSION: u32 = 1;
+}
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
@@ -162,9 +210,9 @@ impl AveragerMetrics {
         self.rounds.get_or_create(&OutcomeLabels { outcome }).inc();
         if bandwidth.is_finite() {
             self.bandwidth.set(bandwidth);
-            node.metrics().update_board(|b| b.bandwidth = bandwidth);
+            node.metrics().set_section(&AveragerBoard { bandwidth });
         }
-        node.metrics().push_round(record);
+        node.metrics().journal::<RoundRecord>().push(record);
     }
 
     /// The byte counters of one protocol over one lane.

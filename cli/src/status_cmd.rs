@@ -3,9 +3,10 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use starling_node::heartbeat::{read_heartbeats, Heartbeat, HeartbeatConfig};
+use starling_node::heartbeat::{read_heartbeats, HeartbeatConfig};
 use starling_node::Node;
 
+use crate::observe::peer::PeerView;
 use crate::JoinArgs;
 
 #[derive(Args, Debug)]
@@ -30,7 +31,7 @@ pub async fn run(args: StatusArgs) -> Result<()> {
     let node = Node::start(cfg).await?;
     let read = read_heartbeats(&node, &hb).await;
     node.shutdown().await;
-    let peers = read?;
+    let peers: Vec<PeerView> = read?.iter().map(PeerView::from).collect();
     if args.json {
         println!("{}", serde_json::json!({ "peers": peers }));
     } else {
@@ -55,7 +56,7 @@ fn rate(bytes_per_second: f64) -> String {
 }
 
 /// The swarm as a text table, one line per peer.
-fn table(peers: &[Heartbeat]) -> String {
+fn table(peers: &[PeerView]) -> String {
     let mut rows = vec![[
         "PEER".to_string(),
         "MODE".into(),

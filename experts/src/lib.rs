@@ -41,6 +41,7 @@
 
 pub mod activations;
 pub mod backend;
+pub mod board;
 pub mod client;
 mod error;
 mod ffn_step;
@@ -52,6 +53,7 @@ pub mod wire;
 
 pub use activations::ActivationReuse;
 pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
+pub use board::ExpertsBoard;
 pub use client::{ClientConfig, ExpertClient, RemoteExpert};
 pub use error::{ExpertError, RemoteError, RemoteErrorKind, Result};
 pub use ffn_step::BackwardPhases;

@@ -26,17 +26,18 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use crate::metrics::TrainingInfo;
+use crate::board::Board;
 use crate::{Node, NodeError, Reachability};
 
-/// The DHT key every node's heartbeat lives under.
-pub const HEARTBEAT_KEY: &str = "starling.heartbeat";
+/// The DHT key every node's heartbeat lives under. Version 2: the board's sections
+/// ([`crate::board`]) replaced the fixed bandwidth, training and experts fields of version 1
+/// (`starling.heartbeat`); nodes of either version list only their own version's heartbeats
+/// instead of misreading the other's.
+pub const HEARTBEAT_KEY: &str = "starling.heartbeat.v2";
 
-/// Longest peer id, version, run name or expert uid a heartbeat may carry (bytes): longer
-/// strings are cut, so a heartbeat always fits a DHT value.
+/// Longest peer id or version a heartbeat may carry (bytes): longer strings are cut, so a
+/// heartbeat always fits a DHT value.
 pub const MAX_FIELD_LEN: usize = 128;
-/// Most expert uids listed in a heartbeat (the rest are counted in `experts_total`).
-pub const MAX_EXPERTS_LISTED: usize = 32;
 
 /// How a node takes part in the swarm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,14 +62,9 @@ pub struct Heartbeat {
     pub reachability: Reachability,
     /// Peers connected when the heartbeat was sent.
     pub connected_peers: usize,
-    /// Measured averaging bandwidth, bytes per second (0: not measured yet).
-    pub bandwidth: f64,
-    /// The training run this node takes part in, and how far it is.
-    pub training: Option<TrainingInfo>,
-    /// Experts hosted (at most [`MAX_EXPERTS_LISTED`]).
-    pub experts: Vec<String>,
-    /// How many experts are hosted in all.
-    pub experts_total: usize,
+    /// What the components running on the node say of it (bandwidth, training progress,
+    /// experts hosted), read with [`Board::get`] and the components' section types.
+    pub board: Board,
     /// When the heartbeat was sent (unix ms).
     pub time_ms: u64,
     /// When it expires (unix ms); filled in by [`read_heartbeats`] from the DHT entry.
@@ -126,8 +122,7 @@ fn cut(s: &str) -> String {
     s[..end].to_string()
 }
 
-/// This node's heartbeat now: its status and what its board says (see
-/// [`crate::metrics::Board`]).
+/// This node's heartbeat now: its status and its board (see [`crate::board`]).
 pub async fn current(node: &Node) -> Result<Heartbeat, NodeError> {
     let status = node.status().await?;
     let board = node.metrics().board();
@@ -135,35 +130,13 @@ pub async fn current(node: &Node) -> Result<Heartbeat, NodeError> {
         Reachability::Client | Reachability::Private => Mode::Client,
         _ => Mode::Node,
     };
-    let training = board.training.map(|t| TrainingInfo {
-        run: cut(&t.run),
-        samples_per_second: if t.samples_per_second.is_finite() {
-            t.samples_per_second
-        } else {
-            0.0
-        },
-        loss: t.loss.filter(|l| l.is_finite()),
-        ..t
-    });
     Ok(Heartbeat {
         peer_id: status.peer_id,
         version: format!("starling/{}", env!("CARGO_PKG_VERSION")),
         mode,
         reachability: status.reachability,
         connected_peers: status.connected_peers,
-        bandwidth: if board.bandwidth.is_finite() {
-            board.bandwidth
-        } else {
-            0.0
-        },
-        training,
-        experts_total: board.experts.len(),
-        experts: board
-            .experts
-            .iter()
-            .take(MAX_EXPERTS_LISTED)
-            .map(|e| cut(e))
-            .collect(),
+        board,
         time_ms: now_ms(),
         expires_ms: 0,
     })
@@ -206,6 +179,9 @@ pub async fn read_heartbeats(
                 return None;
             }
             hb.expires_ms = expires;
+            hb.peer_id = cut(&hb.peer_id);
+            hb.version = cut(&hb.version);
+            hb.board = hb.board.within_bounds();
             Some(hb)
         })
         .collect();
@@ -281,16 +257,20 @@ mod tests {
     async fn a_node_reads_its_own_heartbeat_with_its_board() {
         let cfg = NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
         let node = Node::start(cfg).await.unwrap();
-        node.metrics().update_board(|b| {
-            b.bandwidth = 1e6;
-            b.experts = (0..40).map(|i| format!("ffn.0.{i}")).collect();
-            b.training = Some(TrainingInfo {
-                run: "x".repeat(1000),
-                epoch: 3,
-                samples_per_second: f64::NAN,
-                loss: Some(0.5),
-            });
-        });
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct Progress {
+            run: String,
+            epoch: u64,
+        }
+        impl crate::board::Section for Progress {
+            const NAME: &'static str = "progress";
+            const VERSION: u32 = 1;
+        }
+        let mine = Progress {
+            run: "x".repeat(1000),
+            epoch: 3,
+        };
+        node.metrics().set_section(&mine);
         let hb_cfg = HeartbeatConfig::default().every(Duration::from_millis(200));
         let task = HeartbeatTask::spawn(&node, hb_cfg.clone());
         let beats = loop {
@@ -304,11 +284,7 @@ mod tests {
         assert_eq!(beats.len(), 1);
         let hb = &beats[0];
         assert_eq!(hb.peer_id, node.peer_id().to_string());
-        assert_eq!(hb.experts.len(), MAX_EXPERTS_LISTED);
-        assert_eq!(hb.experts_total, 40);
-        let t = hb.training.as_ref().unwrap();
-        assert_eq!(t.run.len(), MAX_FIELD_LEN);
-        assert_eq!(t.samples_per_second, 0.0);
+        assert_eq!(hb.board.get::<Progress>(), Some(mine));
         assert!(hb.expires_ms > hb.time_ms);
         node.shutdown().await;
     }

@@ -51,6 +51,7 @@
 #![warn(missing_docs)]
 
 mod behaviour;
+pub mod board;
 pub mod cluster;
 mod config;
 mod error;

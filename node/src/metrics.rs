@@ -7,10 +7,11 @@
 //!   (`starling_node_*`: peers connected, routing table, DHT records, DHT query latency), and
 //!   whatever the components running on the node register with [`Metrics::component`]
 //!   (the averager's, the experts server's, training's), all under the `starling_` prefix;
-//! - two short journals for dashboards: recent averaging rounds ([`RoundRecord`]) and the loss
-//!   curve ([`LossPoint`]), each a ring bounded to [`JOURNAL_LEN`] entries;
-//! - the **board**: what this node tells the swarm about itself in its heartbeat
-//!   ([`crate::heartbeat`]): measured bandwidth, training progress, experts hosted.
+//! - short journals for dashboards ([`Journal`], one per record type, each a ring bounded to
+//!   [`JOURNAL_LEN`] entries): the averager keeps its recent rounds there, training its loss
+//!   curve;
+//! - the **board** ([`crate::board`]): what this node tells the swarm about itself in its
+//!   heartbeat ([`crate::heartbeat`]), as sections the components fill.
 //!
 //! Everything here is cheap to update (atomics, short critical sections never held across an
 //! await) and bounded. [`Metrics::encode`] gives the Prometheus text exposition format.
@@ -43,9 +44,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 
 use starling_dht::lock::lock;
+
+use crate::board::Board;
 
 /// Entries kept in each journal (recent rounds, loss curve); older ones are dropped.
 pub const JOURNAL_LEN: usize = 512;
@@ -58,63 +60,51 @@ pub fn latency_buckets() -> impl Iterator<Item = f64> {
     exponential_buckets(0.001, 2.0, 17)
 }
 
-/// One averaging round as the dashboard shows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RoundRecord {
-    /// When the round ended (unix ms).
-    pub time_ms: u64,
-    /// The group's round id (0 when no group was found).
-    pub round_id: u64,
-    /// Members in the group, this peer included (0 when no group was found).
-    pub group_size: usize,
-    /// `ok` (everything averaged with everyone), `partial` (some spans kept local or a member
-    /// failed) or `failed` (no round: no group, an error).
-    pub outcome: String,
-    /// Fraction of this peer's elements averaged with at least one other peer.
-    pub averaged_fraction: f64,
-    /// Bytes this peer wrote to averaging streams.
-    pub bytes_sent: u64,
-    /// Bytes this peer read from averaging streams.
-    pub bytes_received: u64,
-    /// Seconds spent in the all-reduce.
-    pub allreduce_seconds: f64,
-    /// What went wrong, for failed rounds.
-    pub error: Option<String>,
+/// A bounded journal of recent records of one type (oldest dropped beyond [`JOURNAL_LEN`]):
+/// one per node and type ([`Metrics::journal`]), shared between clones. Components keep what a
+/// dashboard shows in them (the averager its rounds, training its loss curve).
+///
+/// ```
+/// let m = starling_node::metrics::Metrics::new();
+/// #[derive(Clone, Debug, PartialEq)]
+/// struct Round(u64);
+/// m.journal::<Round>().push(Round(7));
+/// assert_eq!(m.journal::<Round>().entries(), vec![Round(7)]);
+/// ```
+pub struct Journal<T> {
+    ring: Arc<Mutex<VecDeque<T>>>,
 }
 
-/// One point of the loss curve this node's training reported.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LossPoint {
-    /// When it was reported (unix ms).
-    pub time_ms: u64,
-    /// The run's epoch (global step) at the time.
-    pub epoch: u64,
-    /// The training loss.
-    pub loss: f64,
+impl<T> Clone for Journal<T> {
+    fn clone(&self) -> Self {
+        Journal {
+            ring: self.ring.clone(),
+        }
+    }
 }
 
-/// Training progress, as a node tells the swarm in its heartbeat.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainingInfo {
-    /// The run's name.
-    pub run: String,
-    /// The run's epoch this peer is at.
-    pub epoch: u64,
-    /// This peer's training rate.
-    pub samples_per_second: f64,
-    /// The last loss this peer reported (NaN-free: `None` until there is one).
-    pub loss: Option<f64>,
+impl<T> Default for Journal<T> {
+    fn default() -> Self {
+        Journal {
+            ring: Arc::new(Mutex::new(VecDeque::new())),
+        }
+    }
 }
 
-/// What this node tells the swarm about itself (see [`crate::heartbeat`]).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Board {
-    /// Measured averaging bandwidth, bytes per second (0: not measured).
-    pub bandwidth: f64,
-    /// The training run this node takes part in, if any.
-    pub training: Option<TrainingInfo>,
-    /// Uids of the experts this node hosts.
-    pub experts: Vec<String>,
+impl<T: Clone> Journal<T> {
+    /// Adds a record (the oldest goes beyond [`JOURNAL_LEN`]).
+    pub fn push(&self, item: T) {
+        let mut ring = lock(&self.ring);
+        while ring.len() >= JOURNAL_LEN {
+            ring.pop_front();
+        }
+        ring.push_back(item);
+    }
+
+    /// The records, oldest first.
+    pub fn entries(&self) -> Vec<T> {
+        lock(&self.ring).iter().cloned().collect()
+    }
 }
 
 /// Labels of the DHT query latency histogram.
@@ -149,8 +139,6 @@ struct Inner {
     node: NodeMetrics,
     /// libp2p's metrics, set once at start (read on every swarm event: no lock).
     libp2p: std::sync::OnceLock<libp2p::metrics::Metrics>,
-    rounds: Mutex<VecDeque<RoundRecord>>,
-    loss: Mutex<VecDeque<LossPoint>>,
     board: Mutex<Board>,
 }
 
@@ -217,8 +205,6 @@ impl Metrics {
                 components: Mutex::new(HashMap::new()),
                 node,
                 libp2p: std::sync::OnceLock::new(),
-                rounds: Mutex::new(VecDeque::new()),
-                loss: Mutex::new(VecDeque::new()),
                 board: Mutex::new(Board::default()),
             }),
         }
@@ -296,48 +282,10 @@ impl Metrics {
         out
     }
 
-    /// Adds a round to the recent-rounds journal (the oldest goes beyond [`JOURNAL_LEN`]).
-    pub fn push_round(&self, round: RoundRecord) {
-        push_bounded(&mut lock(&self.inner.rounds), round);
-    }
-
-    /// The recent rounds, oldest first.
-    ///
-    /// ```
-    /// use starling_node::metrics::{Metrics, RoundRecord};
-    /// let m = Metrics::new();
-    /// m.push_round(RoundRecord { time_ms: 1, round_id: 7, group_size: 4, outcome: "ok".into(),
-    ///     averaged_fraction: 1.0, bytes_sent: 10, bytes_received: 10, allreduce_seconds: 0.1,
-    ///     error: None });
-    /// assert_eq!(m.rounds()[0].round_id, 7);
-    /// ```
-    pub fn rounds(&self) -> Vec<RoundRecord> {
-        lock(&self.inner.rounds).iter().cloned().collect()
-    }
-
-    /// Adds a point to the loss curve (non-finite losses are ignored) and sets the board's
-    /// training loss.
-    pub fn push_loss(&self, point: LossPoint) {
-        if !point.loss.is_finite() {
-            return;
-        }
-        push_bounded(&mut lock(&self.inner.loss), point);
-        if let Some(t) = lock(&self.inner.board).training.as_mut() {
-            t.loss = Some(point.loss);
-        }
-    }
-
-    /// The loss curve, oldest first.
-    ///
-    /// ```
-    /// use starling_node::metrics::{LossPoint, Metrics};
-    /// let m = Metrics::new();
-    /// m.push_loss(LossPoint { time_ms: 1, epoch: 3, loss: 0.5 });
-    /// m.push_loss(LossPoint { time_ms: 2, epoch: 4, loss: f64::NAN }); // ignored
-    /// assert_eq!(m.loss().len(), 1);
-    /// ```
-    pub fn loss(&self) -> Vec<LossPoint> {
-        lock(&self.inner.loss).iter().copied().collect()
+    /// The journal of records of type `T` on this node (created empty the first time). See
+    /// [`Journal`].
+    pub fn journal<T: Clone + Send + Sync + 'static>(&self) -> Journal<T> {
+        self.component(|_| Journal::<T>::default())
     }
 
     /// What this node currently tells the swarm about itself.
@@ -346,22 +294,29 @@ impl Metrics {
     }
 
     /// Updates the board in place.
-    ///
-    /// ```
-    /// let m = starling_node::metrics::Metrics::new();
-    /// m.update_board(|b| b.experts = vec!["ffn.0.1".into()]);
-    /// assert_eq!(m.board().experts.len(), 1);
-    /// ```
-    pub fn update_board(&self, f: impl FnOnce(&mut Board)) {
+    pub fn update_board<R>(&self, f: impl FnOnce(&mut Board) -> R) -> R {
         f(&mut lock(&self.inner.board))
     }
-}
 
-fn push_bounded<T>(ring: &mut VecDeque<T>, item: T) {
-    while ring.len() >= JOURNAL_LEN {
-        ring.pop_front();
+    /// Sets section `S` of the board (see [`crate::board`]); a section that does not fit is
+    /// logged and left out.
+    ///
+    /// ```
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Experts(Vec<String>);
+    /// impl starling_node::board::Section for Experts {
+    ///     const NAME: &'static str = "experts";
+    ///     const VERSION: u32 = 1;
+    /// }
+    /// let m = starling_node::metrics::Metrics::new();
+    /// m.set_section(&Experts(vec!["ffn.0.1".into()]));
+    /// assert_eq!(m.board().get::<Experts>().unwrap().0.len(), 1);
+    /// ```
+    pub fn set_section<S: crate::board::Section>(&self, value: &S) {
+        if let Err(e) = self.update_board(|b| b.put(value)) {
+            tracing::warn!("{e}");
+        }
     }
-    ring.push_back(item);
 }
 
 #[cfg(test)]
@@ -372,15 +327,11 @@ mod tests {
     fn journals_are_bounded_and_components_registered_once() {
         let m = Metrics::new();
         for i in 0..(JOURNAL_LEN as u64 + 10) {
-            m.push_loss(LossPoint {
-                time_ms: i,
-                epoch: i,
-                loss: 1.0,
-            });
+            m.journal::<u64>().push(i);
         }
-        let loss = m.loss();
-        assert_eq!(loss.len(), JOURNAL_LEN);
-        assert_eq!(loss[0].epoch, 10);
+        let kept = m.journal::<u64>().entries();
+        assert_eq!(kept.len(), JOURNAL_LEN);
+        assert_eq!(kept[0], 10);
 
         #[derive(Clone, Default)]
         struct C(prometheus_client::metrics::counter::Counter);

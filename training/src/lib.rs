@@ -58,6 +58,7 @@ pub use collaborative::{
     Averaging, CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, StepTimings,
     TrainingError,
 };
+pub use metrics::{LossPoint, TrainingBoard, MAX_BOARD_RUN_LEN};
 pub use optim::{
     AdamW, AdamWConfig, LrSchedule, OptimError, Optimizer, OptimizerConfig, Sgd, SgdConfig,
 };

@@ -7,7 +7,7 @@
 //!
 //! Read-only: only GETs are routed; everything else is a 404 or 405.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::header;
@@ -15,12 +15,16 @@ use axum::response::{IntoResponse, Json};
 use axum::routing::get;
 use axum::Router;
 use serde::Serialize;
-use starling_node::heartbeat::{read_heartbeats, Heartbeat, HeartbeatConfig};
-use starling_node::metrics::{LossPoint, RoundRecord};
+use starling_averager::RoundRecord;
+use starling_node::heartbeat::{read_heartbeats, HeartbeatConfig};
+use starling_node::lock::lock;
 use starling_node::Node;
+use starling_training::LossPoint;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
+
+use super::peer::PeerView;
 
 /// The page.
 const PAGE: &str = include_str!("dashboard.html");
@@ -37,7 +41,7 @@ struct SwarmView {
     updated_ms: u64,
     /// Why the last read failed, if it did.
     error: Option<String>,
-    peers: Vec<Heartbeat>,
+    peers: Vec<PeerView>,
 }
 
 #[derive(Serialize)]
@@ -82,11 +86,11 @@ pub fn routes(
                         _ = stop.changed() => break,
                         _ = node.closed() => break,
                     };
-                    let mut v = view.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut v = lock(&view);
                     v.updated_ms = starling_dht::now_ms();
                     match read {
                         Ok(peers) => {
-                            v.peers = peers;
+                            v.peers = peers.iter().map(PeerView::from).collect();
                             v.error = None;
                         }
                         Err(e) => v.error = Some(e.to_string()),
@@ -115,21 +119,21 @@ pub fn routes(
         .route(
             "/api/swarm",
             get(move || {
-                let v = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                let v = lock(&view).clone();
                 async move { Json(v) }
             }),
         )
         .route(
             "/api/loss",
             get(move || {
-                let points = loss_metrics.loss();
+                let points = loss_metrics.journal::<LossPoint>().entries();
                 async move { Json(LossView { points }) }
             }),
         )
         .route(
             "/api/rounds",
             get(move || {
-                let mut rounds = metrics.rounds();
+                let mut rounds = metrics.journal::<RoundRecord>().entries();
                 let skip = rounds.len().saturating_sub(ROUNDS_SHOWN);
                 rounds.drain(..skip);
                 async move { Json(RoundsView { rounds }) }

@@ -3,12 +3,14 @@
 //! `starling status` and dashboards can list the live swarm.
 //!
 //! - [`http`]: the bounded, read-only HTTP serving both endpoints use;
-//! - [`dashboard`]: the page and its `/api/*` JSON.
+//! - [`dashboard`]: the page and its `/api/*` JSON;
+//! - [`peer`]: a peer's heartbeat with its board decoded, as `status` and the dashboard show it.
 //!
 //! Endpoints listen on loopback unless given another address; nothing on them changes state.
 
 pub mod dashboard;
 pub mod http;
+pub mod peer;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;

@@ -319,7 +319,7 @@ impl ExpertServer {
             stats,
             metrics: metrics::ExpertMetrics::of(node.metrics()),
         });
-        node.metrics().update_board(|b| b.experts = uids.clone());
+        node.metrics().set_section(&crate::ExpertsBoard::new(&uids));
         let incoming = node
             .stream_control()
             .accept(EXPERTS_PROTOCOL)

@@ -60,7 +60,7 @@ use starling_averager::gossip::{GossipAverager, GossipReport};
 use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
 use starling_node::{Node, NodeError};
 
-use crate::metrics::TrainingMetrics;
+use crate::metrics::{LossPoint, TrainingBoard, TrainingMetrics};
 
 use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
@@ -187,14 +187,7 @@ impl CollaborativeOptimizer {
         let metrics = TrainingMetrics::of(&node);
         let node_metrics = node.metrics().clone();
         // The heartbeat says which run this peer trains in from the start.
-        node_metrics.update_board(|b| {
-            b.training = Some(starling_node::metrics::TrainingInfo {
-                run: cfg.run.clone(),
-                epoch: 0,
-                samples_per_second: 0.0,
-                loss: None,
-            })
-        });
+        node_metrics.set_section(&TrainingBoard::new(cfg.run.clone(), 0, 0.0, None));
         let tracker = Arc::new(ProgressTracker::new(node, cfg.progress.clone()));
         let outer = match cfg.mode {
             Mode::Gradients => None,
@@ -329,12 +322,17 @@ impl CollaborativeOptimizer {
             return;
         }
         self.metrics.loss.set(loss);
-        self.node_metrics
-            .push_loss(starling_node::metrics::LossPoint {
-                time_ms: starling_dht::now_ms(),
-                epoch: self.epoch,
-                loss,
-            });
+        self.node_metrics.journal::<LossPoint>().push(LossPoint {
+            time_ms: starling_dht::now_ms(),
+            epoch: self.epoch,
+            loss,
+        });
+        self.node_metrics.update_board(|b| {
+            if let Some(mut t) = b.get::<TrainingBoard>() {
+                t.loss = Some(loss);
+                let _ = b.put(&t);
+            }
+        });
     }
 
     /// Updates the metrics and the node's board after a step.
@@ -353,13 +351,10 @@ impl CollaborativeOptimizer {
         self.metrics.samples_per_second.set(rate);
         let (run, epoch) = (self.cfg.run.clone(), self.epoch);
         self.node_metrics.update_board(|b| {
-            let loss = b.training.as_ref().and_then(|t| t.loss);
-            b.training = Some(starling_node::metrics::TrainingInfo {
-                run,
-                epoch,
-                samples_per_second: rate,
-                loss,
-            });
+            let loss = b.get::<TrainingBoard>().and_then(|t| t.loss);
+            if let Err(e) = b.put(&TrainingBoard::new(run, epoch, rate, loss)) {
+                tracing::warn!("{e}");
+            }
         });
     }
 
