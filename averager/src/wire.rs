@@ -46,7 +46,7 @@ pub struct MemberInfo {
 }
 
 /// The value a searching peer stores in the DHT under the group key.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Declaration {
     /// The peer.
     pub info: MemberInfo,

@@ -2,7 +2,9 @@
 //! "Matchmaking"). One search runs per step; its join requests arrive through the
 //! [`Router`](crate::router::Router) and leave through the [`Transport`].
 
-use std::collections::{HashMap, HashSet};
+mod proto;
+
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,15 +17,15 @@ use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 use tracing::Instrument;
 
-use crate::config::{AveragerConfig, AveragingMode, Fault};
+use crate::config::{AveragerConfig, Fault};
 use crate::group::{Group, Member};
 use crate::router::{IncomingJoin, Router};
 use crate::transport::Transport;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
-    MATCHMAKING_PROTOCOL,
+    read_control, write_control, Declaration, MatchMsg, MemberInfo, MATCHMAKING_PROTOCOL,
 };
 use crate::AveragerError;
+use proto::{Action, Asked, Event, JoinId, Ms, Outcome, Params, Search};
 
 /// How often a searching peer re-reads the group key.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
@@ -144,14 +146,20 @@ fn short(peer: &[u8]) -> String {
         .collect()
 }
 
-fn rank(window_end: u64, peer: &[u8]) -> (u64, Vec<u8>) {
-    (window_end, peer.to_vec())
+/// The settings of [`proto::Search`] from the averager's.
+fn params(cfg: &AveragerConfig) -> Params {
+    Params {
+        target_group_size: cfg.target_group_size,
+        min_group_size: cfg.min_group_size,
+        start_grace_ms: cfg.effective_start_grace().as_millis() as Ms,
+        refresh_ms: REFRESH_INTERVAL.as_millis() as Ms,
+        busy_backoff_ms: BUSY_BACKOFF.as_millis() as Ms,
+    }
 }
 
-/// One search window: the state machine of the crate docs' "Matchmaking" section, one
-/// `select!` arm per event (window end, join request, answer of the leader asked, refresh of
-/// the group key). Long because the states share their locals; splitting it would pass them all
-/// around.
+/// One search window: drives the pure state machine of [`proto`] (which decides) with the
+/// router's join requests, the request to a leader, DHT reads and the clock, and carries out
+/// its actions on streams.
 async fn run_window(
     mm: &Matchmaker,
     group_key: &str,
@@ -162,216 +170,134 @@ async fn run_window(
 ) -> Result<Window, AveragerError> {
     let cfg = &mm.config;
     let node = mm.transport.node();
-    let my_rank = rank(window_end_ms, &me.peer_id);
-    // Whether another peer searches under the key: as of the last read, or asked to join since.
-    let mut saw_others = false;
-    let mut followers: Vec<IncomingJoin> = Vec::new();
-    let mut refused: HashSet<Vec<u8>> = HashSet::new();
-    let mut busy: HashMap<Vec<u8>, Instant> = HashMap::new();
+    let origin = Instant::now();
+    let clock = move || origin.elapsed().as_millis() as Ms;
+    let previous = mm.previous.iter().map(|p| p.to_bytes()).collect();
+    let end = window_end.saturating_duration_since(origin).as_millis() as Ms;
+    let mut search = Search::new(params(cfg), me.clone(), window_end_ms, previous, 0, end);
+    // Join requests by the id the state machine knows them by: waiting for their answer, or
+    // accepted (followers, answered again at begin or disband).
+    let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();
+    let mut next_id: JoinId = 0;
     let mut attempt: Option<FollowFuture> = None;
-    // The last read of the key, while fresh: a refused or busy leader's successor is taken from
-    // it rather than from a new lookup (a join request is one stream; a lookup asks a score of
-    // peers, and 64 peers stepping through refusals at once made the lookups the bottleneck).
-    let mut last_read: Option<(Instant, Vec<Declaration>)> = None;
-    // Set once the leader of `attempt` accepted us: we are following, not just asking.
-    let mut following = Arc::new(AtomicBool::new(false));
-    let opened = Instant::now();
-    let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
-    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Set by the request in flight once its leader accepted us.
+    let mut accepted = Arc::new(AtomicBool::new(false));
+    let mut formed: Option<Group> = None;
+    let mut pending: VecDeque<Action> = search.handle(clock(), Event::Tick).into();
     loop {
-        tokio::select! {
-            _ = sleep_until(window_end), if attempt.is_none() => {
-                return close_window(cfg, me, followers, saw_others).await;
-            }
-            Some(mut join) = rx.recv() => {
-                saw_others = true;
-                let asking = match (&attempt, following.load(Ordering::Acquire)) {
-                    (None, _) => Asking::Nobody,
-                    (Some(_), false) => Asking::Requesting,
-                    (Some(_), true) => Asking::Following,
-                };
-                let accepted: Vec<&MemberInfo> = followers.iter().map(|f| &f.info).collect();
-                let reply = join_reply(cfg.target_group_size, me, my_rank.clone(), (&join.info, join.window_end), asking, &accepted);
-                let msg = match reply {
-                    Some(r) => MatchMsg::Rejected(r),
-                    None => MatchMsg::Accepted,
-                };
-                let sent = timeout(cfg.request_timeout, write_control(&mut join.stream, &msg)).await;
-                tracing::trace!(me = %short(&me.peer_id), from = %short(&join.info.peer_id), ?reply, "join request");
-                if reply.is_none() && matches!(sent, Ok(Ok(_))) {
-                    followers.push(join);
-                    if cfg.fault() == Some(Fault::LeaderAfterFollowers(followers.len())) {
-                        node.shutdown().await;
-                        return Err(NodeError::Closed.into());
-                    }
-                    if followers.len() + 1 >= cfg.target_group_size {
-                        return Ok(Window::Group(begin(cfg, me, followers).await?));
-                    }
-                    // Perhaps everyone searching has joined now: read the declarations at once
-                    // rather than at the next refresh (the read decides; see below).
-                    if followers.len() + 1 >= cfg.min_group_size {
-                        refresh.reset_immediately();
+        while let Some(action) = pending.pop_front() {
+            match action {
+                Action::Reply { id, reject } => {
+                    let Some(mut join) = joins.remove(&id) else {
+                        continue;
+                    };
+                    let msg = match reject {
+                        Some(r) => MatchMsg::Rejected(r),
+                        None => MatchMsg::Accepted,
+                    };
+                    let sent =
+                        timeout(cfg.request_timeout, write_control(&mut join.stream, &msg)).await;
+                    tracing::trace!(me = %short(&me.peer_id), from = %short(&join.info.peer_id), ?reject, "join request");
+                    if reject.is_none() {
+                        let ok = matches!(sent, Ok(Ok(_)));
+                        if ok {
+                            if cfg.fault()
+                                == Some(Fault::LeaderAfterFollowers(search.followers() + 1))
+                            {
+                                node.shutdown().await;
+                                return Err(NodeError::Closed.into());
+                            }
+                            joins.insert(id, join);
+                        }
+                        pending.extend(search.handle(clock(), Event::ReplySent { id, ok }));
                     }
                 }
+                Action::Ask { leader } => {
+                    tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking to join");
+                    (accepted, attempt) = ask(mm, group_key, me, window_end_ms, leader);
+                }
+                Action::Read => {
+                    let read = read_declarations(node, group_key, cfg.request_timeout).await?;
+                    pending.extend(search.handle(clock(), Event::Read(read)));
+                }
+                Action::CheckGone { peers } => {
+                    let gone = all_gone(node, &peers).await;
+                    pending.extend(search.handle(clock(), Event::Gone(gone)));
+                }
+                Action::Disband { followers } => {
+                    let mut let_go: Vec<IncomingJoin> =
+                        followers.iter().filter_map(|id| joins.remove(id)).collect();
+                    disband(&mut let_go, cfg.request_timeout).await;
+                }
+                Action::Begin { followers, members } => {
+                    tracing::debug!(me = %short(&me.peer_id), followers = followers.len(), "beginning");
+                    let told: Vec<IncomingJoin> =
+                        followers.iter().filter_map(|id| joins.remove(id)).collect();
+                    formed = Some(begin(cfg, members, told).await?);
+                }
+                Action::Finish(outcome) => {
+                    tracing::trace!(me = %short(&me.peer_id), ?outcome, "window ended");
+                    let mut rest: Vec<IncomingJoin> = joins.drain().map(|(_, j)| j).collect();
+                    disband(&mut rest, cfg.request_timeout).await;
+                    return Ok(match (outcome, formed) {
+                        (Outcome::Led | Outcome::Followed, Some(group)) => Window::Group(group),
+                        (Outcome::Led | Outcome::Followed, None) => {
+                            return Err(AveragerError::Protocol(
+                                "matchmaking ended in a group it does not hold".into(),
+                            ))
+                        }
+                        (Outcome::Again, _) => Window::Again,
+                        (Outcome::Alone, _) => Window::Alone,
+                    });
+                }
+            }
+        }
+        let wake = search
+            .next_wakeup()
+            .map(|ms| origin + Duration::from_millis(ms));
+        tokio::select! {
+            _ = sleep_until(wake.unwrap_or(origin)), if wake.is_some() => {
+                pending.extend(search.handle(clock(), Event::Tick));
+            }
+            Some(join) = rx.recv() => {
+                if accepted.load(Ordering::Acquire) {
+                    pending.extend(search.handle(clock(), Event::Accepted));
+                }
+                let (id, info, window_end) = (next_id, join.info.clone(), join.window_end);
+                next_id += 1;
+                joins.insert(id, join);
+                pending.extend(search.handle(clock(), Event::Join { id, info, window_end }));
             }
             (leader, result) = async { attempt.as_mut().expect("guarded").await }, if attempt.is_some() => {
                 attempt = None;
-                match result {
-                    Ok(Some(group)) => return Ok(Window::Group(group)),
-                    // Disbanded: a leader that disbands to join an earlier peer, whose join
-                    // then fails, leads again; refusing it for the rest of the window left its
-                    // ex-followers and it unable to find each other (requests only go to
-                    // earlier peers). Ask again after a short pause instead.
-                    Ok(None) => {
-                        busy.insert(leader, Instant::now() + BUSY_BACKOFF);
+                let outcome = match result {
+                    Ok(Some(group)) => {
+                        formed = Some(group);
+                        Asked::Grouped
                     }
-                    Err(FollowError::Busy) => {
-                        busy.insert(leader, Instant::now() + BUSY_BACKOFF);
-                    }
+                    Ok(None) => Asked::Disbanded,
+                    Err(FollowError::Busy) => Asked::Busy,
                     Err(FollowError::Refused(why)) => {
                         tracing::trace!(me = %short(&me.peer_id), "join refused: {why}");
-                        refused.insert(leader);
+                        Asked::Refused(why)
                     }
-                }
-                // Try the next candidate now rather than at the next refresh: a refusal is often
-                // a declaration left over from the previous round by a peer not searching yet.
-                // From the last read while it is fresh, else from a new one.
-                let now = Instant::now();
-                let next = last_read
-                    .as_ref()
-                    .filter(|(at, _)| now.duration_since(*at) < REFRESH_INTERVAL)
-                    .and_then(|(_, entries)| pick_leader(entries, me, &my_rank, &refused, &busy, now));
-                // (No followers to disband: they were when this attempt began, and joins are
-                // refused while it runs.)
-                match next {
-                    Some(leader) => {
-                        tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking the next leader of the last read");
-                        (following, attempt) = ask(mm, group_key, me, window_end_ms, leader);
-                    }
-                    None => refresh.reset_immediately(),
-                }
-            }
-            // Also while leading a group that is not full: if an earlier peer is searching, this
-            // group disbands and everyone joins that peer, so groups grow instead of splitting
-            // when declarations reach peers at different times.
-            _ = refresh.tick(), if attempt.is_none() && followers.len() + 1 < cfg.target_group_size => {
-                let Some(entries) = read_declarations(node, group_key, cfg.request_timeout).await? else {
-                    continue;
                 };
-                // Whether others search now: peers that found a group meanwhile closed their
-                // declarations, and a peer left out by all of them is alone, not "again".
-                saw_others = entries.iter().any(|d| d.info.peer_id != me.peer_id);
-                let declared: Vec<Vec<u8>> = entries
-                    .iter()
-                    .filter(|d| d.info.peer_id != me.peer_id)
-                    .map(|d| d.info.peer_id.clone())
-                    .collect();
-                let now = Instant::now();
-                let best = pick_leader(&entries, me, &my_rank, &refused, &busy, now);
-                last_read = Some((now, entries));
-                if let Some(leader) = best {
-                    tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), followers = followers.len(), "asking to join");
-                    disband(&mut followers, cfg.request_timeout).await;
-                    (following, attempt) = ask(mm, group_key, me, window_end_ms, leader);
-                } else if me.mode != AveragingMode::Client
-                    && everyone_joined(&declared, followers.iter().map(|f| f.info.peer_id.as_slice()), cfg.min_group_size)
-                    && (opened.elapsed() >= early_start_grace(cfg)
-                        || last_group_here(node, missing_from_last_group(&mm.previous, &followers)).await)
-                {
-                    // Nobody declared under the key is missing: the rest of the window could
-                    // only wait for latecomers or for peers that left (their declarations
-                    // expire with their windows), so the group starts now.
-                    tracing::debug!(me = %short(&me.peer_id), followers = followers.len(), "every declared peer joined: beginning");
-                    return Ok(Window::Group(begin(cfg, me, followers).await?));
-                }
+                pending.extend(search.handle(clock(), Event::Asked { leader, outcome }));
             }
         }
     }
 }
 
-/// The leader to ask among `entries` (live declarations under the key): the earliest-ranked
-/// non-client other than us that we have not been refused by, is not backing off from, and
-/// ranks ahead of us (so requests never form a cycle; a client never leads, so it asks the
-/// earliest leader whatever its own rank).
-fn pick_leader(
-    entries: &[Declaration],
-    me: &MemberInfo,
-    my_rank: &(u64, Vec<u8>),
-    refused: &HashSet<Vec<u8>>,
-    busy: &HashMap<Vec<u8>, Instant>,
-    now: Instant,
-) -> Option<Declaration> {
-    entries
-        .iter()
-        .filter(|d| d.info.mode != AveragingMode::Client && d.info.peer_id != me.peer_id)
-        .filter(|d| Member::parse(&d.info).is_ok())
-        .filter(|d| {
-            me.mode == AveragingMode::Client || rank(d.window_end, &d.info.peer_id) < *my_rank
-        })
-        .filter(|d| !refused.contains(&d.info.peer_id))
-        .filter(|d| busy.get(&d.info.peer_id).is_none_or(|t| *t <= now))
-        .min_by(|a, b| {
-            rank(a.window_end, &a.info.peer_id).cmp(&rank(b.window_end, &b.info.peer_id))
-        })
-        .cloned()
-}
-
-/// How long a leader's window must have been open before it begins with every declared peer
-/// and fewer than `target_group_size`: peers reaching the same step within moments of each
-/// other have declared by then (by default a tenth of the window, at most half a second; see
-/// `AveragerConfig::start_grace`), so a group does not start without a peer that was only a few
-/// milliseconds late; a peer that left costs this much instead of the whole window.
-fn early_start_grace(cfg: &AveragerConfig) -> Duration {
-    cfg.effective_start_grace()
-}
-
-/// Whether every member of this peer's previous group either joined or is gone (no connection
-/// to it): then nobody the grace would wait for is merely late. A stable group, or one that
-/// lost a member whose connection closed, begins at once; a previous member still connected
-/// but not yet searching is waited for (the grace). `missing`: see [`missing_from_last_group`].
-async fn last_group_here(node: &starling_node::Node, missing: Option<Vec<PeerId>>) -> bool {
-    let Some(missing) = missing else {
-        return false;
-    };
-    if missing.is_empty() {
-        return true;
-    }
+/// Whether none of `peers` is connected: then nobody a leader's grace would wait for is
+/// merely late (a stable group, or one that lost a member whose connection closed, begins at
+/// once; a previous member still connected but not yet searching is waited for).
+async fn all_gone(node: &starling_node::Node, peers: &[Vec<u8>]) -> bool {
     match node.connected_peers().await {
-        Ok(connected) => missing.iter().all(|p| !connected.contains(p)),
+        Ok(connected) => peers
+            .iter()
+            .all(|p| PeerId::from_bytes(p).map_or(true, |id| !connected.contains(&id))),
         Err(_) => false,
     }
-}
-
-/// The members of the previous group (`None` before the first) that have not joined.
-fn missing_from_last_group(previous: &[PeerId], followers: &[IncomingJoin]) -> Option<Vec<PeerId>> {
-    if previous.is_empty() {
-        return None;
-    }
-    Some(
-        previous
-            .iter()
-            .filter(|p| {
-                let id = p.to_bytes();
-                !followers.iter().any(|f| f.info.peer_id == id)
-            })
-            .copied()
-            .collect(),
-    )
-}
-
-/// Whether a leader whose followers are `followers` has every other peer `declared` under its
-/// key among them, and enough of them (at least one, and `min_group_size` with itself).
-fn everyone_joined<'a>(
-    declared: &[Vec<u8>],
-    followers: impl Iterator<Item = &'a [u8]> + Clone,
-    min_group_size: usize,
-) -> bool {
-    let joined = followers.clone().count();
-    joined > 0
-        && joined + 1 >= min_group_size
-        && declared
-            .iter()
-            .all(|p| followers.clone().any(|f| f == p.as_slice()))
 }
 
 /// The declarations under `group_key` written by the peers they declare; `None` when the
@@ -443,74 +369,6 @@ fn declared_by_its_peer(group_key: &str, subkey: &str, declaration: &Declaration
     declared.is_some() && starling_node::peer_id_of_owner(&owner) == declared
 }
 
-/// The window ended with nobody to follow: begin with the followers if they are enough, else
-/// disband them and say whether anyone else was seen.
-async fn close_window(
-    cfg: &AveragerConfig,
-    me: &MemberInfo,
-    mut followers: Vec<IncomingJoin>,
-    saw_others: bool,
-) -> Result<Window, AveragerError> {
-    tracing::trace!(me = %short(&me.peer_id), followers = followers.len(), "window closed");
-    if !followers.is_empty() && followers.len() + 1 >= cfg.min_group_size {
-        return Ok(Window::Group(begin(cfg, me, followers).await?));
-    }
-    disband(&mut followers, cfg.request_timeout).await;
-    if cfg.min_group_size <= 1 {
-        return Ok(Window::Group(begin(cfg, me, Vec::new()).await?));
-    }
-    Ok(if saw_others {
-        Window::Again
-    } else {
-        Window::Alone
-    })
-}
-
-/// Where this peer stands with the leader it asked, if any.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Asking {
-    Nobody,
-    /// A join request is in flight.
-    Requesting,
-    /// The leader accepted us; we wait for its `Begin`.
-    Following,
-}
-
-/// How a searching peer answers a join request: `None` accepts it. Invalid requests, requests
-/// to a client (which never leads), from a non-client that ranks ahead of us (it read an old
-/// declaration), while we ask or follow someone, and past the target size are refused.
-/// `followers` are those accepted so far, `window_end` the joiner's.
-fn join_reply(
-    target_group_size: usize,
-    me: &MemberInfo,
-    my_rank: (u64, Vec<u8>),
-    (info, window_end): (&MemberInfo, u64),
-    asking: Asking,
-    followers: &[&MemberInfo],
-) -> Option<RejectReason> {
-    if let Err(why) = Member::parse(info) {
-        tracing::debug!(from = %short(&info.peer_id), "refused an invalid join request: {why}");
-        return Some(RejectReason::Invalid);
-    }
-    let ahead_of_us = rank(window_end, &info.peer_id) <= my_rank;
-    if me.mode == AveragingMode::Client {
-        Some(RejectReason::NotLeading)
-    } else if info.mode != AveragingMode::Client && ahead_of_us {
-        // (A client never leads, so it may join whatever its rank.)
-        Some(RejectReason::Stale)
-    } else if asking == Asking::Following {
-        Some(RejectReason::NotLeading)
-    } else if asking == Asking::Requesting {
-        Some(RejectReason::Busy)
-    } else if followers.len() + 1 >= target_group_size
-        || followers.iter().any(|f| f.peer_id == info.peer_id)
-    {
-        Some(RejectReason::Full)
-    } else {
-        None
-    }
-}
-
 /// Tells every follower to search again, and lets them go.
 async fn disband(followers: &mut Vec<IncomingJoin>, each: Duration) {
     for f in followers.iter_mut() {
@@ -525,15 +383,14 @@ async fn disband(followers: &mut Vec<IncomingJoin>, each: Duration) {
     followers.clear();
 }
 
-/// The leader's move: fix the member list, tell every follower, and return the group.
+/// The leader's move: tell every follower the member list (the leader first, then the
+/// followers in order), and return the group.
 async fn begin(
     cfg: &AveragerConfig,
-    me: &MemberInfo,
+    members: Vec<MemberInfo>,
     mut followers: Vec<IncomingJoin>,
 ) -> Result<Group, AveragerError> {
     let round_id: u64 = rand::random();
-    let mut members = vec![me.clone()];
-    members.extend(followers.iter().map(|f| f.info.clone()));
     let msg = MatchMsg::Begin {
         round_id,
         members: members.clone(),
@@ -628,8 +485,11 @@ async fn follow_inner(
         .map_err(|_| FollowError::Busy)?;
     match reply {
         MatchMsg::Accepted => accepted.store(true, Ordering::Release),
-        MatchMsg::Rejected(RejectReason::Busy | RejectReason::Stale) => {
-            return Err(FollowError::Busy)
+        MatchMsg::Rejected(reason) => {
+            return Err(match proto::on_reject(reason) {
+                Asked::Busy => FollowError::Busy,
+                _ => FollowError::Refused(format!("{reason:?}")),
+            })
         }
         other => return Err(FollowError::Refused(format!("{other:?}"))),
     }
@@ -664,5 +524,7 @@ async fn follow_inner(
     }
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

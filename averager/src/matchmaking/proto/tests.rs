@@ -1,0 +1,319 @@
+//! The state machine, event by event, with no network: how join requests are answered, when a
+//! leader begins, how a window ends.
+
+use starling_node::PeerId;
+
+use super::*;
+
+fn info(mode: AveragingMode) -> MemberInfo {
+    MemberInfo {
+        peer_id: PeerId::random().to_bytes(),
+        mode,
+        bandwidth: 1e8,
+        addrs: vec![],
+    }
+}
+
+fn params(target: usize, min: usize) -> Params {
+    Params {
+        target_group_size: target,
+        min_group_size: min,
+        start_grace_ms: 100,
+        refresh_ms: 200,
+        busy_backoff_ms: 150,
+    }
+}
+
+fn decl(info: &MemberInfo, window_end: u64) -> Declaration {
+    Declaration {
+        info: info.clone(),
+        window_end,
+    }
+}
+
+fn reply_to(actions: &[Action], id: JoinId) -> Option<Option<RejectReason>> {
+    actions.iter().find_map(|a| match a {
+        Action::Reply { id: i, reject } if *i == id => Some(*reject),
+        _ => None,
+    })
+}
+
+/// `search` takes `who` as a follower (request and written acceptance).
+fn take(search: &mut Search, now: Ms, id: JoinId, who: &MemberInfo, end: u64) -> Vec<Action> {
+    let a = search.handle(
+        now,
+        Event::Join {
+            id,
+            info: who.clone(),
+            window_end: end,
+        },
+    );
+    assert_eq!(reply_to(&a, id), Some(None), "{who:?} accepted");
+    search.handle(now, Event::ReplySent { id, ok: true })
+}
+
+#[test]
+fn join_requests_are_answered_by_rank_mode_and_state() {
+    let me = info(AveragingMode::Node);
+    let mut s = Search::new(params(3, 2), me.clone(), 1000, vec![], 0, 5000);
+    let join = |s: &mut Search, id, who: &MemberInfo, end| {
+        let a = s.handle(
+            0,
+            Event::Join {
+                id,
+                info: who.clone(),
+                window_end: end,
+            },
+        );
+        reply_to(&a, id).expect("answered")
+    };
+    // A peer ranked ahead of us read an old declaration; a client may join anyway.
+    let later = info(AveragingMode::Node);
+    assert_eq!(join(&mut s, 1, &later, 500), Some(RejectReason::Stale));
+    let mut nan = info(AveragingMode::Node);
+    nan.bandwidth = f64::NAN;
+    assert_eq!(join(&mut s, 2, &nan, 2000), Some(RejectReason::Invalid));
+    // Accepted; the same peer again, or a third while one acceptance is being written: full.
+    take(&mut s, 0, 3, &later, 2000);
+    assert_eq!(join(&mut s, 4, &later, 2000), Some(RejectReason::Full));
+    let client = info(AveragingMode::Client);
+    assert_eq!(join(&mut s, 5, &client, 500), None);
+    assert_eq!(
+        join(&mut s, 6, &info(AveragingMode::Node), 2000),
+        Some(RejectReason::Full)
+    );
+    // Asking an earlier leader: busy; followed by it: not leading.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    let leader = info(AveragingMode::Node);
+    assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
+    let a = s.handle(
+        10,
+        Event::Read(Some(vec![decl(&me, 1000), decl(&leader, 900)])),
+    );
+    assert_eq!(
+        a,
+        vec![Action::Ask {
+            leader: decl(&leader, 900)
+        }]
+    );
+    assert_eq!(join(&mut s, 7, &later, 2000), Some(RejectReason::Busy));
+    s.handle(20, Event::Accepted);
+    assert_eq!(
+        join(&mut s, 8, &later, 2000),
+        Some(RejectReason::NotLeading)
+    );
+    let a = s.handle(
+        30,
+        Event::Asked {
+            leader: leader.peer_id.clone(),
+            outcome: Asked::Grouped,
+        },
+    );
+    assert_eq!(a, vec![Action::Finish(Outcome::Followed)]);
+    assert_eq!(
+        join(&mut s, 9, &later, 2000),
+        Some(RejectReason::NotSearching)
+    );
+    // A client never leads.
+    let me_client = info(AveragingMode::Client);
+    let mut s = Search::new(params(3, 2), me_client, 1000, vec![], 0, 5000);
+    assert_eq!(
+        join(&mut s, 1, &later, 2000),
+        Some(RejectReason::NotLeading)
+    );
+}
+
+#[test]
+fn a_leader_begins_once_every_declared_peer_joined_after_the_grace() {
+    let me = info(AveragingMode::Node);
+    let (a, b) = (info(AveragingMode::Node), info(AveragingMode::Node));
+    let everyone = vec![decl(&me, 1000), decl(&a, 2000), decl(&b, 2000)];
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
+    assert!(s.handle(5, Event::Read(Some(everyone.clone()))).is_empty());
+    take(&mut s, 10, 1, &a, 2000);
+    // b declared and has not joined: after the grace, begin without it only if it is gone.
+    assert_eq!(s.handle(200, Event::Tick), vec![Action::Read]);
+    assert_eq!(
+        s.handle(205, Event::Read(Some(everyone.clone()))),
+        vec![Action::CheckGone {
+            peers: vec![b.peer_id.clone()]
+        }]
+    );
+    assert!(s.handle(206, Event::Gone(false)).is_empty());
+    take(&mut s, 210, 2, &b, 2000);
+    // Everyone joined: the next read (due at once) begins.
+    assert_eq!(s.next_wakeup(), Some(210));
+    assert_eq!(s.handle(210, Event::Tick), vec![Action::Read]);
+    let began = s.handle(215, Event::Read(Some(everyone)));
+    assert_eq!(
+        began,
+        vec![
+            Action::Begin {
+                followers: vec![1, 2],
+                members: vec![me, a, b]
+            },
+            Action::Finish(Outcome::Led)
+        ]
+    );
+    assert_eq!(s.next_wakeup(), None);
+}
+
+#[test]
+fn after_the_grace_a_leader_begins_without_a_declared_peer_that_is_gone() {
+    let me = info(AveragingMode::Node);
+    let (a, dead) = (info(AveragingMode::Node), info(AveragingMode::Node));
+    let declared = vec![decl(&me, 1000), decl(&a, 2000), decl(&dead, 2000)];
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    take(&mut s, 1, 1, &a, 2000);
+    s.handle(1, Event::Tick);
+    // Within the grace: nothing (it may be late, not dead).
+    assert!(s.handle(5, Event::Read(Some(declared.clone()))).is_empty());
+    s.handle(201, Event::Tick);
+    assert_eq!(
+        s.handle(202, Event::Read(Some(declared))),
+        vec![Action::CheckGone {
+            peers: vec![dead.peer_id.clone()]
+        }]
+    );
+    let began = s.handle(203, Event::Gone(true));
+    assert_eq!(
+        began,
+        vec![
+            Action::Begin {
+                followers: vec![1],
+                members: vec![me, a]
+            },
+            Action::Finish(Outcome::Led)
+        ]
+    );
+}
+
+#[test]
+fn within_the_grace_a_leader_begins_when_its_previous_group_is_here_or_gone() {
+    let me = info(AveragingMode::Node);
+    let (a, x) = (info(AveragingMode::Node), info(AveragingMode::Node));
+    let declared = vec![decl(&me, 1000), decl(&a, 2000)];
+    // The whole previous group joined: at once.
+    let mut s = Search::new(
+        params(8, 2),
+        me.clone(),
+        1000,
+        vec![a.peer_id.clone()],
+        0,
+        5000,
+    );
+    take(&mut s, 1, 1, &a, 2000);
+    assert_eq!(s.handle(1, Event::Tick), vec![Action::Read]);
+    let began = s.handle(5, Event::Read(Some(declared.clone())));
+    assert!(matches!(began.last(), Some(Action::Finish(Outcome::Led))));
+    // x of the previous group is missing: begin only if it is gone.
+    for gone in [true, false] {
+        let previous = vec![a.peer_id.clone(), x.peer_id.clone()];
+        let mut s = Search::new(params(8, 2), me.clone(), 1000, previous, 0, 5000);
+        take(&mut s, 1, 1, &a, 2000);
+        s.handle(1, Event::Tick);
+        let asked = s.handle(5, Event::Read(Some(declared.clone())));
+        assert_eq!(
+            asked,
+            vec![Action::CheckGone {
+                peers: vec![x.peer_id.clone()]
+            }]
+        );
+        let then = s.handle(6, Event::Gone(gone));
+        assert_eq!(
+            matches!(then.last(), Some(Action::Finish(Outcome::Led))),
+            gone
+        );
+    }
+    // No previous group: wait for the grace.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    take(&mut s, 1, 1, &a, 2000);
+    s.handle(1, Event::Tick);
+    assert!(s.handle(5, Event::Read(Some(declared.clone()))).is_empty());
+    assert_eq!(s.handle(205, Event::Tick), vec![Action::Read]);
+    let began = s.handle(206, Event::Read(Some(declared)));
+    assert!(matches!(began.last(), Some(Action::Finish(Outcome::Led))));
+}
+
+#[test]
+fn a_window_ends_with_a_group_of_enough_followers_or_again_or_alone() {
+    let me = info(AveragingMode::Node);
+    let a = info(AveragingMode::Node);
+    // Followers below the minimum are disbanded; others were seen: again.
+    let mut s = Search::new(params(8, 3), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    take(&mut s, 1, 1, &a, 2000);
+    assert_eq!(
+        s.handle(5000, Event::Tick),
+        vec![
+            Action::Disband { followers: vec![1] },
+            Action::Finish(Outcome::Again)
+        ]
+    );
+    // Enough followers: begin at the end.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    take(&mut s, 1, 1, &a, 2000);
+    let end = s.handle(5000, Event::Tick);
+    assert!(matches!(end.last(), Some(Action::Finish(Outcome::Led))));
+    // Nobody at all: alone.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    s.handle(5, Event::Read(Some(vec![decl(&me, 1000)])));
+    assert_eq!(
+        s.handle(5000, Event::Tick),
+        vec![Action::Finish(Outcome::Alone)]
+    );
+}
+
+#[test]
+fn a_refused_leader_is_not_asked_again_and_a_busy_one_after_a_pause() {
+    let me = info(AveragingMode::Node);
+    let (l1, l2) = (info(AveragingMode::Node), info(AveragingMode::Node));
+    let read = vec![decl(&me, 1000), decl(&l1, 800), decl(&l2, 900)];
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    let a = s.handle(1, Event::Read(Some(read.clone())));
+    assert_eq!(
+        a,
+        vec![Action::Ask {
+            leader: decl(&l1, 800)
+        }]
+    );
+    // l1 busy: the next one of the fresh read at once.
+    let a = s.handle(
+        10,
+        Event::Asked {
+            leader: l1.peer_id.clone(),
+            outcome: Asked::Busy,
+        },
+    );
+    assert_eq!(
+        a,
+        vec![Action::Ask {
+            leader: decl(&l2, 900)
+        }]
+    );
+    // l2 refuses: nobody left in the read; read again now.
+    let a = s.handle(
+        20,
+        Event::Asked {
+            leader: l2.peer_id.clone(),
+            outcome: Asked::Refused("gone".into()),
+        },
+    );
+    assert!(a.is_empty());
+    assert_eq!(s.next_wakeup(), Some(20));
+    s.handle(20, Event::Tick);
+    // Within l1's pause only l2 would do, and it refused.
+    assert!(s.handle(100, Event::Read(Some(read.clone()))).is_empty());
+    s.handle(300, Event::Tick);
+    let a = s.handle(300, Event::Read(Some(read)));
+    assert_eq!(
+        a,
+        vec![Action::Ask {
+            leader: decl(&l1, 800)
+        }]
+    );
+}
