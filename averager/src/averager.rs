@@ -6,12 +6,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use starling_node::{Node, NodeError, PeerId, Reachability};
 use tokio::task::JoinHandle;
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::allreduce::{run_allreduce, RoundEnv};
@@ -23,7 +21,11 @@ use crate::router::Router;
 use crate::transport::Transport;
 use crate::wire::MemberInfo;
 use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport};
+use schema::{wire_label, Schema};
 use starling_node::lock::lock;
+
+mod schema;
+pub(crate) use schema::group_schema_hash;
 
 /// Elements flattened and checked at a time (fits in L1/L2).
 const FLATTEN_PIECE: usize = 8192;
@@ -106,34 +108,6 @@ impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-/// The tensor schema of a step: what peers must agree on to average together.
-struct Schema {
-    hash: u64,
-    summary: String,
-}
-
-impl Schema {
-    fn of(sizes: &[usize], codec: &str) -> Self {
-        let hash = schema_hash(sizes, codec);
-        let total: usize = sizes.iter().sum();
-        Schema {
-            hash,
-            summary: format!(
-                "{} tensors of {total} elements in all, codec {codec} (schema {hash:016x})",
-                sizes.len()
-            ),
-        }
-    }
-}
-
-/// What a peer announces under a run's schema key, so that a peer left alone can tell a schema
-/// mismatch from an empty swarm.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct SchemaNote {
-    hash: u64,
-    summary: String,
 }
 
 /// Clears the busy flag when a step ends, also when its future is dropped half-way.
@@ -593,71 +567,6 @@ impl Averager {
         Ok(flat)
     }
 
-    /// The run's schema key: where peers announce their schema.
-    fn schema_key(&self) -> String {
-        format!("{}.averager.schemas", self.config.prefix)
-    }
-
-    /// Announces this peer's schema under the run's schema key, in the background (nothing
-    /// waits for it), when the last announcement is about to expire or named another schema.
-    fn announce(&self, schema: &Schema) {
-        let cfg = &self.config;
-        let lasts = cfg.matchmaking_time * 2 + cfg.request_timeout;
-        {
-            let mut last = lock(&self.announced);
-            let fresh = last.is_some_and(|(hash, until)| {
-                hash == schema.hash && until > Instant::now() + cfg.matchmaking_time
-            });
-            if fresh {
-                return;
-            }
-            *last = Some((schema.hash, Instant::now() + lasts));
-        }
-        let node = self.transport.node().clone();
-        let key = self.schema_key();
-        let note = SchemaNote {
-            hash: schema.hash,
-            summary: schema.summary.clone(),
-        };
-        let expires = starling_dht::now_ms() + lasts.as_millis() as u64;
-        let t = cfg.request_timeout;
-        let store = async move {
-            let subkey = node.peer_id().to_string();
-            match timeout(t, node.store(&key, &subkey, &note, expires)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => tracing::debug!("announcing the tensor schema: {e}"),
-                Err(_) => tracing::debug!("announcing the tensor schema timed out"),
-            }
-        };
-        tokio::spawn(store.in_current_span());
-    }
-
-    /// Turns a lone peer's `NoGroup` into `SchemaMismatch` when other peers of the run were
-    /// searching with another schema, and none with this one.
-    async fn explain_loneliness(&self, schema: &Schema, no_group: AveragerError) -> AveragerError {
-        let node = self.transport.node();
-        let me = node.peer_id().to_string();
-        let t = self.config.request_timeout.min(Duration::from_secs(2));
-        let Ok(Ok(notes)) = timeout(t, node.get::<SchemaNote>(&self.schema_key())).await else {
-            return no_group;
-        };
-        let others: Vec<SchemaNote> = notes
-            .into_iter()
-            .filter(|(peer, _, _)| *peer != me)
-            .map(|(_, note, _)| note)
-            .collect();
-        if others.is_empty() || others.iter().any(|n| n.hash == schema.hash) {
-            return no_group;
-        }
-        let mut summaries: Vec<String> = others.into_iter().map(|n| n.summary).collect();
-        summaries.sort();
-        summaries.dedup();
-        AveragerError::SchemaMismatch {
-            mine: schema.summary.clone(),
-            others: summaries,
-        }
-    }
-
     /// Keeps `server` (a finished round serving other members' re-delegated parts), ending the
     /// previous one: one lingering round at a time bounds the memory and tasks it holds.
     fn keep_repair_server(&self, server: Option<JoinHandle<()>>) {
@@ -727,33 +636,6 @@ async fn member_info(
     })
 }
 
-/// What besides the tensor sizes peers must agree on: the codec, and the aggregation unless it
-/// is the mean (so that the schema of a mean round stays what it always was).
-fn wire_label(cfg: &AveragerConfig) -> String {
-    if cfg.aggregation.is_mean() {
-        cfg.codec.to_string()
-    } else {
-        format!("{} with {}", cfg.codec, cfg.aggregation)
-    }
-}
-
-/// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.
-pub(crate) fn schema_hash(sizes: &[usize], codec: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    eat(&(sizes.len() as u64).to_le_bytes());
-    for s in sizes {
-        eat(&(*s as u64).to_le_bytes());
-    }
-    eat(codec.as_bytes());
-    h
-}
-
 /// Writes `values` at flat offset `start` of the concatenation of `tensors`.
 fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
     let end = start + values.len();
@@ -773,37 +655,4 @@ fn write_flat(tensors: &mut [&mut [f32]], start: usize, values: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::{schema_hash, write_flat, Schema};
-
-    #[test]
-    fn flat_writes_land_across_tensor_boundaries() {
-        let mut a = vec![0.0f32; 3];
-        let mut b = vec![0.0f32; 0];
-        let mut c = vec![0.0f32; 4];
-        {
-            let mut ts: Vec<&mut [f32]> = vec![&mut a, &mut b, &mut c];
-            write_flat(&mut ts, 2, &[1.0, 2.0, 3.0]);
-            write_flat(&mut ts, 6, &[9.0]);
-            write_flat(&mut ts, 0, &[]);
-        }
-        assert_eq!(a, vec![0.0, 0.0, 1.0]);
-        assert_eq!(c, vec![2.0, 3.0, 0.0, 9.0]);
-    }
-
-    #[test]
-    fn schema_hash_separates_sizes_order_and_codec() {
-        let a = schema_hash(&[10, 20], "none");
-        assert_eq!(a, schema_hash(&[10, 20], "none"));
-        assert_ne!(a, schema_hash(&[20, 10], "none"));
-        assert_ne!(a, schema_hash(&[30], "none"));
-        assert_ne!(a, schema_hash(&[10, 20], "f16"));
-        let s = Schema::of(&[10, 20], "f16");
-        assert!(
-            s.summary.contains("2 tensors of 30 elements"),
-            "{}",
-            s.summary
-        );
-        assert!(s.summary.contains("codec f16"), "{}", s.summary);
-    }
-}
+mod tests;

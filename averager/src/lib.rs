@@ -142,6 +142,8 @@
 //! `reduce` (the no-I/O `PartReducer`) and `repair`. Fault-injection hooks (`Fault`,
 //! `AveragerConfig::fault`) exist only with the `testing` feature.
 
+#![warn(missing_docs)]
+
 mod aggregation;
 mod allreduce;
 mod averager;

@@ -31,6 +31,9 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 
 use crate::percentile;
 
+mod worker;
+pub use worker::{worker, DhtWorkerArgs};
+
 /// Arguments of `starling bench dht`.
 #[derive(Args, Debug, Clone)]
 pub struct DhtArgs {
@@ -67,23 +70,6 @@ pub struct DhtArgs {
     /// (`idle_cpu_ms_per_s_per_peer` in the output; 0: skip).
     #[arg(long, default_value_t = 10)]
     settle: u64,
-}
-
-/// Arguments of a `bench dht --procs` worker process.
-#[derive(Args, Debug, Clone)]
-pub struct DhtWorkerArgs {
-    /// Peers this process hosts.
-    #[arg(long)]
-    peers: usize,
-    /// Where its peers bootstrap from.
-    #[arg(long)]
-    bootstrap: Multiaddr,
-    /// Idle connection timeout of its peers, seconds.
-    #[arg(long)]
-    idle_timeout: u64,
-    /// Routing-table refresh interval of its peers, seconds (0: never).
-    #[arg(long)]
-    refresh: u64,
 }
 
 /// One operation, sent to the process hosting `peer`.
@@ -689,80 +675,5 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         idle_connections_per_peer: idle_connections,
     };
     println!("{}", serde_json::to_string(&report)?);
-    Ok(())
-}
-
-/// `starling bench dht-worker`: hosts peers and runs the operations its stdin asks for.
-pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
-    let base_rss_kb = rss_kb();
-    let peer = PeerSettings {
-        idle: Duration::from_secs(args.idle_timeout),
-        refresh: PeerSettings::refresh_from_s(args.refresh),
-    };
-    let nodes = start_peers(args.peers, Some(args.bootstrap), peer).await?;
-    let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
-    let (tx, mut rx) = mpsc::channel::<String>(1024);
-    let mut out = tokio::io::stdout();
-    let ready = serde_json::to_string(&Ready {
-        ready: true,
-        base_rss_kb,
-    })?;
-    out.write_all(format!("{ready}\n").as_bytes()).await?;
-    out.flush().await?;
-    let writer = tokio::spawn(async move {
-        while let Some(line) = rx.recv().await {
-            if out.write_all(line.as_bytes()).await.is_err() || out.flush().await.is_err() {
-                break;
-            }
-        }
-    });
-    let mut lines = BufReader::new(tokio::io::stdin()).lines();
-    while let Some(line) = lines.next_line().await? {
-        let op: Op = match serde_json::from_str(&line) {
-            Ok(op) => op,
-            Err(e) => bail!("bad op line {line:?}: {e}"),
-        };
-        let answer = |id, ok, ms, rss_kb, connections| {
-            let a = Answer {
-                id,
-                ok,
-                ms,
-                rss_kb,
-                connections,
-            };
-            format!("{}\n", serde_json::to_string(&a).unwrap_or_default())
-        };
-        match &op {
-            Op::Kill { id, peers } => {
-                for &p in peers {
-                    if let Some(node) = nodes.get_mut(p).and_then(Option::take) {
-                        node.shutdown().await;
-                    }
-                }
-                let _ = tx.send(answer(*id, true, 0.0, 0, 0)).await;
-            }
-            Op::Rss { id } => {
-                let connections = connections_of(&nodes).await;
-                let _ = tx.send(answer(*id, true, 0.0, rss_kb(), connections)).await;
-            }
-            Op::Store { id, peer, .. }
-            | Op::Get { id, peer, .. }
-            | Op::GetFirst { id, peer, .. } => {
-                let (id, node) = (*id, nodes.get(*peer).cloned().flatten());
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    let (ok, ms) = match node {
-                        Some(node) => run_local(&node, &op).await,
-                        None => (false, 0.0),
-                    };
-                    let _ = tx.send(answer(id, ok, ms, 0, 0)).await;
-                });
-            }
-        }
-    }
-    // The coordinator closed our stdin: stop.
-    futures::future::join_all(nodes.iter().flatten().map(|n| n.shutdown())).await;
-    drop(tx);
-    let _ = writer.await;
     Ok(())
 }

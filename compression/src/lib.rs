@@ -38,6 +38,8 @@
 //! bin centres; and the blockwise map gives its top decade more levels than bitsandbytes' (see
 //! [`DECADE_LEVELS`]).
 
+#![warn(missing_docs)]
+
 pub mod bench;
 mod chunk;
 mod codec;

@@ -33,6 +33,8 @@
 //! assert_eq!(a.get("alice").unwrap().value, b"2");
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 pub mod lock;
 pub mod owner;

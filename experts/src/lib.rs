@@ -39,6 +39,8 @@
 //! # Ok::<(), starling_experts::ExpertError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod activations;
 pub mod backend;
 pub mod board;

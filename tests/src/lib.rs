@@ -8,6 +8,8 @@
 //!   [`starling_bench::harness`].
 //! - [`bounded`], [`init_tracing`]: every test is time-bounded and logs through `RUST_LOG`.
 
+#![warn(missing_docs)]
+
 use std::time::Duration;
 
 pub use starling_bench::harness::{

@@ -41,6 +41,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod checkpoint;

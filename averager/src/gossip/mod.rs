@@ -92,6 +92,7 @@
 mod buffer;
 mod config;
 mod exchange;
+mod handle;
 mod membership;
 mod mix;
 mod report;
@@ -111,11 +112,12 @@ use tracing::Instrument;
 
 pub use buffer::GossipBuffer;
 pub use config::GossipConfig;
+pub use handle::GossipHandle;
 pub use mix::{consensus_distance, weighted_mean};
 pub use report::{Exchange, ExchangeOutcome, GossipReport, Role};
 pub use topology::Topology;
 
-use crate::averager::schema_hash;
+use crate::averager::group_schema_hash;
 use crate::router::{serve_lanes, MAX_INBOUND_HANDSHAKES};
 use crate::transport::Transport;
 use crate::wire::{Control, GOSSIP_PROTOCOL, MAX_CONTROL_BYTES};
@@ -638,7 +640,7 @@ impl GossipAverager {
     }
 
     fn schema(&self, len: usize) -> u64 {
-        schema_hash(&[len], &format!("gossip/{}", self.shared.config.codec))
+        group_schema_hash(&[len], &format!("gossip/{}", self.shared.config.codec))
     }
 }
 
@@ -647,56 +649,5 @@ impl Drop for GossipAverager {
         for t in &self.tasks {
             t.abort();
         }
-    }
-}
-
-/// A background gossip loop ([`GossipAverager::start_background`]). [`GossipHandle::stop`]
-/// ends it after the round in flight; dropping the handle aborts it at once (an exchange cut
-/// in its last message can then leave the pair's mass moved by one update, see the module
-/// docs).
-pub struct GossipHandle {
-    shared: Arc<Shared>,
-    buffer: GossipBuffer,
-    stop: watch::Sender<bool>,
-    reports: watch::Receiver<Option<GossipReport>>,
-    task: Option<JoinHandle<()>>,
-}
-
-impl GossipHandle {
-    /// Rounds the averager has run (this loop's and earlier steps').
-    pub fn rounds(&self) -> u64 {
-        self.shared.rounds.load(Ordering::Relaxed)
-    }
-
-    /// The last round's report.
-    pub fn last_report(&self) -> Option<GossipReport> {
-        self.reports.borrow().clone()
-    }
-
-    /// Stops the loop after the round in flight (bounded by its exchange timeouts) and stops
-    /// answering exchanges on the buffer.
-    pub async fn stop(mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
-        self.release();
-    }
-
-    fn release(&self) {
-        let mut served = lock(&self.shared.served);
-        if served.as_ref().is_some_and(|s| s.buffer.same(&self.buffer)) {
-            *served = None;
-        }
-        self.shared.background.store(false, Ordering::Release);
-    }
-}
-
-impl Drop for GossipHandle {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-        self.release();
     }
 }

@@ -1,0 +1,155 @@
+//! When this peer's share of the global batch is done; the matchmaking scheduled ahead of the
+//! round that ends the epoch (what the round will carry, when to start searching, what the last
+//! rounds taught about how long matchmaking takes); and the publication of this peer's progress
+//! for the next epoch.
+
+use super::*;
+
+impl CollaborativeOptimizer {
+    /// Whether the swarm has its global batch by `swarm`: this peer's samples plus the
+    /// others' (reported, or projected from their compute rates over the time this peer
+    /// computed) reach the target. Each peer then computes about its share, not the whole
+    /// batch (a step can take less than one progress read). Our own samples count even if our
+    /// report has not reached the others yet.
+    pub(super) fn batch_ready(&self, swarm: &SwarmProgress) -> bool {
+        let target = self.cfg.target_batch_size;
+        // Half a batch ahead: with every peer computing one more batch the swarm would jump
+        // past the target by up to a batch per peer; stopping when the target is nearer than
+        // half that jump lands the global batch on the target on average, not above it.
+        let ahead = self.samples + self.last_batch_samples / 2;
+        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let projected =
+            self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
+        tracing::trace!(
+            epoch = self.epoch,
+            own = self.samples,
+            swarm_epoch = swarm.epoch,
+            projection,
+            own_compute_rate = self.compute_rate,
+            peers_in_epoch = swarm.peers_in_epoch,
+            peers = swarm.peers,
+            rate = swarm.samples_per_second,
+            own_rate = swarm.own_samples_per_second,
+            "progress towards the global batch"
+        );
+        // (A reading of an earlier epoch than this peer's says nothing of this one's batch:
+        // this peer's own report may not have reached the DHT yet.)
+        (swarm.ready && swarm.epoch >= self.epoch) || self.samples >= target || projected
+    }
+}
+
+impl CollaborativeOptimizer {
+    /// The sizes of the tensors the round that ends this epoch averages: the gradients, and in
+    /// a round that carries the state the parameters and the optimizer state after them.
+    pub(super) fn round_sizes(&self, with_state: bool) -> Vec<usize> {
+        let mut sizes = vec![self.len];
+        if with_state {
+            sizes.push(self.len);
+            sizes.extend(self.optimizer.state().iter().map(|(_, b)| b.len()));
+        }
+        sizes
+    }
+
+    /// Pre-scheduled matchmaking: once the swarm is projected to reach its batch within about
+    /// twice the least time matchmaking took (at most half the start grace; plus one batch,
+    /// the time until this is checked again), the round's search starts in the background, so that its group is ready when
+    /// the gradients are. Not before a round measured how long matchmaking takes, nor while a
+    /// delayed update's round is in flight, nor for a peer alone in the run.
+    pub(super) fn schedule_matchmaking(&self, swarm: &SwarmProgress) {
+        let Some(estimate) = self.matchmaking_estimate else {
+            return;
+        };
+        if !self.cfg.scheduled_matchmaking
+            || self.pending.is_some()
+            || self.samples == 0
+            || swarm.peers <= 1
+            || swarm.epoch != self.epoch
+            || self.compute_rate.is_nan()
+            || self.compute_rate <= 0.0
+        {
+            return;
+        }
+        let ahead = self.samples + self.last_batch_samples / 2;
+        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let remaining = self.cfg.target_batch_size.saturating_sub(projection);
+        let others = (swarm.samples_per_second - swarm.own_samples_per_second).max(0.0);
+        let eta = remaining as f64 / (self.compute_rate + others);
+        let batch = self.last_batch_samples as f64 / self.compute_rate;
+        // Never earlier than half the start grace: a leader whose search opened that long ago
+        // begins with the peers declared by then, without one that prepares later.
+        let grace = self.cfg.averager.effective_start_grace().as_secs_f64();
+        let lead = (2.0 * estimate.as_secs_f64()).min(grace / 2.0);
+        if eta > lead + batch {
+            return;
+        }
+        self.averager.expect_peers(swarm_peers(Some(swarm)));
+        let sizes = self.round_sizes(self.state_due());
+        let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
+        if self.averager.prepare(&sizes, deadline) {
+            tracing::trace!(
+                epoch = self.epoch,
+                eta_ms = eta * 1e3,
+                estimate_ms = estimate.as_secs_f64() * 1e3,
+                "matchmaking started ahead of the batch"
+            );
+        }
+    }
+
+    /// Keeps the matchmaking estimate: the time a round that searched only when its step began
+    /// took to find its group (a round whose search started ahead says nothing of that).
+    pub(super) fn learn_matchmaking(&mut self, report: &StepReport) {
+        let Some(round) = report.round.as_ref().filter(|r| !r.prepared) else {
+            return;
+        };
+        // The least time seen: a round's matchmaking time also counts the wait for peers still
+        // computing, which starting early cannot save; the peer that arrived last saw only the
+        // search.
+        let took = round.matchmaking_time;
+        self.matchmaking_estimate = Some(self.matchmaking_estimate.map_or(took, |e| e.min(took)));
+    }
+
+    /// Publishes this peer's progress after a step (in a task, so that a dropped step does not
+    /// cut a publication short); the previous publication, if still in flight, ends first.
+    pub(super) async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
+        self.settle_publication().await?;
+        let (tracker, local) = (self.tracker.clone(), self.local_progress());
+        self.publishing = Some(tokio::spawn(async move { tracker.publish(local).await }));
+        // Awaited for now: left in flight while the next batches run, it made a kill/restart
+        // test hang about one run in five (training_sync's a_killed_peer_...); until that is
+        // understood the step waits for its publication as before.
+        self.settle_publication().await
+    }
+
+    /// The outcome of a background publication of the progress that has ended, if any (one
+    /// still in flight is left to run).
+    pub(super) fn collect_publication(&mut self) -> Result<(), TrainingError> {
+        let Some(task) = self.publishing.as_mut() else {
+            return Ok(());
+        };
+        let Some(ended) = task.now_or_never() else {
+            return Ok(());
+        };
+        self.publishing = None;
+        let published = ended.unwrap_or_else(|e| {
+            Err(ProgressError::Invalid(format!(
+                "the publishing task ended: {e}"
+            )))
+        });
+        self.tolerate(published).map(|_| ())
+    }
+
+    /// Waits for a background publication of the progress, if any, so that what this peer
+    /// reports next lands after it (its failure counts like any failed report).
+    pub(super) async fn settle_publication(&mut self) -> Result<(), TrainingError> {
+        let Some(task) = self.publishing.take() else {
+            return Ok(());
+        };
+        let published = match task.await {
+            Ok(r) => r,
+            Err(e) => Err(ProgressError::Invalid(format!(
+                "the publishing task ended: {e}"
+            ))),
+        };
+        self.tolerate(published).map(|_| ())
+    }
+}
