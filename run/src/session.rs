@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use starling_compression::Codec;
 use starling_node::Node;
-use starling_training::checkpoint::{Restore, Snapshot};
+use starling_training::state::{StateTarget, StateView};
 use starling_training::{
     sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, OptimizerConfig,
     ParamSet, SgdConfig, StateServer, StateServerConfig, StepReport, SyncConfig, SyncError,
@@ -214,7 +214,7 @@ impl Session {
         let mut resumed = None;
         if let Some(dir) = &checkpoint_dir {
             if check_checkpoint_dir(dir, &signed)? {
-                let meta = Restore::new(&mut params)
+                let meta = StateTarget::new(&mut params)
                     .optimizer("opt", optimizer.as_mut())
                     .load(dir)
                     .with_context(|| format!("restoring the checkpoint in {}", dir.display()))?;
@@ -317,8 +317,7 @@ impl Trainer {
 
     fn save(&self, dir: &std::path::Path, reporter: &dyn Reporter) {
         // The epoch the parameters are at (a delayed update's round in flight is not in them).
-        let saved = Snapshot::new(&self.params)
-            .epoch(self.collab.params_epoch())
+        let saved = StateView::new(self.collab.params_epoch(), &self.params)
             .optimizer("opt", self.collab.optimizer())
             .save(dir);
         match saved {

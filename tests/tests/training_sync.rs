@@ -585,8 +585,7 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
             epoch(&mut collab, &mut params, VICTIM).await;
         }
         let saved = params.params().to_vec();
-        starling_training::checkpoint::Snapshot::new(&params)
-            .epoch(collab.epoch())
+        StateView::new(collab.epoch(), &params)
             .optimizer("opt", collab.optimizer())
             .save(dir.path())
             .unwrap();
@@ -607,7 +606,7 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
         .unwrap();
         let mut params = model();
         let mut opt = adamw(params.len());
-        let meta = starling_training::checkpoint::Restore::new(&mut params)
+        let meta = StateTarget::new(&mut params)
             .optimizer("opt", &mut opt)
             .load(dir.path())
             .unwrap();

@@ -9,6 +9,8 @@
 //! - [`Optimizer`] ([`optim`]): [`Sgd`] (momentum, Nesterov) and [`AdamW`] as PyTorch defines them,
 //!   written so that the same inputs give the same bits on every peer; [`LrSchedule`] for warmup and
 //!   cosine decay.
+//! - [`state`]: a peer's training state, borrowed ([`StateView`] to save or serve, [`StateTarget`]
+//!   to load or write): the one builder pair checkpoints and state sync share.
 //! - [`checkpoint`]: save and load parameters, optimizer state, extra buffers and counters
 //!   (safetensors plus `checkpoint.json`), atomically, with every mismatch named.
 //! - `candle` (feature `candle`): moves a candle model's `Var`s and gradients to and from a
@@ -51,6 +53,7 @@ mod metrics;
 pub mod optim;
 pub mod params;
 pub mod progress;
+pub mod state;
 pub mod sync;
 
 #[cfg(feature = "candle")]
@@ -66,7 +69,7 @@ pub use optim::{
 };
 pub use params::{schema_hash, Init, ParamError, ParamSet, TensorId, TensorInfo};
 pub use progress::{LocalProgress, ProgressConfig, ProgressTracker, SwarmProgress};
+pub use state::{StateTarget, StateView};
 pub use sync::{
-    sync_state, StateServer, StateServerConfig, StateView, SyncConfig, SyncError, SyncReport,
-    SyncedState,
+    sync_state, StateServer, StateServerConfig, SyncConfig, SyncError, SyncReport, SyncedState,
 };

@@ -5,7 +5,8 @@ use std::fs;
 use std::path::Path;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use starling_training::checkpoint::{read_meta, Restore, Snapshot, META_FILE};
+use starling_training::checkpoint::{read_meta, META_FILE};
+use starling_training::state::{StateTarget, StateView};
 use starling_training::{
     AdamW, AdamWConfig, CheckpointError, Init, LrSchedule, Optimizer, ParamSet, Sgd, SgdConfig,
 };
@@ -79,8 +80,7 @@ fn resumed_training_is_bit_identical_to_uninterrupted() {
 
     let (mut set_b, mut inner_b, mut outer_b, mut anchor_b) = new_state();
     run(&mut set_b, &mut inner_b, &mut outer_b, &mut anchor_b, 0..7);
-    Snapshot::new(&set_b)
-        .epoch(7)
+    StateView::new(7, &set_b)
         .counter("samples", 7 * 64)
         .optimizer("inner", &inner_b)
         .optimizer("outer", &outer_b)
@@ -95,7 +95,7 @@ fn resumed_training_is_bit_identical_to_uninterrupted() {
     let mut outer_c = Sgd::new(SgdConfig::new(0.1).momentum(0.5), set_c.len()).unwrap();
     let mut anchor_c = vec![0.0; set_c.len()];
     set_c.grads_mut().fill(9.0);
-    let meta = Restore::new(&mut set_c)
+    let meta = StateTarget::new(&mut set_c)
         .optimizer("inner", &mut inner_c)
         .optimizer("outer", &mut outer_c)
         .buffer("anchor", &mut anchor_c)
@@ -125,8 +125,7 @@ fn saved(dir: &Path) -> (ParamSet, AdamW) {
     fill_grads(&mut set, &mut StdRng::seed_from_u64(2));
     let mut opt = AdamW::new(AdamWConfig::new(1e-3), set.len()).unwrap();
     opt.step_set(&mut set).unwrap();
-    Snapshot::new(&set)
-        .epoch(1)
+    StateView::new(1, &set)
         .optimizer("opt", &opt)
         .save(dir)
         .unwrap();
@@ -137,7 +136,7 @@ fn saved(dir: &Path) -> (ParamSet, AdamW) {
 fn load_fails(dir: &Path, mut set: ParamSet) -> CheckpointError {
     let mut opt = AdamW::new(AdamWConfig::default(), set.len()).unwrap();
     let (params_before, opt_before) = (set.clone(), opt.clone());
-    let err = Restore::new(&mut set)
+    let err = StateTarget::new(&mut set)
         .optimizer("opt", &mut opt)
         .load(dir)
         .unwrap_err();
@@ -253,7 +252,7 @@ fn optimizer_mismatches_are_named() {
     let mut set = model(1);
     let before = set.clone();
     let mut sgd = Sgd::new(SgdConfig::default(), set.len()).unwrap();
-    let err = Restore::new(&mut set)
+    let err = StateTarget::new(&mut set)
         .optimizer("opt", &mut sgd)
         .load(dir.path())
         .unwrap_err();
@@ -269,7 +268,7 @@ fn optimizer_mismatches_are_named() {
         "{err}"
     );
     let mut adam = AdamW::new(AdamWConfig::default(), set.len()).unwrap();
-    let err = Restore::new(&mut set)
+    let err = StateTarget::new(&mut set)
         .optimizer("inner", &mut adam)
         .load(dir.path())
         .unwrap_err();
@@ -278,7 +277,7 @@ fn optimizer_mismatches_are_named() {
         "{err}"
     );
     let mut anchor = vec![0.0; set.len()];
-    let err = Restore::new(&mut set)
+    let err = StateTarget::new(&mut set)
         .buffer("anchor", &mut anchor)
         .load(dir.path())
         .unwrap_err();
@@ -367,7 +366,7 @@ fn a_tensors_file_from_another_checkpoint_is_caught() {
     other.add_zeros("l2.weight", &[4, 16]).unwrap();
     other.add_zeros("l2.bias", &[4]).unwrap();
     let opt = AdamW::new(AdamWConfig::new(1e-3), other.len()).unwrap();
-    let meta_b = Snapshot::new(&other)
+    let meta_b = StateView::new(0, &other)
         .optimizer("opt", &opt)
         .save(dir_b.path())
         .unwrap();
@@ -401,8 +400,7 @@ fn saving_again_replaces_the_checkpoint_and_removes_old_files() {
     fs::write(dir.path().join("tensors.safetensors.partial"), b"garbage").unwrap();
     fs::write(dir.path().join("checkpoint.json.partial"), b"garbage").unwrap();
     opt.step_set(&mut set).unwrap();
-    let meta = Snapshot::new(&set)
-        .epoch(2)
+    let meta = StateView::new(2, &set)
         .optimizer("opt", &opt)
         .save(dir.path())
         .unwrap();
@@ -415,7 +413,7 @@ fn saving_again_replaces_the_checkpoint_and_removes_old_files() {
     assert_eq!(names, [META_FILE.to_string(), meta.tensors_file.clone()]);
     let mut loaded = model(3);
     let mut opt2 = AdamW::new(AdamWConfig::default(), loaded.len()).unwrap();
-    Restore::new(&mut loaded)
+    StateTarget::new(&mut loaded)
         .optimizer("opt", &mut opt2)
         .load(dir.path())
         .unwrap();
@@ -429,7 +427,7 @@ fn invalid_names_and_lengths_are_refused_on_save() {
     let set = model(1);
     let opt = Sgd::new(SgdConfig::default(), set.len()).unwrap();
     let short = vec![0.0; 3];
-    let err = Snapshot::new(&set)
+    let err = StateView::new(0, &set)
         .buffer("anchor", &short)
         .save(dir.path())
         .unwrap_err();
@@ -444,12 +442,12 @@ fn invalid_names_and_lengths_are_refused_on_save() {
         ),
         "{err}"
     );
-    let err = Snapshot::new(&set)
+    let err = StateView::new(0, &set)
         .optimizer("a/b", &opt)
         .save(dir.path())
         .unwrap_err();
     assert!(matches!(err, CheckpointError::InvalidName { .. }), "{err}");
-    let err = Snapshot::new(&set)
+    let err = StateView::new(0, &set)
         .optimizer("x", &opt)
         .optimizer("x", &opt)
         .save(dir.path())
@@ -465,9 +463,15 @@ fn invalid_names_and_lengths_are_refused_on_save() {
 fn empty_model_round_trips() {
     let dir = tempfile::tempdir().unwrap();
     let set = ParamSet::new();
-    Snapshot::new(&set).epoch(3).save(dir.path()).unwrap();
+    StateView::new(3, &set).save(dir.path()).unwrap();
     let mut loaded = ParamSet::new();
-    assert_eq!(Restore::new(&mut loaded).load(dir.path()).unwrap().epoch, 3);
+    assert_eq!(
+        StateTarget::new(&mut loaded)
+            .load(dir.path())
+            .unwrap()
+            .epoch,
+        3
+    );
 }
 
 #[test]

@@ -167,11 +167,11 @@ fn hash_and_sync(path: &Path) -> Result<(u64, u64), CheckpointError> {
 /// Reads and checks `dir/checkpoint.json`: format, version, and that its fields agree.
 ///
 /// ```
-/// use starling_training::{checkpoint::{read_meta, Snapshot}, ParamSet};
+/// use starling_training::{checkpoint::read_meta, state::StateView, ParamSet};
 /// let dir = tempfile::tempdir().unwrap();
 /// let mut params = ParamSet::new();
 /// params.add("w", &[2], &[1.0, 2.0])?;
-/// Snapshot::new(&params).epoch(4).save(dir.path())?;
+/// StateView::new(4, &params).save(dir.path())?;
 /// let meta = read_meta(dir.path())?;
 /// assert_eq!((meta.epoch, meta.schema[0].name.as_str()), (4, "w"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -1,6 +1,7 @@
 //! Checkpoints of the whole training state, so a restarted peer resumes where it stopped.
 //!
-//! A checkpoint is a directory with two files:
+//! [`StateView::save`] writes one, [`StateTarget::load`] reads one back (the builders of
+//! [`crate::state`], shared with state sync). A checkpoint is a directory with two files:
 //!
 //! - `tensors-<epoch>-<hash>.safetensors`: every parameter (`param/<tensor>`), every optimizer state
 //!   buffer (`optim/<optimizer>/<state>/<tensor>`) and every extra buffer (`buffer/<buffer>/<tensor>`),
@@ -16,7 +17,7 @@
 //! and the expected and actual values when something does not match. One writer per directory.
 //!
 //! ```
-//! use starling_training::checkpoint::{Restore, Snapshot};
+//! use starling_training::state::{StateTarget, StateView};
 //! use starling_training::{AdamW, AdamWConfig, Optimizer, ParamSet};
 //!
 //! let dir = tempfile::tempdir().unwrap();
@@ -25,13 +26,13 @@
 //! params.grads_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
 //! let mut opt = AdamW::new(AdamWConfig::new(1e-2), params.len())?;
 //! opt.step_set(&mut params)?;
-//! Snapshot::new(&params).epoch(3).counter("samples", 512).optimizer("opt", &opt).save(dir.path())?;
+//! StateView::new(3, &params).counter("samples", 512).optimizer("opt", &opt).save(dir.path())?;
 //!
 //! // A restarted peer registers the same tensors and loads.
 //! let mut resumed = ParamSet::new();
 //! resumed.add_zeros("w", &[2, 2])?;
 //! let mut resumed_opt = AdamW::new(AdamWConfig::default(), resumed.len())?;
-//! let meta = Restore::new(&mut resumed).optimizer("opt", &mut resumed_opt).load(dir.path())?;
+//! let meta = StateTarget::new(&mut resumed).optimizer("opt", &mut resumed_opt).load(dir.path())?;
 //! assert_eq!((meta.epoch, meta.counters["samples"]), (3, 512));
 //! assert_eq!(resumed.params(), params.params());
 //! assert_eq!(resumed_opt.state(), opt.state());
@@ -40,7 +41,7 @@
 //! // A model with another shape is refused, naming the tensor.
 //! let mut other = ParamSet::new();
 //! other.add_zeros("w", &[4])?;
-//! let err = Restore::new(&mut other).load(dir.path()).unwrap_err();
+//! let err = StateTarget::new(&mut other).load(dir.path()).unwrap_err();
 //! assert!(err.to_string().contains("\"w\""));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -53,6 +54,7 @@ use std::path::Path;
 
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+use crate::state::{StateTarget, StateView};
 
 pub use files::read_meta;
 pub use meta::{CheckpointError, CheckpointMeta, OptimizerMeta, SchemaEntry};
@@ -70,105 +72,16 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Name of the metadata file inside a checkpoint directory.
 pub const META_FILE: &str = "checkpoint.json";
 
-/// What to save: parameters, optimizers, extra buffers and counters.
-///
-/// ```
-/// use starling_training::checkpoint::Snapshot;
-/// use starling_training::{ParamSet, Sgd, SgdConfig};
-/// let dir = tempfile::tempdir().unwrap();
-/// let mut params = ParamSet::new();
-/// params.add("w", &[3], &[1.0, 2.0, 3.0])?;
-/// let inner = Sgd::new(SgdConfig::new(0.1).momentum(0.9), params.len())?;
-/// let anchor = params.params().to_vec(); // e.g. DiLoCo's parameters at the last sync
-/// let meta = Snapshot::new(&params)
-///     .epoch(12)
-///     .optimizer("inner", &inner)
-///     .buffer("anchor", &anchor)
-///     .save(dir.path())?;
-/// assert_eq!(meta.optimizers["inner"].state, ["momentum_buffer"]);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct Snapshot<'a> {
-    params: &'a ParamSet,
-    epoch: u64,
-    counters: BTreeMap<String, u64>,
-    optimizers: Vec<(String, &'a dyn Optimizer)>,
-    buffers: Vec<(String, &'a [f32])>,
-}
-
-impl<'a> Snapshot<'a> {
-    /// A snapshot of `params` alone, at epoch 0.
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _snapshot = starling_training::checkpoint::Snapshot::new(&params);
-    /// ```
-    pub fn new(params: &'a ParamSet) -> Self {
-        Self {
-            params,
-            epoch: 0,
-            counters: BTreeMap::new(),
-            optimizers: Vec::new(),
-            buffers: Vec::new(),
-        }
-    }
-
-    /// Records the epoch.
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _snapshot = starling_training::checkpoint::Snapshot::new(&params).epoch(5);
-    /// ```
-    pub fn epoch(mut self, epoch: u64) -> Self {
-        self.epoch = epoch;
-        self
-    }
-
-    /// Records a named counter (a later value for the same name replaces the earlier one).
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _snapshot = starling_training::checkpoint::Snapshot::new(&params).counter("samples", 1024);
-    /// ```
-    pub fn counter(mut self, name: impl Into<String>, value: u64) -> Self {
-        self.counters.insert(name.into(), value);
-        self
-    }
-
-    /// Adds an optimizer's hyper-parameters, step count and state under `name`.
-    ///
-    /// ```
-    /// use starling_training::{checkpoint::Snapshot, AdamW, AdamWConfig, ParamSet};
-    /// let params = ParamSet::new();
-    /// let opt = AdamW::new(AdamWConfig::default(), 0)?;
-    /// let _snapshot = Snapshot::new(&params).optimizer("opt", &opt);
-    /// # Ok::<(), starling_training::OptimError>(())
-    /// ```
-    pub fn optimizer(mut self, name: impl Into<String>, optimizer: &'a dyn Optimizer) -> Self {
-        self.optimizers.push((name.into(), optimizer));
-        self
-    }
-
-    /// Adds an extra flat buffer with one value per parameter under `name`.
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _snapshot = starling_training::checkpoint::Snapshot::new(&params).buffer("anchor", &[]);
-    /// ```
-    pub fn buffer(mut self, name: impl Into<String>, values: &'a [f32]) -> Self {
-        self.buffers.push((name.into(), values));
-        self
-    }
-
+impl StateView<'_> {
     /// Writes the checkpoint into `dir` (created if missing), replacing the one there atomically,
     /// and returns its metadata.
     ///
     /// ```
-    /// use starling_training::{checkpoint::{read_meta, Snapshot}, ParamSet};
+    /// use starling_training::{checkpoint::read_meta, state::StateView, ParamSet};
     /// let dir = tempfile::tempdir().unwrap();
     /// let mut params = ParamSet::new();
     /// params.add("w", &[2], &[1.0, 2.0])?;
-    /// let saved = Snapshot::new(&params).epoch(1).save(dir.path())?;
+    /// let saved = StateView::new(1, &params).save(dir.path())?;
     /// assert_eq!(read_meta(dir.path())?, saved);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
@@ -257,86 +170,22 @@ impl<'a> Snapshot<'a> {
     }
 }
 
-/// Where to load a checkpoint: parameters, optimizers and extra buffers by name.
-///
-/// Loading overwrites the parameters, zeroes the gradients, and gives each optimizer the saved
-/// hyper-parameters, step count and state (change the learning rate afterwards if you mean to).
-/// Optimizers and buffers in the checkpoint that are not asked for are ignored.
-///
-/// ```
-/// use starling_training::checkpoint::{Restore, Snapshot};
-/// use starling_training::ParamSet;
-/// let dir = tempfile::tempdir().unwrap();
-/// let mut params = ParamSet::new();
-/// params.add("w", &[2], &[1.0, 2.0])?;
-/// let anchor = vec![0.5f32, 0.5];
-/// Snapshot::new(&params).buffer("anchor", &anchor).save(dir.path())?;
-///
-/// let mut resumed = ParamSet::new();
-/// resumed.add_zeros("w", &[2])?;
-/// let mut resumed_anchor = vec![0.0f32; 2];
-/// Restore::new(&mut resumed).buffer("anchor", &mut resumed_anchor).load(dir.path())?;
-/// assert_eq!((resumed.params(), &resumed_anchor[..]), (params.params(), &anchor[..]));
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct Restore<'a> {
-    params: &'a mut ParamSet,
-    optimizers: Vec<(String, &'a mut dyn Optimizer)>,
-    buffers: Vec<(String, &'a mut [f32])>,
-}
-
-impl<'a> Restore<'a> {
-    /// Loads into `params` (which must register the checkpoint's tensors, in its order).
-    ///
-    /// ```
-    /// let mut params = starling_training::ParamSet::new();
-    /// let _restore = starling_training::checkpoint::Restore::new(&mut params);
-    /// ```
-    pub fn new(params: &'a mut ParamSet) -> Self {
-        Self {
-            params,
-            optimizers: Vec::new(),
-            buffers: Vec::new(),
-        }
-    }
-
-    /// Also loads the optimizer saved as `name` (it must be of the same kind).
-    ///
-    /// ```
-    /// use starling_training::{checkpoint::Restore, ParamSet, Sgd, SgdConfig};
-    /// let mut params = ParamSet::new();
-    /// let mut sgd = Sgd::new(SgdConfig::default(), 0)?;
-    /// let _restore = Restore::new(&mut params).optimizer("opt", &mut sgd);
-    /// # Ok::<(), starling_training::OptimError>(())
-    /// ```
-    pub fn optimizer(mut self, name: impl Into<String>, optimizer: &'a mut dyn Optimizer) -> Self {
-        self.optimizers.push((name.into(), optimizer));
-        self
-    }
-
-    /// Also loads the extra buffer saved as `name` into `values` (one value per parameter).
-    ///
-    /// ```
-    /// let mut params = starling_training::ParamSet::new();
-    /// let mut anchor: Vec<f32> = Vec::new();
-    /// let _restore = starling_training::checkpoint::Restore::new(&mut params).buffer("anchor", &mut anchor);
-    /// ```
-    pub fn buffer(mut self, name: impl Into<String>, values: &'a mut [f32]) -> Self {
-        self.buffers.push((name.into(), values));
-        self
-    }
-
+impl StateTarget<'_> {
     /// Checks the checkpoint in `dir` against everything asked for, then loads it; on error nothing
     /// has been written. Returns the metadata (epoch, counters, ...).
     ///
+    /// Loading overwrites the parameters, zeroes the gradients, and gives each optimizer the saved
+    /// hyper-parameters, step count and state (change the learning rate afterwards if you mean to).
+    /// Optimizers and buffers in the checkpoint that are not asked for are ignored.
+    ///
     /// ```
-    /// use starling_training::{checkpoint::{Restore, Snapshot}, ParamSet};
+    /// use starling_training::{state::{StateTarget, StateView}, ParamSet};
     /// let dir = tempfile::tempdir().unwrap();
     /// let mut params = ParamSet::new();
     /// params.add("w", &[2], &[1.0, 2.0])?;
-    /// Snapshot::new(&params).epoch(9).save(dir.path())?;
+    /// StateView::new(9, &params).save(dir.path())?;
     /// params.params_mut().fill(0.0);
-    /// let meta = Restore::new(&mut params).load(dir.path())?;
+    /// let meta = StateTarget::new(&mut params).load(dir.path())?;
     /// assert_eq!((meta.epoch, params.params()), (9, &[1.0, 2.0][..]));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```

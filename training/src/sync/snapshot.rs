@@ -1,6 +1,7 @@
 //! What state sync moves, on each side: a donor's [`StateView`] (borrowed, captured into an owned
 //! [`StateSnapshot`] at a step boundary), a joiner's [`StateTarget`] (where a verified
-//! [`SyncedState`] is written), and the [`StateLayout`] both must agree on.
+//! [`SyncedState`] is written), and the [`StateLayout`] both must agree on. The two builders are
+//! [`crate::state`]'s, the same ones a checkpoint saves and loads.
 //!
 //! State is a list of named flat `f32` buffers of one value per parameter, in a fixed order:
 //! `param`, then `optim/<optimizer>/<state>` for each optimizer's state buffers, then
@@ -15,6 +16,7 @@ use std::ops::Range;
 
 use crate::optim::Optimizer;
 use crate::params::ParamSet;
+pub use crate::state::{StateTarget, StateView};
 
 use super::SyncError;
 
@@ -136,82 +138,7 @@ impl StateLayout {
     }
 }
 
-/// A donor's training state, borrowed, at a step boundary: parameters, optimizers, extra
-/// buffers, epoch and counters. [`StateView::capture`] copies it into a [`StateSnapshot`] for a
-/// [`StateServer`](super::StateServer).
-///
-/// ```
-/// use starling_training::{sync::StateView, AdamW, AdamWConfig, ParamSet};
-/// let mut params = ParamSet::new();
-/// params.add("w", &[2], &[0.5, -0.5])?;
-/// let opt = AdamW::new(AdamWConfig::new(1e-3), params.len())?;
-/// let snapshot = StateView::new(7, &params).optimizer("opt", &opt).counter("samples", 4096).capture()?;
-/// assert_eq!(snapshot.epoch(), 7);
-/// assert_eq!(snapshot.buffer("param"), Some(&[0.5, -0.5][..]));
-/// assert_eq!(snapshot.counters()["samples"], 4096);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct StateView<'a> {
-    epoch: u64,
-    params: &'a ParamSet,
-    optimizers: Vec<(String, &'a dyn Optimizer)>,
-    buffers: Vec<(String, &'a [f32])>,
-    counters: BTreeMap<String, u64>,
-}
-
-impl<'a> StateView<'a> {
-    /// The state at `epoch` of `params` alone.
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _view = starling_training::sync::StateView::new(3, &params);
-    /// ```
-    pub fn new(epoch: u64, params: &'a ParamSet) -> Self {
-        StateView {
-            epoch,
-            params,
-            optimizers: Vec::new(),
-            buffers: Vec::new(),
-            counters: BTreeMap::new(),
-        }
-    }
-
-    /// Adds an optimizer's state buffers and step count under `name`.
-    ///
-    /// ```
-    /// use starling_training::{sync::StateView, ParamSet, Sgd, SgdConfig};
-    /// let params = ParamSet::new();
-    /// let sgd = Sgd::new(SgdConfig::new(0.1), 0)?;
-    /// let _view = StateView::new(0, &params).optimizer("opt", &sgd);
-    /// # Ok::<(), starling_training::OptimError>(())
-    /// ```
-    pub fn optimizer(mut self, name: impl Into<String>, optimizer: &'a dyn Optimizer) -> Self {
-        self.optimizers.push((name.into(), optimizer));
-        self
-    }
-
-    /// Adds an extra buffer of one value per parameter (for example DiLoCo's phase start).
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _view = starling_training::sync::StateView::new(0, &params).buffer("anchor", &[]);
-    /// ```
-    pub fn buffer(mut self, name: impl Into<String>, values: &'a [f32]) -> Self {
-        self.buffers.push((name.into(), values));
-        self
-    }
-
-    /// Adds a counter (a later value for the same name replaces the earlier one).
-    ///
-    /// ```
-    /// let params = starling_training::ParamSet::new();
-    /// let _view = starling_training::sync::StateView::new(0, &params).counter("samples", 10);
-    /// ```
-    pub fn counter(mut self, name: impl Into<String>, value: u64) -> Self {
-        self.counters.insert(name.into(), value);
-        self
-    }
-
+impl StateView<'_> {
     /// The layout of this state (what a joiner passes to [`sync_state`](super::sync_state)).
     ///
     /// ```
@@ -363,66 +290,7 @@ impl StateSnapshot {
     }
 }
 
-/// Where a joiner writes a verified [`SyncedState`]: its parameters, optimizers and extra
-/// buffers, named as on the donors' [`StateView`].
-///
-/// ```
-/// use starling_training::{sync::{StateTarget, StateView}, ParamSet, Sgd, SgdConfig};
-/// let mut params = ParamSet::new();
-/// params.add_zeros("w", &[2])?;
-/// let mut sgd = Sgd::new(SgdConfig::new(0.1).momentum(0.9), params.len())?;
-/// // Donors and joiner describe the same layout.
-/// let donor_layout = StateView::new(0, &params).optimizer("opt", &sgd).layout();
-/// assert_eq!(StateTarget::new(&mut params).optimizer("opt", &mut sgd).layout(), donor_layout);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct StateTarget<'a> {
-    params: &'a mut ParamSet,
-    optimizers: Vec<(String, &'a mut dyn Optimizer)>,
-    buffers: Vec<(String, &'a mut [f32])>,
-}
-
-impl<'a> StateTarget<'a> {
-    /// Writes into `params`.
-    ///
-    /// ```
-    /// let mut params = starling_training::ParamSet::new();
-    /// let _target = starling_training::sync::StateTarget::new(&mut params);
-    /// ```
-    pub fn new(params: &'a mut ParamSet) -> Self {
-        StateTarget {
-            params,
-            optimizers: Vec::new(),
-            buffers: Vec::new(),
-        }
-    }
-
-    /// Also writes the optimizer the donors name `name` (state buffers and step count).
-    ///
-    /// ```
-    /// use starling_training::{sync::StateTarget, ParamSet, Sgd, SgdConfig};
-    /// let mut params = ParamSet::new();
-    /// let mut sgd = Sgd::new(SgdConfig::new(0.1), 0)?;
-    /// let _target = StateTarget::new(&mut params).optimizer("opt", &mut sgd);
-    /// # Ok::<(), starling_training::OptimError>(())
-    /// ```
-    pub fn optimizer(mut self, name: impl Into<String>, optimizer: &'a mut dyn Optimizer) -> Self {
-        self.optimizers.push((name.into(), optimizer));
-        self
-    }
-
-    /// Also writes the extra buffer the donors name `name`.
-    ///
-    /// ```
-    /// let mut params = starling_training::ParamSet::new();
-    /// let mut anchor: Vec<f32> = Vec::new();
-    /// let _target = starling_training::sync::StateTarget::new(&mut params).buffer("anchor", &mut anchor);
-    /// ```
-    pub fn buffer(mut self, name: impl Into<String>, values: &'a mut [f32]) -> Self {
-        self.buffers.push((name.into(), values));
-        self
-    }
-
+impl StateTarget<'_> {
     /// The layout this target expects (pass it to [`sync_state`](super::sync_state)).
     ///
     /// ```
