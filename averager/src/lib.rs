@@ -9,7 +9,7 @@
 //!   it declared (measured from real transfers), so weak and client peers reduce little or
 //!   nothing.
 //! - [`wire`]: every message and the framing (bounded frames, `starling_node::framing`).
-//! - [`local`]: collectives across the devices of one machine ([`LocalGroup`]: CPU threads, or
+//! - [`devices`]: local collectives across the devices of one machine ([`LocalGroup`]: CPU threads, or
 //!   NCCL with the `cuda` feature) and [`Hierarchical`] averaging, where one averager speaks
 //!   for the whole machine in the swarm.
 //!
@@ -149,11 +149,11 @@ mod allreduce;
 mod averager;
 mod bandwidth;
 mod config;
+pub mod devices;
 mod error;
 mod feedback;
 pub mod gossip;
 mod group;
-pub mod local;
 mod matchmaking;
 mod metrics;
 pub mod partition;
@@ -168,8 +168,8 @@ pub use averager::Averager;
 pub use config::{AveragerConfig, AveragingMode};
 #[cfg(feature = "testing")]
 pub use config::{Fault, Rogue};
+pub use devices::{Hierarchical, LocalGroup};
 pub use error::AveragerError;
 pub use feedback::Residuals;
-pub use local::{Hierarchical, LocalGroup};
 pub use metrics::{AveragerBoard, RoundRecord};
 pub use report::{RoundReport, SpanOutcome, SpanReport};

@@ -21,7 +21,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 use serde::Serialize;
-use starling_averager::local::{Backend, DeviceReport, LocalError, LocalGroup, ReduceOp};
+use starling_averager::devices::{Backend, DeviceReport, LocalError, LocalGroup, ReduceOp};
 
 /// The flags of `starling bench local`.
 #[derive(Args, Debug)]

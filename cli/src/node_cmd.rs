@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
-use starling_averager::local::DeviceReport;
+use starling_averager::devices::DeviceReport;
 use starling_node::{Multiaddr, NatEvent, Node, Reachability, RelayServerConfig};
 use tokio::sync::broadcast;
 

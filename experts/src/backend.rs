@@ -33,9 +33,11 @@ pub enum ExpertKind {
     },
 }
 
-/// AdamW settings of an expert's own optimizer.
+/// AdamW settings of an expert's own optimizer: the hyper-parameters of
+/// `starling_training::AdamWConfig` (experts/ and training/ are siblings; neither depends on the
+/// other). A run's optimizer choice is `starling_run::manifest::OptimizerSpec`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct OptimizerSpec {
+pub struct AdamWSpec {
     /// Learning rate.
     pub lr: f64,
     /// First-moment decay.
@@ -48,9 +50,9 @@ pub struct OptimizerSpec {
     pub weight_decay: f64,
 }
 
-impl Default for OptimizerSpec {
+impl Default for AdamWSpec {
     fn default() -> Self {
-        OptimizerSpec {
+        AdamWSpec {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.999,
@@ -70,7 +72,7 @@ pub struct ExpertSpec {
     /// Inner width of the feed-forward part.
     pub hidden: usize,
     /// The expert's optimizer.
-    pub optimizer: OptimizerSpec,
+    pub optimizer: AdamWSpec,
 }
 
 impl ExpertSpec {
@@ -80,7 +82,7 @@ impl ExpertSpec {
             kind: ExpertKind::Ffn,
             dim,
             hidden,
-            optimizer: OptimizerSpec::default(),
+            optimizer: AdamWSpec::default(),
         }
     }
 
@@ -90,7 +92,7 @@ impl ExpertSpec {
             kind: ExpertKind::Transformer { seq_len, heads },
             dim,
             hidden,
-            optimizer: OptimizerSpec::default(),
+            optimizer: AdamWSpec::default(),
         }
     }
 

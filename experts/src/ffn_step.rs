@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::backend::OptimizerSpec;
+use crate::backend::AdamWSpec;
 use crate::Result;
 
 const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
@@ -238,17 +238,24 @@ pub(crate) fn ffn_gradients(
     ))
 }
 
-/// AdamW over flat buffers: the same arithmetic as candle-nn's `AdamW` (PyTorch's), in one pass
-/// per parameter.
+/// AdamW over an expert's candle `Var`s: the same arithmetic as candle-nn's `AdamW` and as
+/// `starling_training::AdamW` (both PyTorch's; the test below checks it against candle-nn's), in
+/// one pass per parameter.
+///
+/// Why a third AdamW: training's works on one flat `ParamSet` buffer whose steps must be
+/// bit-identical across peers, and experts/ does not depend on training/ (they are siblings);
+/// candle-nn's builds new tensors for every operation of the update, while an expert steps on
+/// every backward it serves: this one keeps per-tensor moments in plain vectors and writes each
+/// `Var` once.
 pub(crate) struct FlatAdamW {
-    spec: OptimizerSpec,
+    spec: AdamWSpec,
     moments: Vec<(Vec<f32>, Vec<f32>)>,
     step: u64,
 }
 
 impl FlatAdamW {
     /// State for `vars` (zero moments).
-    pub fn new(spec: OptimizerSpec, vars: &[&Var]) -> Self {
+    pub fn new(spec: AdamWSpec, vars: &[&Var]) -> Self {
         FlatAdamW {
             spec,
             moments: vars
@@ -369,10 +376,10 @@ mod tests {
     #[test]
     fn flat_adamw_equals_candles() {
         let mut rng = StdRng::seed_from_u64(2);
-        let spec = OptimizerSpec {
+        let spec = AdamWSpec {
             lr: 1e-2,
             weight_decay: 0.1,
-            ..OptimizerSpec::default()
+            ..AdamWSpec::default()
         };
         let a = Var::from_tensor(&randn(&[5, 7], &mut rng)).unwrap();
         let b = Var::from_tensor(a.as_tensor()).unwrap();

@@ -54,7 +54,7 @@ pub mod server;
 pub mod wire;
 
 pub use activations::ActivationReuse;
-pub use backend::{Expert, ExpertKind, ExpertSpec, OptimizerSpec};
+pub use backend::{AdamWSpec, Expert, ExpertKind, ExpertSpec};
 pub use board::ExpertsBoard;
 pub use client::{ClientConfig, ExpertClient, RemoteExpert};
 pub use error::{ExpertError, RemoteError, RemoteErrorKind, Result};

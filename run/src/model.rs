@@ -286,6 +286,14 @@ impl Net for Mlp {
     }
 }
 
+/// A pre-norm causal transformer block of the charlm.
+///
+/// Why not the experts' transformer block (`starling_experts`' `ExpertKind::Transformer`): that
+/// one is a whole network behind a server (no mask: it sees one sequence of activations at a
+/// time), with its own layer norm written in primitive ops; this one masks attention causally
+/// and runs candle's fused layer norm and softmax when evaluating (they have no backward, so
+/// training uses the primitive ops: [`Pass`]). Their parameter names also differ, and they are
+/// part of a run's tensor schema: merging them would change every charlm run's schema hash.
 struct Block {
     ln1: LayerNorm,
     qkv: Linear,

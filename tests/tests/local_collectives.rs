@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use starling_averager::local::{Hierarchical, LocalGroup, ReduceOp};
+use starling_averager::devices::{Hierarchical, LocalGroup, ReduceOp};
 use starling_averager::{Averager, AveragerConfig, AveragerError, RoundReport};
 use starling_node::NodeConfig;
 use starling_tests::{

@@ -366,7 +366,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     };
     observer.print(args.json);
     // The same device line as `starling node` (GPUs and NCCL, or why there are none).
-    let devices = starling_averager::local::DeviceReport::probe();
+    let devices = starling_averager::devices::DeviceReport::probe();
     if args.json {
         println!(
             "{}",

@@ -19,7 +19,7 @@ use crate::{Averager, AveragerError, RoundReport};
 ///
 /// ```
 /// use std::time::Instant;
-/// use starling_averager::local::SwarmAverager;
+/// use starling_averager::devices::SwarmAverager;
 ///
 /// /// A swarm of one: the round leaves the values as they are.
 /// struct Alone;
@@ -109,7 +109,7 @@ pub struct HierarchicalReport<R, E> {
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::{Duration, Instant};
 /// use starling_averager::{Averager, AveragerConfig};
-/// use starling_averager::local::{Hierarchical, LocalGroup};
+/// use starling_averager::devices::{Hierarchical, LocalGroup};
 /// use starling_node::{Node, NodeConfig};
 ///
 /// let node = Node::start(NodeConfig::default()).await?;

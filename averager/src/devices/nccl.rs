@@ -447,7 +447,7 @@ impl NcclGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::LocalGroup;
+    use crate::devices::LocalGroup;
 
     /// A stand-in driver with one "GPU", and an NCCL that has only `ncclGetVersion`.
     const FAKE_CUDA: &str = r#"
@@ -461,7 +461,7 @@ mod tests {
     "#;
     const FAKE_NCCL: &str = "int ncclGetVersion(int *v) { *v = 22105; return 0; }";
     const THIS_TEST: &str =
-        "local::nccl::tests::a_driver_without_nccl_or_with_missing_functions_is_an_error";
+        "devices::nccl::tests::a_driver_without_nccl_or_with_missing_functions_is_an_error";
 
     fn compile(dir: &Path, source: &str, lib: &str) -> bool {
         let c = dir.join(format!("{lib}.c"));

@@ -17,7 +17,7 @@
 //! - [`DeviceReport`]: which GPUs and which NCCL this process can use, in one line.
 //!
 //! ```
-//! use starling_averager::local::{LocalGroup, ReduceOp};
+//! use starling_averager::devices::{LocalGroup, ReduceOp};
 //! let mut group = LocalGroup::cpu(4, 1000)?;
 //! for d in 0..4 {
 //!     group.load(d, &vec![d as f32; 1000])?;
@@ -26,7 +26,7 @@
 //! let mut out = vec![0.0; 1000];
 //! group.store(3, &mut out)?;
 //! assert!(out.iter().all(|&x| x == 6.0));
-//! # Ok::<(), starling_averager::local::LocalError>(())
+//! # Ok::<(), starling_averager::devices::LocalError>(())
 //! ```
 //!
 //! NCCL note: `cudarc` looks for `libnccl.so`, while pip's `nvidia-nccl-cu12` and Debian's
@@ -57,7 +57,7 @@ pub const MAX_DEVICES: usize = 64;
 /// Where a [`LocalGroup`]'s devices live.
 ///
 /// ```
-/// use starling_averager::local::Backend;
+/// use starling_averager::devices::Backend;
 /// assert_eq!("nccl".parse::<Backend>().unwrap(), Backend::Nccl);
 /// assert_eq!(Backend::Cpu.to_string(), "cpu");
 /// ```
@@ -93,7 +93,7 @@ impl FromStr for Backend {
 /// How an all-reduce (or reduce) combines the devices' buffers.
 ///
 /// ```
-/// use starling_averager::local::{LocalGroup, ReduceOp};
+/// use starling_averager::devices::{LocalGroup, ReduceOp};
 /// let mut group = LocalGroup::cpu(2, 1)?;
 /// group.load(0, &[1.0])?;
 /// group.load(1, &[4.0])?;
@@ -101,7 +101,7 @@ impl FromStr for Backend {
 /// let mut x = [0.0];
 /// group.store(1, &mut x)?;
 /// assert_eq!(x, [2.0]);
-/// # Ok::<(), starling_averager::local::LocalError>(())
+/// # Ok::<(), starling_averager::devices::LocalError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ReduceOp<'a> {
@@ -155,7 +155,7 @@ pub(crate) fn check_weights(weights: &[f32], devices: usize) -> Result<f64, Loca
 /// device order, sizes differing by at most one (equal when `n` divides `len`).
 ///
 /// ```
-/// use starling_averager::local::part;
+/// use starling_averager::devices::part;
 /// assert_eq!(part(10, 4, 0), 0..2);
 /// assert_eq!(part(10, 4, 3), 7..10);
 /// assert_eq!(part(1, 4, 2), 0..0);
@@ -186,7 +186,7 @@ enum Inner {
 /// work in place on the buffers and return when every device holds its result.
 ///
 /// ```
-/// use starling_averager::local::{Backend, LocalGroup, ReduceOp};
+/// use starling_averager::devices::{Backend, LocalGroup, ReduceOp};
 /// let mut group = LocalGroup::new(Backend::Cpu, 4, 8)?;
 /// group.host_buffer_mut(2).unwrap().fill(1.5);
 /// group.broadcast(2)?;                    // every device now holds 1.5s
@@ -198,7 +198,7 @@ enum Inner {
 /// }
 /// group.all_gather()?;
 /// assert_eq!(group.host_buffer(1).unwrap(), &[0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
-/// # Ok::<(), starling_averager::local::LocalError>(())
+/// # Ok::<(), starling_averager::devices::LocalError>(())
 /// ```
 pub struct LocalGroup {
     inner: Inner,
@@ -232,7 +232,7 @@ impl LocalGroup {
     /// ([`LocalError::NotEnoughDevices`]).
     ///
     /// ```
-    /// use starling_averager::local::{LocalError, LocalGroup};
+    /// use starling_averager::devices::{LocalError, LocalGroup};
     /// match LocalGroup::nccl(2, 1 << 20) {
     ///     Ok(group) => println!("{} GPUs", group.devices()),
     ///     Err(e) => println!("no NCCL here: {e}"), // e.g. on a machine without GPUs

@@ -19,7 +19,7 @@ pub struct GpuInfo {
 /// What local devices this process found.
 ///
 /// ```
-/// use starling_averager::local::DeviceReport;
+/// use starling_averager::devices::DeviceReport;
 /// let report = DeviceReport::probe();
 /// println!("{report}"); // e.g. "local devices: CPU only (built without CUDA support; ...)"
 /// assert!(report.to_string().lines().count() == 1);
