@@ -176,7 +176,7 @@ pub struct GossipDeclaration {
 /// answers `Ready` (then the initiator's value chunks and `SendDone`; the responder's difference
 /// chunks and `DiffDone`; the initiator's `Applied`) or refuses with `Busy`, `NotServing` or
 /// `Refused`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum GossipMsg {
     /// Initiator to responder: an exchange of `len` values under the run `prefix`.
     Hello {

@@ -1,4 +1,5 @@
-//! One exchange on the wire, both sides. The initiator holds its exclusive lock from the copy of
+//! One exchange on the wire, both sides, carrying out the decisions of [`proto`](super::proto)
+//! (how a hello is answered, what an answer means, what a failure in each phase leaves). The initiator holds its exclusive lock from the copy of
 //! its values to the application of its update; the responder takes its own with `try_lock` and
 //! answers `Busy` when it cannot, so a peer is in at most one exchange at a time and nobody
 //! waits on a lock while holding another (no deadlock; the initiator retries after a random
@@ -22,7 +23,11 @@ use starling_node::PeerId;
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::membership::Member;
-use super::mix::{coefficients, difference_in_place};
+use super::mix::difference_in_place;
+use super::proto::{
+    answer_hello, initiator_failed, on_answer, responder_failed, Answered, Ended, Hello,
+    InitiatorPhase, Responder, ResponderPhase,
+};
 use super::report::{Exchange, ExchangeOutcome, Role};
 use super::Shared;
 use crate::transport::{Lane, LaneReader, LaneWriter};
@@ -30,6 +35,15 @@ use crate::wire::{
     read_frame_into, write_chunk, write_control, ChunkOut, Control, Frame, GossipMsg, SpanChunks,
     GOSSIP_PROTOCOL, MAX_CONTROL_BYTES,
 };
+
+/// A side's end as the report says it.
+fn outcome(ended: Ended) -> ExchangeOutcome {
+    match ended {
+        Ended::Averaged => ExchangeOutcome::Averaged,
+        Ended::Failed(why) => ExchangeOutcome::Failed(why),
+        Ended::Unconfirmed(why) => ExchangeOutcome::Unconfirmed(why),
+    }
+}
 
 /// Exchanges logged for the next report, at most.
 pub(crate) const MAX_SERVED_LOG: usize = 256;
@@ -95,8 +109,8 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     let end = (Instant::now() + cfg.exchange_timeout).min(deadline);
     let peer = target.peer;
     let mut ex = exchange(peer, Role::Initiator, 0.0);
-    let fail = |mut ex: Exchange, why: String| {
-        ex.outcome = ExchangeOutcome::Failed(why);
+    let fail = |mut ex: Exchange, phase: InitiatorPhase, why: String| {
+        ex.outcome = outcome(initiator_failed(phase, why));
         Attempt::Done(ex)
     };
     // Our own exchanges (as responder) are bounded: wait for the one in flight.
@@ -104,7 +118,8 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         return Attempt::Done(ex); // Busy: our own side stayed busy until the deadline
     };
     let Some(served) = shared.served() else {
-        return fail(ex, "this peer has no values to average".into());
+        let why = "this peer has no values to average".into();
+        return fail(ex, InitiatorPhase::Locking, why);
     };
     let mut x = Vec::new();
     let w_a = f64::from(served.buffer.copy_out(&mut x));
@@ -131,29 +146,31 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     .await;
     let confirmed = match opened {
         Ok(c) => c,
-        Err(OpenError::Unanswered { last, .. }) => return fail(ex, format!("no answer: {last}")),
-        Err(OpenError::BadReply(e)) => return fail(ex, format!("bad answer: {e}")),
+        Err(OpenError::Unanswered { last, .. }) => {
+            return fail(ex, InitiatorPhase::Hello, format!("no answer: {last}"))
+        }
+        Err(OpenError::BadReply(e)) => {
+            return fail(ex, InitiatorPhase::Hello, format!("bad answer: {e}"))
+        }
     };
     ex.bytes_sent += confirmed.sent as u64;
     ex.fast_lane = confirmed.stream.is_fast();
     let Control::Control(reply) = confirmed.reply;
-    let w_b = match reply {
-        GossipMsg::Ready { weight } => weight,
-        GossipMsg::Busy | GossipMsg::NotServing => return Attempt::Busy(ex),
-        GossipMsg::Refused(why) => return fail(ex, format!("refused: {why}")),
-        other => return fail(ex, format!("unexpected answer {other:?}")),
-    };
-    let Some((c_a, _)) = coefficients(cfg.alpha, w_a, w_b) else {
-        return fail(ex, format!("invalid weights {w_a} and {w_b}"));
+    let (c_a, w_b) = match on_answer(cfg.alpha, w_a, reply) {
+        Answered::Proceed { c_a, w_b } => (c_a, w_b),
+        Answered::Retry => return Attempt::Busy(ex),
+        Answered::Fail(why) => return fail(ex, InitiatorPhase::Hello, why),
     };
     ex.peer_weight = w_b;
     let (mut rd, mut wr) = confirmed.stream.split();
+    let mut phase = InitiatorPhase::Sending;
     let work = async {
         ex.bytes_sent += write_vector(shared, &mut wr, &x, None).await? as u64;
         ex.bytes_sent += write_control(&mut wr, &GossipMsg::SendDone)
             .await
             .map_err(|e| e.to_string())? as u64;
         wr.flush().await.map_err(|e| e.to_string())?;
+        phase = InitiatorPhase::AwaitingDifference;
         let mut d_hat = x; // reuse the copy's allocation
         ex.bytes_received += read_vector(shared, &mut rd, &mut d_hat, |m| {
             matches!(m, GossipMsg::DiffDone)
@@ -163,14 +180,12 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     };
     let d_hat = match timeout_at(end, work).await {
         Ok(Ok(d)) => d,
-        Ok(Err(why)) => return fail(ex, why),
-        Err(_) => return fail(ex, "timed out".into()),
+        Ok(Err(why)) => return fail(ex, phase, why),
+        Err(_) => return fail(ex, phase, "timed out".into()),
     };
     if !served.buffer.add_scaled(&d_hat, c_a) {
-        return fail(
-            ex,
-            "the local vector changed size during the exchange".into(),
-        );
+        let why = "the local vector changed size during the exchange".into();
+        return fail(ex, InitiatorPhase::AwaitingDifference, why);
     }
     // Applied: from here on a lost confirmation moves the pair's mass (see the report).
     let confirm = async {
@@ -183,13 +198,21 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     match timeout_at(end, confirm).await {
         Ok(Ok(n)) => {
             ex.bytes_sent += n as u64;
-            ex.outcome = ExchangeOutcome::Averaged;
+            ex.outcome = outcome(Ended::Averaged);
             ex.moved = f64::from(c_a);
         }
         Ok(Err(why)) => {
-            ex.outcome = ExchangeOutcome::Unconfirmed(format!("confirmation not sent: {why}"))
+            ex.outcome = outcome(initiator_failed(
+                InitiatorPhase::Applied,
+                format!("confirmation not sent: {why}"),
+            ))
         }
-        Err(_) => ex.outcome = ExchangeOutcome::Unconfirmed("confirmation timed out".into()),
+        Err(_) => {
+            ex.outcome = outcome(initiator_failed(
+                InitiatorPhase::Applied,
+                "confirmation timed out".into(),
+            ))
+        }
     }
     let _ = timeout(cfg.request_timeout, wr.close()).await;
     shared.count(&ex);
@@ -210,39 +233,35 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
         tracing::debug!(%peer, "gossip stream opened without a hello");
         return;
     };
+    // The lock first (a try: never waits), then everything the answer depends on under it.
+    let guard = shared.exclusive.clone().try_lock_owned().ok();
     let served = shared.served();
-    let refusal = match &served {
-        _ if prefix != cfg.prefix => Some(GossipMsg::Refused(format!(
-            "this peer gossips in {}",
-            cfg.prefix
-        ))),
-        None => Some(GossipMsg::NotServing),
-        Some(s) if s.schema != schema || s.buffer.len() as u64 != len => {
-            Some(GossipMsg::Refused(format!(
-                "schema mismatch: this peer averages {} values with codec {}",
-                s.buffer.len(),
-                cfg.codec
-            )))
-        }
-        Some(_) if alpha != cfg.alpha || coefficients(alpha, w_a, 1.0).is_none() => {
-            Some(GossipMsg::Refused(format!(
-                "alpha {alpha} or weight {w_a} refused (alpha here: {})",
-                cfg.alpha
-            )))
-        }
-        Some(_) => None,
+    let codec = cfg.codec.to_string();
+    let me = Responder {
+        prefix: &cfg.prefix,
+        alpha: cfg.alpha,
+        codec: &codec,
+        served: served.as_ref().map(|s| {
+            (
+                s.schema,
+                s.buffer.len() as u64,
+                f64::from(s.buffer.weight()),
+            )
+        }),
+        free: guard.is_some(),
     };
-    let locked = match (refusal, served) {
-        (None, Some(s)) => match shared.exclusive.clone().try_lock_owned() {
-            Ok(guard) => Ok((guard, s)),
-            Err(_) => Err(GossipMsg::Busy),
-        },
-        (Some(r), _) => Err(r),
-        (None, None) => Err(GossipMsg::NotServing),
+    let hello = Hello {
+        prefix: &prefix,
+        schema,
+        len,
+        weight: w_a,
+        alpha,
     };
-    let (_guard, served) = match locked {
-        Ok(l) => l,
-        Err(answer) => {
+    let answer = answer_hello(&me, &hello);
+    let (_guard, served, c_b, w_b) = match (answer, guard, served) {
+        (Ok((c_b, w_b)), Some(g), Some(s)) => (g, s, c_b, w_b),
+        (answer, _, _) => {
+            let answer = answer.err().unwrap_or(GossipMsg::NotServing);
             let _ = timeout(cfg.request_timeout, async {
                 write_control(&mut lane, &answer).await?;
                 lane.flush().await?;
@@ -254,22 +273,11 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
     };
     let mut ex = exchange(peer, Role::Responder, 0.0);
     ex.fast_lane = lane.is_fast();
-    let w_b = f64::from(served.buffer.weight());
     ex.my_weight = w_b;
     ex.peer_weight = w_a;
-    let Some((_, c_b)) = coefficients(alpha, w_a, w_b) else {
-        let _ = timeout(
-            cfg.request_timeout,
-            write_control(
-                &mut lane,
-                &GossipMsg::Refused("both weights are zero".into()),
-            ),
-        )
-        .await;
-        return;
-    };
     let (mut rd, mut wr) = lane.split();
     let len = len as usize; // equals our buffer's length, checked above
+    let mut phase = ResponderPhase::Receiving;
     let work = async {
         ex.bytes_sent += write_control(&mut wr, &GossipMsg::Ready { weight: w_b })
             .await
@@ -286,6 +294,7 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
             return Err("the local vector changed size".to_string());
         }
         difference_in_place(&mut d, &x_b);
+        phase = ResponderPhase::Sending;
         // What the initiator will decode of the difference, bit for bit: both sides apply it.
         let mut d_hat = x_b;
         ex.bytes_sent += write_vector(shared, &mut wr, &d, Some(&mut d_hat)).await? as u64;
@@ -298,11 +307,11 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
     let d_hat = match timeout(cfg.exchange_timeout, work).await {
         Ok(Ok(d)) => Some(d),
         Ok(Err(why)) => {
-            ex.outcome = ExchangeOutcome::Failed(why);
+            ex.outcome = outcome(responder_failed(phase, why));
             None
         }
         Err(_) => {
-            ex.outcome = ExchangeOutcome::Failed("timed out".into());
+            ex.outcome = outcome(responder_failed(phase, "timed out".into()));
             None
         }
     };
@@ -323,9 +332,18 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
                     ExchangeOutcome::Unconfirmed("the local vector changed size".into())
                 }
             }
-            Ok(Ok(_)) => ExchangeOutcome::Unconfirmed("expected the confirmation".into()),
-            Ok(Err(e)) => ExchangeOutcome::Unconfirmed(format!("no confirmation: {e}")),
-            Err(_) => ExchangeOutcome::Unconfirmed("confirmation timed out".into()),
+            Ok(Ok(_)) => outcome(responder_failed(
+                ResponderPhase::AwaitingConfirmation,
+                "expected the confirmation".into(),
+            )),
+            Ok(Err(e)) => outcome(responder_failed(
+                ResponderPhase::AwaitingConfirmation,
+                format!("no confirmation: {e}"),
+            )),
+            Err(_) => outcome(responder_failed(
+                ResponderPhase::AwaitingConfirmation,
+                "confirmation timed out".into(),
+            )),
         };
         if let ExchangeOutcome::Unconfirmed(why) = &ex.outcome {
             tracing::warn!(%peer, "gossip exchange left unconfirmed, local values kept: {why}");

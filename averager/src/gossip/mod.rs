@@ -95,6 +95,7 @@ mod exchange;
 mod handle;
 mod membership;
 mod mix;
+mod proto;
 mod report;
 mod topology;
 
