@@ -25,8 +25,8 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::membership::Member;
 use super::mix::difference_in_place;
 use super::proto::{
-    answer_hello, initiator_failed, on_answer, responder_failed, Answered, Ended, Hello,
-    InitiatorPhase, Responder, ResponderPhase,
+    answer_hello, Ended, Hello, Initiator, InitiatorAction, InitiatorEvent, Responder,
+    ResponderAction, ResponderEvent, ResponderSide,
 };
 use super::report::{Exchange, ExchangeOutcome, Role};
 use super::Shared;
@@ -109,20 +109,32 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     let end = (Instant::now() + cfg.exchange_timeout).min(deadline);
     let peer = target.peer;
     let mut ex = exchange(peer, Role::Initiator, 0.0);
-    let fail = |mut ex: Exchange, phase: InitiatorPhase, why: String| {
-        ex.outcome = outcome(initiator_failed(phase, why));
-        Attempt::Done(ex)
+    let mut machine = Initiator::new(cfg.alpha);
+    // Ends the attempt as the machine says (an action other than the one expected is an end).
+    let finish = |mut ex: Exchange, action: InitiatorAction| match action {
+        InitiatorAction::Retry => Attempt::Busy(ex),
+        InitiatorAction::End(ended) => {
+            ex.outcome = outcome(ended);
+            Attempt::Done(ex)
+        }
+        other => {
+            ex.outcome = ExchangeOutcome::Failed(format!("unexpected step {other:?}"));
+            Attempt::Done(ex)
+        }
     };
     // Our own exchanges (as responder) are bounded: wait for the one in flight.
     let Ok(_guard) = timeout_at(end, shared.exclusive.clone().lock_owned()).await else {
         return Attempt::Done(ex); // Busy: our own side stayed busy until the deadline
     };
-    let Some(served) = shared.served() else {
-        let why = "this peer has no values to average".into();
-        return fail(ex, InitiatorPhase::Locking, why);
-    };
+    let served = shared.served();
     let mut x = Vec::new();
-    let w_a = f64::from(served.buffer.copy_out(&mut x));
+    let w_a = served
+        .as_ref()
+        .map(|s| f64::from(s.buffer.copy_out(&mut x)));
+    let (served, w_a) = match (served, machine.on(InitiatorEvent::Locked(w_a)), w_a) {
+        (Some(s), InitiatorAction::SendHello, Some(w)) => (s, w),
+        (_, action, _) => return finish(ex, action),
+    };
     ex.my_weight = w_a;
     let hello = GossipMsg::Hello {
         prefix: cfg.prefix.clone(),
@@ -146,46 +158,59 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     .await;
     let confirmed = match opened {
         Ok(c) => c,
-        Err(OpenError::Unanswered { last, .. }) => {
-            return fail(ex, InitiatorPhase::Hello, format!("no answer: {last}"))
-        }
-        Err(OpenError::BadReply(e)) => {
-            return fail(ex, InitiatorPhase::Hello, format!("bad answer: {e}"))
+        Err(e) => {
+            let why = match e {
+                OpenError::Unanswered { last, .. } => format!("no answer: {last}"),
+                OpenError::BadReply(e) => format!("bad answer: {e}"),
+            };
+            return finish(ex, machine.on(InitiatorEvent::Failed(why)));
         }
     };
     ex.bytes_sent += confirmed.sent as u64;
     ex.fast_lane = confirmed.stream.is_fast();
     let Control::Control(reply) = confirmed.reply;
-    let (c_a, w_b) = match on_answer(cfg.alpha, w_a, reply) {
-        Answered::Proceed { c_a, w_b } => (c_a, w_b),
-        Answered::Retry => return Attempt::Busy(ex),
-        Answered::Fail(why) => return fail(ex, InitiatorPhase::Hello, why),
-    };
-    ex.peer_weight = w_b;
+    match machine.on(InitiatorEvent::Answer(reply)) {
+        InitiatorAction::SendValues { w_b } => ex.peer_weight = w_b,
+        action => return finish(ex, action),
+    }
     let (mut rd, mut wr) = confirmed.stream.split();
-    let mut phase = InitiatorPhase::Sending;
-    let work = async {
-        ex.bytes_sent += write_vector(shared, &mut wr, &x, None).await? as u64;
-        ex.bytes_sent += write_control(&mut wr, &GossipMsg::SendDone)
+    let send = async {
+        let mut n = write_vector(shared, &mut wr, &x, None).await?;
+        n += write_control(&mut wr, &GossipMsg::SendDone)
             .await
-            .map_err(|e| e.to_string())? as u64;
+            .map_err(|e| e.to_string())?;
         wr.flush().await.map_err(|e| e.to_string())?;
-        phase = InitiatorPhase::AwaitingDifference;
-        let mut d_hat = x; // reuse the copy's allocation
-        ex.bytes_received += read_vector(shared, &mut rd, &mut d_hat, |m| {
-            matches!(m, GossipMsg::DiffDone)
-        })
-        .await? as u64;
-        Ok::<_, String>(d_hat)
+        Ok::<_, String>(n)
     };
-    let d_hat = match timeout_at(end, work).await {
-        Ok(Ok(d)) => d,
-        Ok(Err(why)) => return fail(ex, phase, why),
-        Err(_) => return fail(ex, phase, "timed out".into()),
+    match timeout_at(end, send).await {
+        Ok(Ok(n)) => ex.bytes_sent += n as u64,
+        Ok(Err(why)) => return finish(ex, machine.on(InitiatorEvent::Failed(why))),
+        Err(_) => return finish(ex, machine.on(InitiatorEvent::Failed("timed out".into()))),
+    }
+    if machine.on(InitiatorEvent::Sent) != InitiatorAction::ReadDifference {
+        return finish(
+            ex,
+            machine.on(InitiatorEvent::Failed("out of order".into())),
+        );
+    }
+    let mut d_hat = x; // reuse the copy's allocation
+    let read = read_vector(shared, &mut rd, &mut d_hat, |m| {
+        matches!(m, GossipMsg::DiffDone)
+    });
+    match timeout_at(end, read).await {
+        Ok(Ok(n)) => ex.bytes_received += n as u64,
+        Ok(Err(why)) => return finish(ex, machine.on(InitiatorEvent::Failed(why))),
+        Err(_) => return finish(ex, machine.on(InitiatorEvent::Failed("timed out".into()))),
+    }
+    let c_a = match machine.on(InitiatorEvent::Difference) {
+        InitiatorAction::Apply { c_a } => c_a,
+        action => return finish(ex, action),
     };
     if !served.buffer.add_scaled(&d_hat, c_a) {
+        // Nothing was added: the machine is told before it counts the values as moved.
         let why = "the local vector changed size during the exchange".into();
-        return fail(ex, InitiatorPhase::AwaitingDifference, why);
+        ex.outcome = ExchangeOutcome::Failed(why);
+        return Attempt::Done(ex);
     }
     // Applied: from here on a lost confirmation moves the pair's mass (see the report).
     let confirm = async {
@@ -195,24 +220,19 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         wr.flush().await.map_err(|e| e.to_string())?;
         Ok::<_, String>(n)
     };
-    match timeout_at(end, confirm).await {
+    let event = match timeout_at(end, confirm).await {
         Ok(Ok(n)) => {
             ex.bytes_sent += n as u64;
-            ex.outcome = outcome(Ended::Averaged);
+            InitiatorEvent::Confirmed
+        }
+        Ok(Err(why)) => InitiatorEvent::Failed(format!("confirmation not sent: {why}")),
+        Err(_) => InitiatorEvent::Failed("confirmation timed out".into()),
+    };
+    if let InitiatorAction::End(ended) = machine.on(event) {
+        if ended == Ended::Averaged {
             ex.moved = f64::from(c_a);
         }
-        Ok(Err(why)) => {
-            ex.outcome = outcome(initiator_failed(
-                InitiatorPhase::Applied,
-                format!("confirmation not sent: {why}"),
-            ))
-        }
-        Err(_) => {
-            ex.outcome = outcome(initiator_failed(
-                InitiatorPhase::Applied,
-                "confirmation timed out".into(),
-            ))
-        }
+        ex.outcome = outcome(ended);
     }
     let _ = timeout(cfg.request_timeout, wr.close()).await;
     shared.count(&ex);
@@ -277,77 +297,97 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
     ex.peer_weight = w_a;
     let (mut rd, mut wr) = lane.split();
     let len = len as usize; // equals our buffer's length, checked above
-    let mut phase = ResponderPhase::Receiving;
-    let work = async {
-        ex.bytes_sent += write_control(&mut wr, &GossipMsg::Ready { weight: w_b })
+    let mut machine = ResponderSide::new(c_b);
+    // Receiving and sending the difference share one bound, as the initiator's do.
+    let end = Instant::now() + cfg.exchange_timeout;
+    let receive = async {
+        let mut n = write_control(&mut wr, &GossipMsg::Ready { weight: w_b })
             .await
-            .map_err(|e| e.to_string())? as u64;
+            .map_err(|e| e.to_string())?;
         wr.flush().await.map_err(|e| e.to_string())?;
         let mut d = vec![0.0f32; len];
-        ex.bytes_received += read_vector(shared, &mut rd, &mut d, |m| {
+        let got = read_vector(shared, &mut rd, &mut d, |m| {
             matches!(m, GossipMsg::SendDone)
         })
-        .await? as u64;
-        let mut x_b = Vec::new();
-        served.buffer.copy_out(&mut x_b);
-        if x_b.len() != len {
-            return Err("the local vector changed size".to_string());
-        }
-        difference_in_place(&mut d, &x_b);
-        phase = ResponderPhase::Sending;
-        // What the initiator will decode of the difference, bit for bit: both sides apply it.
-        let mut d_hat = x_b;
-        ex.bytes_sent += write_vector(shared, &mut wr, &d, Some(&mut d_hat)).await? as u64;
-        ex.bytes_sent += write_control(&mut wr, &GossipMsg::DiffDone)
-            .await
-            .map_err(|e| e.to_string())? as u64;
-        wr.flush().await.map_err(|e| e.to_string())?;
-        Ok::<_, String>(d_hat)
+        .await?;
+        n += got;
+        Ok::<_, String>((d, n, got))
     };
-    let d_hat = match timeout(cfg.exchange_timeout, work).await {
-        Ok(Ok(d)) => Some(d),
-        Ok(Err(why)) => {
-            ex.outcome = outcome(responder_failed(phase, why));
-            None
+    let mut step = match timeout_at(end, receive).await {
+        Ok(Ok((d, sent, got))) => {
+            ex.bytes_sent += sent as u64;
+            ex.bytes_received += got as u64;
+            Ok((d, machine.on(ResponderEvent::Received)))
         }
-        Err(_) => {
-            ex.outcome = outcome(responder_failed(phase, "timed out".into()));
-            None
-        }
+        Ok(Err(why)) => Err(machine.on(ResponderEvent::Failed(why))),
+        Err(_) => Err(machine.on(ResponderEvent::Failed("timed out".into()))),
     };
-    if let Some(d_hat) = d_hat {
-        let mut buf = Vec::new();
-        let confirmed = timeout(
-            cfg.exchange_timeout,
-            read_frame_into::<_, GossipMsg>(&mut rd, MAX_CONTROL_BYTES + 1, &mut buf),
-        )
-        .await;
-        ex.outcome = match confirmed {
-            Ok(Ok((Frame::Control(GossipMsg::Applied), n))) => {
-                ex.bytes_received += n as u64;
-                if served.buffer.add_scaled(&d_hat, -c_b) {
-                    ex.moved = f64::from(c_b);
-                    ExchangeOutcome::Averaged
-                } else {
-                    ExchangeOutcome::Unconfirmed("the local vector changed size".into())
-                }
+    if let Ok((d, ResponderAction::SendDifference)) = step {
+        let mut d = d;
+        let send = async {
+            let mut x_b = Vec::new();
+            served.buffer.copy_out(&mut x_b);
+            if x_b.len() != len {
+                return Err("the local vector changed size".to_string());
             }
-            Ok(Ok(_)) => outcome(responder_failed(
-                ResponderPhase::AwaitingConfirmation,
-                "expected the confirmation".into(),
-            )),
-            Ok(Err(e)) => outcome(responder_failed(
-                ResponderPhase::AwaitingConfirmation,
-                format!("no confirmation: {e}"),
-            )),
-            Err(_) => outcome(responder_failed(
-                ResponderPhase::AwaitingConfirmation,
-                "confirmation timed out".into(),
-            )),
+            difference_in_place(&mut d, &x_b);
+            // What the initiator will decode of the difference, bit for bit: both sides apply it.
+            let mut d_hat = x_b;
+            let mut n = write_vector(shared, &mut wr, &d, Some(&mut d_hat)).await?;
+            n += write_control(&mut wr, &GossipMsg::DiffDone)
+                .await
+                .map_err(|e| e.to_string())?;
+            wr.flush().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>((d_hat, n))
         };
-        if let ExchangeOutcome::Unconfirmed(why) = &ex.outcome {
-            tracing::warn!(%peer, "gossip exchange left unconfirmed, local values kept: {why}");
+        step = match timeout_at(end, send).await {
+            Ok(Ok((d_hat, n))) => {
+                ex.bytes_sent += n as u64;
+                Ok((d_hat, machine.on(ResponderEvent::Sent)))
+            }
+            Ok(Err(why)) => Err(machine.on(ResponderEvent::Failed(why))),
+            Err(_) => Err(machine.on(ResponderEvent::Failed("timed out".into()))),
+        };
+    }
+    let action = match step {
+        Ok((d_hat, ResponderAction::AwaitConfirmation)) => {
+            let mut buf = Vec::new();
+            let confirmed = timeout(
+                cfg.exchange_timeout,
+                read_frame_into::<_, GossipMsg>(&mut rd, MAX_CONTROL_BYTES + 1, &mut buf),
+            )
+            .await;
+            let event = match confirmed {
+                Ok(Ok((Frame::Control(GossipMsg::Applied), n))) => {
+                    ex.bytes_received += n as u64;
+                    ResponderEvent::Confirmed
+                }
+                Ok(Ok(_)) => ResponderEvent::Failed("expected the confirmation".into()),
+                Ok(Err(e)) => ResponderEvent::Failed(format!("no confirmation: {e}")),
+                Err(_) => ResponderEvent::Failed("confirmation timed out".into()),
+            };
+            match machine.on(event) {
+                ResponderAction::Apply { c_b } => {
+                    if served.buffer.add_scaled(&d_hat, -c_b) {
+                        ex.moved = f64::from(c_b);
+                        ResponderAction::End(Ended::Averaged)
+                    } else {
+                        ResponderAction::End(Ended::Unconfirmed(
+                            "the local vector changed size".into(),
+                        ))
+                    }
+                }
+                other => other,
+            }
         }
+        Ok((_, action)) | Err(action) => action,
+    };
+    ex.outcome = match action {
+        ResponderAction::End(ended) => outcome(ended),
+        other => ExchangeOutcome::Failed(format!("unexpected step {other:?}")),
+    };
+    if let ExchangeOutcome::Unconfirmed(why) = &ex.outcome {
+        tracing::warn!(%peer, "gossip exchange left unconfirmed, local values kept: {why}");
     }
     let _ = timeout(cfg.request_timeout, wr.close()).await;
     shared.count(&ex);

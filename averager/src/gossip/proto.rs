@@ -171,6 +171,184 @@ pub(crate) fn on_answer(alpha: f64, w_a: f64, reply: GossipMsg) -> Answered {
     }
 }
 
+/// What the initiator's machine hears.
+#[derive(Debug, Clone)]
+pub(crate) enum InitiatorEvent {
+    /// Its exclusive lock is held; `weight` of the values it serves (`None`: none).
+    Locked(Option<f64>),
+    /// The responder answered the hello.
+    Answer(GossipMsg),
+    /// Its values and `SendDone` went out.
+    Sent,
+    /// The decoded difference arrived whole.
+    Difference,
+    /// `Applied` went out after it added `c_a d̂`.
+    Confirmed,
+    /// The step in progress failed (I/O, timeout, the vector changed size).
+    Failed(String),
+}
+
+/// What the initiator's machine asks for next.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum InitiatorAction {
+    /// Send the hello (with the weight it reported).
+    SendHello,
+    /// Send its values; the responder weighs `w_b`.
+    SendValues {
+        /// The responder's weight.
+        w_b: f64,
+    },
+    /// Read the difference.
+    ReadDifference,
+    /// Add `c_a d̂` to its values, then send `Applied`.
+    Apply {
+        /// The initiator's coefficient.
+        c_a: f32,
+    },
+    /// The responder is busy: try again after a pause.
+    Retry,
+    /// The exchange ended.
+    End(Ended),
+}
+
+/// The initiator's side of an exchange as a state machine: each step's outcome in, the next
+/// step out, the phase kept. An event out of order ends the exchange as a failure of the phase
+/// it arrived in.
+#[derive(Debug, Clone)]
+pub(crate) struct Initiator {
+    phase: InitiatorPhase,
+    alpha: f64,
+    w_a: f64,
+    c_a: f32,
+}
+
+impl Initiator {
+    /// An exchange with mixing rate `alpha`, waiting for the lock.
+    pub fn new(alpha: f64) -> Self {
+        Initiator {
+            phase: InitiatorPhase::Locking,
+            alpha,
+            w_a: 0.0,
+            c_a: 0.0,
+        }
+    }
+
+    /// Where it stands.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn phase(&self) -> InitiatorPhase {
+        self.phase
+    }
+
+    /// Handles `event`; the next step.
+    pub fn on(&mut self, event: InitiatorEvent) -> InitiatorAction {
+        use InitiatorAction as A;
+        use InitiatorEvent as E;
+        use InitiatorPhase as P;
+        match (self.phase, event) {
+            (phase, E::Failed(why)) => A::End(initiator_failed(phase, why)),
+            (P::Locking, E::Locked(Some(w_a))) => {
+                self.w_a = w_a;
+                self.phase = P::Hello;
+                A::SendHello
+            }
+            (P::Locking, E::Locked(None)) => {
+                A::End(Ended::Failed("this peer has no values to average".into()))
+            }
+            (P::Hello, E::Answer(reply)) => match on_answer(self.alpha, self.w_a, reply) {
+                Answered::Proceed { c_a, w_b } => {
+                    self.c_a = c_a;
+                    self.phase = P::Sending;
+                    A::SendValues { w_b }
+                }
+                Answered::Retry => A::Retry,
+                Answered::Fail(why) => A::End(Ended::Failed(why)),
+            },
+            (P::Sending, E::Sent) => {
+                self.phase = P::AwaitingDifference;
+                A::ReadDifference
+            }
+            (P::AwaitingDifference, E::Difference) => {
+                self.phase = P::Applied;
+                A::Apply { c_a: self.c_a }
+            }
+            (P::Applied, E::Confirmed) => A::End(Ended::Averaged),
+            (phase, event) => A::End(initiator_failed(
+                phase,
+                format!("{event:?} out of order while {phase:?}"),
+            )),
+        }
+    }
+}
+
+/// What the responder's machine hears (after [`answer_hello`] accepted).
+#[derive(Debug, Clone)]
+pub(crate) enum ResponderEvent {
+    /// `Ready` went out and the initiator's values arrived whole.
+    Received,
+    /// The difference and `DiffDone` went out.
+    Sent,
+    /// The initiator's `Applied` arrived.
+    Confirmed,
+    /// The step in progress failed.
+    Failed(String),
+}
+
+/// What the responder's machine asks for next.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ResponderAction {
+    /// Compute and send the difference, keeping what the initiator will decode of it.
+    SendDifference,
+    /// Wait for `Applied`.
+    AwaitConfirmation,
+    /// Subtract `c_b d̂` from its values: the exchange averaged.
+    Apply {
+        /// The responder's coefficient.
+        c_b: f32,
+    },
+    /// The exchange ended without this side applying.
+    End(Ended),
+}
+
+/// The responder's side of an exchange as a state machine (see [`Initiator`]).
+#[derive(Debug, Clone)]
+pub(crate) struct ResponderSide {
+    phase: ResponderPhase,
+    c_b: f32,
+}
+
+impl ResponderSide {
+    /// An accepted exchange in which this side moves by `c_b`, receiving the values.
+    pub fn new(c_b: f32) -> Self {
+        ResponderSide {
+            phase: ResponderPhase::Receiving,
+            c_b,
+        }
+    }
+
+    /// Handles `event`; the next step.
+    pub fn on(&mut self, event: ResponderEvent) -> ResponderAction {
+        use ResponderAction as A;
+        use ResponderEvent as E;
+        use ResponderPhase as P;
+        match (self.phase, event) {
+            (phase, E::Failed(why)) => A::End(responder_failed(phase, why)),
+            (P::Receiving, E::Received) => {
+                self.phase = P::Sending;
+                A::SendDifference
+            }
+            (P::Sending, E::Sent) => {
+                self.phase = P::AwaitingConfirmation;
+                A::AwaitConfirmation
+            }
+            (P::AwaitingConfirmation, E::Confirmed) => A::Apply { c_b: self.c_b },
+            (phase, event) => A::End(responder_failed(
+                phase,
+                format!("{event:?} out of order while {phase:?}"),
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +473,74 @@ mod tests {
         assert!(matches!(
             responder_failed(ResponderPhase::AwaitingConfirmation, "x".into()),
             Ended::Unconfirmed(_)
+        ));
+    }
+
+    #[test]
+    fn the_two_machines_walk_an_exchange_and_end_by_the_phase_they_reached() {
+        use InitiatorAction as A;
+        use InitiatorEvent as E;
+        let mut a = Initiator::new(1.0);
+        assert_eq!(a.on(E::Locked(Some(1.0))), A::SendHello);
+        assert_eq!(
+            a.on(E::Answer(GossipMsg::Ready { weight: 3.0 })),
+            A::SendValues { w_b: 3.0 }
+        );
+        let mut b = ResponderSide::new(0.25);
+        assert_eq!(
+            b.on(ResponderEvent::Received),
+            ResponderAction::SendDifference
+        );
+        assert_eq!(a.on(E::Sent), A::ReadDifference);
+        assert_eq!(
+            b.on(ResponderEvent::Sent),
+            ResponderAction::AwaitConfirmation
+        );
+        assert_eq!(a.on(E::Difference), A::Apply { c_a: 0.75 });
+        assert_eq!(a.on(E::Confirmed), A::End(Ended::Averaged));
+        assert_eq!(
+            b.on(ResponderEvent::Confirmed),
+            ResponderAction::Apply { c_b: 0.25 }
+        );
+        // Busy answers retry; nothing served fails; events out of order end the exchange.
+        let mut a = Initiator::new(1.0);
+        a.on(E::Locked(Some(1.0)));
+        assert_eq!(a.on(E::Answer(GossipMsg::Busy)), A::Retry);
+        assert!(matches!(
+            Initiator::new(1.0).on(E::Locked(None)),
+            A::End(Ended::Failed(_))
+        ));
+        let mut a = Initiator::new(1.0);
+        a.on(E::Locked(Some(1.0)));
+        assert!(matches!(a.on(E::Difference), A::End(Ended::Failed(_))));
+        // A failure after applying is unconfirmed, before it nothing moved.
+        let mut a = Initiator::new(1.0);
+        a.on(E::Locked(Some(1.0)));
+        a.on(E::Answer(GossipMsg::Ready { weight: 1.0 }));
+        assert_eq!(a.phase(), InitiatorPhase::Sending);
+        assert!(matches!(
+            a.on(E::Failed("reset".into())),
+            A::End(Ended::Failed(_))
+        ));
+        let mut a = Initiator::new(1.0);
+        for e in [
+            E::Locked(Some(1.0)),
+            E::Answer(GossipMsg::Ready { weight: 1.0 }),
+            E::Sent,
+            E::Difference,
+        ] {
+            a.on(e);
+        }
+        assert!(matches!(
+            a.on(E::Failed("reset".into())),
+            A::End(Ended::Unconfirmed(_))
+        ));
+        let mut b = ResponderSide::new(0.5);
+        b.on(ResponderEvent::Received);
+        b.on(ResponderEvent::Sent);
+        assert!(matches!(
+            b.on(ResponderEvent::Failed("no confirmation".into())),
+            ResponderAction::End(Ended::Unconfirmed(_))
         ));
     }
 }
