@@ -247,6 +247,47 @@ async fn run_local(node: &Node, op: &Op) -> (bool, f64) {
     (ok, t.elapsed().as_secs_f64() * 1e3)
 }
 
+/// What a bench peer's connections cost in file descriptors: libp2p keeps a connection to
+/// every peer it talked to until it has been idle for `idle_connection_timeout`, and Kademlia's
+/// bootstrap and lookups talk to many, so a swarm on one machine drifts towards a full mesh
+/// (measured here: about 134 connections per peer with 177 of 1024 peers up, 286 with 321 up,
+/// still growing). Each connection is one descriptor at each end.
+fn descriptors_per_peer(peers: usize) -> usize {
+    peers.saturating_sub(1) + 4
+}
+
+/// This process's open-file limit (`Max open files` in `/proc/self/limits`; the binary raises
+/// its soft limit to the hard one at start), or `None` where it cannot be read.
+fn open_files_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// A warning when `per_process` peers (of `peers` in all) may need more file descriptors than
+/// a process may open: the cause of a large run that stalls (a process at its limit accepts
+/// no connection, so its peers' dials time out) or fails with "Too many open files".
+fn open_files_warning(peers: usize, per_process: usize) -> Option<String> {
+    open_files_warning_at(open_files_limit()?, peers, per_process)
+}
+
+/// [`open_files_warning`] for a process that may open `limit` files.
+fn open_files_warning_at(limit: usize, peers: usize, per_process: usize) -> Option<String> {
+    let per_peer = descriptors_per_peer(peers);
+    let needed = per_process * per_peer + 256;
+    (needed > limit).then(|| {
+        let procs = (peers * per_peer).div_ceil(limit.saturating_sub(256).max(1));
+        format!(
+            "warning: {per_process} peers in one process may need about {needed} open files (a \
+             peer can end up connected to every other one of the {peers}), but a process here \
+             may open {limit} (the hard `ulimit -n`; raise it in /etc/security/limits.conf, a \
+             container's --ulimit nofile, or a service's LimitNOFILE). A process at its limit \
+             accepts no connection, so its peers' dials time out and new listeners fail with \
+             \"Too many open files\": use --procs {procs} or more, or raise the limit."
+        )
+    })
+}
+
 /// Open connections of the live `nodes`, summed.
 async fn connections_of(nodes: &[Option<Node>]) -> u64 {
     let counts = futures::future::join_all(
@@ -545,9 +586,12 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         (0.0..=0.9).contains(&args.kill),
         "--kill must be between 0 and 0.9"
     );
+    let share = args.peers / args.procs;
+    if let Some(warning) = open_files_warning(args.peers, args.peers - share * (args.procs - 1)) {
+        eprintln!("{warning}");
+    }
     let base_rss = rss_kb();
     let started = Instant::now();
-    let share = args.peers / args.procs;
     let first_share = args.peers - share * (args.procs - 1);
     let defaults = NodeConfig::default();
     let peer = PeerSettings {
@@ -676,4 +720,29 @@ pub async fn run(args: DhtArgs) -> Result<()> {
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_swarm_too_large_for_the_open_file_limit_is_warned_about_with_the_fix() {
+        // 1024 peers over 8 processes under a 20000-file limit: the run that stalled here.
+        let w = open_files_warning_at(20_000, 1024, 128).expect("a warning");
+        assert!(
+            w.contains("20000") && w.contains("ulimit -n") && w.contains("--procs"),
+            "{w}"
+        );
+        let procs: usize = w
+            .split("--procs ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .expect("a process count");
+        assert!(open_files_warning_at(20_000, 1024, 1024 / procs + 1).is_none());
+        // Small swarms: each peer connects to at most the others.
+        assert!(open_files_warning_at(20_000, 64, 64).is_none());
+        assert!(open_files_limit().is_some_and(|l| l > 0));
+    }
 }

@@ -89,3 +89,33 @@ pub enum NodeError {
     #[error("the node has shut down")]
     Closed,
 }
+
+/// `error` and every error in its source chain, joined with ": " (empty messages skipped):
+/// libp2p's transport errors print nothing of their own (`TransportError::Other` displays as
+/// an empty string) and keep the OS error ("Address already in use", "Too many open files")
+/// as their source, so `to_string()` alone lost exactly the cause a user needs.
+///
+/// ```
+/// use std::io;
+/// let os = io::Error::from(io::ErrorKind::AddrInUse);
+/// let wrapped = libp2p::TransportError::Other(os);
+/// assert_eq!(wrapped.to_string(), "");
+/// assert!(starling_node::error_chain(&wrapped).contains("in use"));
+/// ```
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        // A wrapper that repeats its source's message adds nothing.
+        if !text.is_empty() && !parts.last().is_some_and(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    if parts.is_empty() {
+        format!("{error:?}")
+    } else {
+        parts.join(": ")
+    }
+}

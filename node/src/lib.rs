@@ -65,7 +65,7 @@ pub mod streams;
 mod swarm_key;
 
 pub use config::{NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL};
-pub use error::NodeError;
+pub use error::{error_chain, NodeError};
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
 pub use node::{NatEvent, Node, NodeStatus, PutReport, Reachability};

@@ -104,7 +104,7 @@ pub(super) fn bind(ips: &[IpAddr], port: u16) -> Result<Vec<TcpListener>, NodeEr
             Err(e) if listeners.is_empty() => {
                 return Err(NodeError::Listen {
                     addr: format!("{} (fast lane)", SocketAddr::new(*ip, port)),
-                    reason: e.to_string(),
+                    reason: crate::error_chain(&e),
                 })
             }
             Err(e) => tracing::warn!(%ip, port, "fast lane not listening there: {e}"),

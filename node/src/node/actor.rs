@@ -193,7 +193,7 @@ impl Actor {
             Err(e) => {
                 let _ = reply.send(Err(NodeError::Dial {
                     addr: addr.to_string(),
-                    reason: e.to_string(),
+                    reason: crate::error_chain(&e),
                 }));
             }
         }
@@ -266,7 +266,7 @@ impl Actor {
             } => {
                 let reason = match reason {
                     Ok(()) => "listener closed".to_string(),
-                    Err(e) => e.to_string(),
+                    Err(e) => crate::error_chain(&e),
                 };
                 self.nat.on_listener_closed(listener_id, reason);
             }
@@ -299,7 +299,7 @@ impl Actor {
                 if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(NodeError::Dial {
                         addr: addr.to_string(),
-                        reason: error.to_string(),
+                        reason: crate::error_chain(&error),
                     }));
                 }
             }

@@ -187,7 +187,7 @@ impl Node {
             for r in results {
                 match r {
                     Ok(_) => connected += 1,
-                    Err(e) => last_error = e.to_string(),
+                    Err(e) => last_error = crate::error_chain(&e),
                 }
             }
             if connected > 0 {

@@ -1,4 +1,4 @@
-//! The swarm task and fast lane log inside the node's tracing span.
+//! The swarm task and fast lane log inside the node's tracing span; a listen that fails says why.
 
 use super::*;
 use std::sync::Mutex;
@@ -42,4 +42,30 @@ async fn the_swarm_task_and_the_fast_lane_log_inside_the_node_span() {
             "no {line:?} tagged {tag} in:\n{logs}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_listen_on_a_taken_port_names_the_os_cause() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let cfg = crate::NodeConfig::default()
+        .listen_on(format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap());
+    let err = match Node::start(cfg).await {
+        Ok(node) => {
+            node.shutdown().await;
+            panic!("listening on a taken port succeeded");
+        }
+        Err(e) => e,
+    };
+    let text = err.to_string();
+    assert!(
+        matches!(err, NodeError::Listen { .. }),
+        "expected a listen error, got {text}"
+    );
+    // The OS's words ("Address already in use (os error 98)"), not an empty reason.
+    assert!(
+        text.to_lowercase().contains("in use") && text.contains("os error"),
+        "{text}"
+    );
+    drop(taken);
 }

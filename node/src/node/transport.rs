@@ -125,7 +125,7 @@ pub(super) async fn start_listening(
             .listen_on(addr.clone())
             .map_err(|e| NodeError::Listen {
                 addr: addr.to_string(),
-                reason: e.to_string(),
+                reason: crate::error_chain(&e),
             })?;
         pending_listeners.insert(id);
     }
@@ -148,13 +148,16 @@ pub(super) async fn start_listening(
             } => {
                 return Err(NodeError::Listen {
                     addr: format!("{addresses:?}"),
-                    reason: format!("{reason:?}"),
+                    reason: match reason {
+                        Ok(()) => "the listener closed".into(),
+                        Err(e) => crate::error_chain(&e),
+                    },
                 })
             }
             SwarmEvent::ListenerError { error, .. } => {
                 return Err(NodeError::Listen {
                     addr: format!("{listen:?}"),
-                    reason: error.to_string(),
+                    reason: crate::error_chain(&error),
                 })
             }
             _ => {}
