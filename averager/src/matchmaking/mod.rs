@@ -220,8 +220,11 @@ async fn run_window(
                     let read = read_declarations(node, group_key, cfg.request_timeout).await?;
                     pending.extend(search.handle(clock(), Event::Read(read)));
                 }
-                Action::CheckGone { peers } => {
-                    let gone = all_gone(node, &peers).await;
+                Action::CheckGone {
+                    connected,
+                    reachable,
+                } => {
+                    let gone = all_gone(node, &connected, &reachable, cfg.request_timeout).await;
                     pending.extend(search.handle(clock(), Event::Gone(gone)));
                 }
                 Action::Disband { followers } => {
@@ -288,16 +291,36 @@ async fn run_window(
     }
 }
 
-/// Whether none of `peers` is connected: then nobody a leader's grace would wait for is
-/// merely late (a stable group, or one that lost a member whose connection closed, begins at
-/// once; a previous member still connected but not yet searching is waited for).
-async fn all_gone(node: &starling_node::Node, peers: &[Vec<u8>]) -> bool {
-    match node.connected_peers().await {
-        Ok(connected) => peers
-            .iter()
-            .all(|p| PeerId::from_bytes(p).map_or(true, |id| !connected.contains(&id))),
-        Err(_) => false,
+/// Whether all these peers are gone: none of `connected` has a connection open (a stable
+/// group, or one that lost a member whose connection closed, begins at once; a previous member
+/// still connected but not yet searching is waited for), and none of `reachable` is connected
+/// or answers a dial within `limit` (a declared peer this one never talked to may not have
+/// dialed yet; a dead one cannot be reached).
+async fn all_gone(
+    node: &starling_node::Node,
+    connected: &[Vec<u8>],
+    reachable: &[MemberInfo],
+    limit: Duration,
+) -> bool {
+    let Ok(open) = node.connected_peers().await else {
+        return false;
+    };
+    let is_open = |p: &[u8]| PeerId::from_bytes(p).is_ok_and(|id| open.contains(&id));
+    if connected.iter().any(|p| is_open(p)) || reachable.iter().any(|i| is_open(&i.peer_id)) {
+        return false;
     }
+    let dials = reachable.iter().filter_map(|info| {
+        let member = Member::parse(info).ok()?;
+        Some(async move {
+            timeout(limit, node.connect_if_needed(member.peer, &member.addrs))
+                .await
+                .is_ok_and(|r| r.unwrap_or(false))
+        })
+    });
+    !futures::future::join_all(dials)
+        .await
+        .into_iter()
+        .any(|up| up)
 }
 
 /// The declarations under `group_key` written by the peers they declare; `None` when the

@@ -17,7 +17,7 @@
 //! A leader begins when its group is full; when every peer declared under the key has joined
 //! (after [`Params::start_grace_ms`], or at once when every member of its previous group is
 //! here or gone); after the grace, when the declared peers that have not joined are all gone
-//! (not connected: a peer that died leaves its declaration behind until its window ends); or
+//! (cannot be reached: a peer that died leaves its declaration behind until its window ends); or
 //! when its window ends with at least [`Params::min_group_size`].
 
 use std::collections::{HashMap, HashSet};
@@ -113,7 +113,7 @@ pub(crate) enum Event {
     },
     /// A read of the group key ended: the live declarations, or `None` if it failed.
     Read(Option<Vec<Declaration>>),
-    /// The answer to [`Action::CheckGone`]: whether none of those peers is connected.
+    /// The answer to [`Action::CheckGone`]: whether all those peers are gone.
     Gone(bool),
 }
 
@@ -134,10 +134,15 @@ pub(crate) enum Action {
     },
     /// Read the group key (report [`Event::Read`]).
     Read,
-    /// Report whether none of these peers is connected ([`Event::Gone`]).
+    /// Report whether all these peers are gone ([`Event::Gone`]): none of `connected` has a
+    /// connection open, and none of `reachable` has one or can be dialed.
     CheckGone {
-        /// The members of the previous group that have not joined.
-        peers: Vec<Vec<u8>>,
+        /// Members of the previous group that have not joined: gone when not connected (the
+        /// connection this peer had to them closed).
+        connected: Vec<Vec<u8>>,
+        /// Declared peers that have not joined: gone when they cannot be reached either (one
+        /// this peer never talked to may simply not have dialed yet).
+        reachable: Vec<MemberInfo>,
     },
     /// Tell these followers to search again and let them go.
     Disband {
@@ -483,18 +488,24 @@ impl Search {
                 (true, true) => return self.begin(out),
                 (true, false) => match self.missing_from_last_group() {
                     Some(previous) if previous.is_empty() => return self.begin(out),
-                    Some(previous) => previous,
+                    Some(previous) => Action::CheckGone {
+                        connected: previous,
+                        reachable: Vec::new(),
+                    },
                     None => return,
                 },
                 // Declared peers that have not joined after the grace: begin without them if
-                // they are gone (a peer that died leaves its declaration until its window
-                // ends; waiting for it cost every peer of the step a whole window).
-                (false, true) => missing,
+                // they cannot be reached (a peer that died leaves its declaration until its
+                // window ends; waiting for it cost every peer of the step a whole window).
+                (false, true) => Action::CheckGone {
+                    connected: Vec::new(),
+                    reachable: missing,
+                },
                 (false, false) => return,
             };
             if !self.checking {
                 self.checking = true;
-                out.push(Action::CheckGone { peers: check });
+                out.push(check);
             }
         }
     }
@@ -509,15 +520,15 @@ impl Search {
     }
 
     /// The other peers of the last read that have not joined this peer.
-    fn missing_declared(&self) -> Vec<Vec<u8>> {
+    fn missing_declared(&self) -> Vec<MemberInfo> {
         self.last_read
             .as_ref()
             .map(|(_, entries)| {
                 entries
                     .iter()
-                    .map(|d| &d.info.peer_id)
-                    .filter(|p| **p != self.me.peer_id)
-                    .filter(|p| !self.followers.iter().any(|(_, f)| &f.peer_id == *p))
+                    .map(|d| &d.info)
+                    .filter(|i| i.peer_id != self.me.peer_id)
+                    .filter(|i| !self.followers.iter().any(|(_, f)| f.peer_id == i.peer_id))
                     .cloned()
                     .collect()
             })

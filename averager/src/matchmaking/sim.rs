@@ -456,9 +456,14 @@ impl Sim {
                 let g = self.peers[p].generation;
                 self.at(t, Ev::ReadDone(p, g, entries));
             }
-            Action::CheckGone { peers } => {
-                let gone = peers
+            Action::CheckGone {
+                connected,
+                reachable,
+            } => {
+                // Connected or reachable: alive (the simulated links never drop a live peer).
+                let gone = connected
                     .iter()
+                    .chain(reachable.iter().map(|i| &i.peer_id))
                     .all(|id| self.by_id.get(id).is_none_or(|&q| !self.peers[q].alive));
                 self.feed(p, Event::Gone(gone));
             }

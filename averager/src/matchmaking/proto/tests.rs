@@ -137,7 +137,8 @@ fn a_leader_begins_once_every_declared_peer_joined_after_the_grace() {
     assert_eq!(
         s.handle(205, Event::Read(Some(everyone.clone()))),
         vec![Action::CheckGone {
-            peers: vec![b.peer_id.clone()]
+            connected: vec![],
+            reachable: vec![b.clone()]
         }]
     );
     assert!(s.handle(206, Event::Gone(false)).is_empty());
@@ -173,7 +174,8 @@ fn after_the_grace_a_leader_begins_without_a_declared_peer_that_is_gone() {
     assert_eq!(
         s.handle(202, Event::Read(Some(declared))),
         vec![Action::CheckGone {
-            peers: vec![dead.peer_id.clone()]
+            connected: vec![],
+            reachable: vec![dead.clone()]
         }]
     );
     let began = s.handle(203, Event::Gone(true));
@@ -217,7 +219,8 @@ fn within_the_grace_a_leader_begins_when_its_previous_group_is_here_or_gone() {
         assert_eq!(
             asked,
             vec![Action::CheckGone {
-                peers: vec![x.peer_id.clone()]
+                connected: vec![x.peer_id.clone()],
+                reachable: vec![]
             }]
         );
         let then = s.handle(6, Event::Gone(gone));
