@@ -25,8 +25,8 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::membership::Member;
 use super::mix::difference_in_place;
 use super::proto::{
-    answer_hello, Ended, Hello, Initiator, InitiatorAction, InitiatorEvent, Responder,
-    ResponderAction, ResponderEvent, ResponderSide,
+    answer_hello, Hello, Initiator, InitiatorAction, InitiatorEvent, Responder, ResponderAction,
+    ResponderEvent, ResponderSide,
 };
 use super::report::{Exchange, ExchangeOutcome, Role};
 use super::Shared;
@@ -35,15 +35,6 @@ use crate::wire::{
     read_frame_into, write_chunk, write_control, ChunkOut, Control, Frame, GossipMsg, SpanChunks,
     GOSSIP_PROTOCOL, MAX_CONTROL_BYTES,
 };
-
-/// A side's end as the report says it.
-fn outcome(ended: Ended) -> ExchangeOutcome {
-    match ended {
-        Ended::Averaged => ExchangeOutcome::Averaged,
-        Ended::Failed(why) => ExchangeOutcome::Failed(why),
-        Ended::Unconfirmed(why) => ExchangeOutcome::Unconfirmed(why),
-    }
-}
 
 /// Exchanges logged for the next report, at most.
 pub(crate) const MAX_SERVED_LOG: usize = 256;
@@ -114,7 +105,7 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
     let finish = |mut ex: Exchange, action: InitiatorAction| match action {
         InitiatorAction::Retry => Attempt::Busy(ex),
         InitiatorAction::End(ended) => {
-            ex.outcome = outcome(ended);
+            ex.outcome = ended;
             Attempt::Done(ex)
         }
         other => {
@@ -187,11 +178,9 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         Ok(Err(why)) => return finish(ex, machine.on(InitiatorEvent::Failed(why))),
         Err(_) => return finish(ex, machine.on(InitiatorEvent::Failed("timed out".into()))),
     }
-    if machine.on(InitiatorEvent::Sent) != InitiatorAction::ReadDifference {
-        return finish(
-            ex,
-            machine.on(InitiatorEvent::Failed("out of order".into())),
-        );
+    match machine.on(InitiatorEvent::Sent) {
+        InitiatorAction::ReadDifference => {}
+        action => return finish(ex, action),
     }
     let mut d_hat = x; // reuse the copy's allocation
     let read = read_vector(shared, &mut rd, &mut d_hat, |m| {
@@ -207,7 +196,8 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         action => return finish(ex, action),
     };
     if !served.buffer.add_scaled(&d_hat, c_a) {
-        // Nothing was added: the machine is told before it counts the values as moved.
+        // Nothing was added, so this is a failure before applying, whatever the machine's
+        // phase (it moved to `Applied` when it asked for the update).
         let why = "the local vector changed size during the exchange".into();
         ex.outcome = ExchangeOutcome::Failed(why);
         return Attempt::Done(ex);
@@ -229,10 +219,10 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         Err(_) => InitiatorEvent::Failed("confirmation timed out".into()),
     };
     if let InitiatorAction::End(ended) = machine.on(event) {
-        if ended == Ended::Averaged {
+        if ended == ExchangeOutcome::Averaged {
             ex.moved = f64::from(c_a);
         }
-        ex.outcome = outcome(ended);
+        ex.outcome = ended;
     }
     let _ = timeout(cfg.request_timeout, wr.close()).await;
     shared.count(&ex);
@@ -370,9 +360,9 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
                 ResponderAction::Apply { c_b } => {
                     if served.buffer.add_scaled(&d_hat, -c_b) {
                         ex.moved = f64::from(c_b);
-                        ResponderAction::End(Ended::Averaged)
+                        ResponderAction::End(ExchangeOutcome::Averaged)
                     } else {
-                        ResponderAction::End(Ended::Unconfirmed(
+                        ResponderAction::End(ExchangeOutcome::Unconfirmed(
                             "the local vector changed size".into(),
                         ))
                     }
@@ -383,7 +373,7 @@ pub(crate) async fn respond(shared: &Shared, peer: PeerId, msg: GossipMsg, mut l
         Ok((_, action)) | Err(action) => action,
     };
     ex.outcome = match action {
-        ResponderAction::End(ended) => outcome(ended),
+        ResponderAction::End(ended) => ended,
         other => ExchangeOutcome::Failed(format!("unexpected step {other:?}")),
     };
     if let ExchangeOutcome::Unconfirmed(why) = &ex.outcome {

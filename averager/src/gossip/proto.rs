@@ -15,10 +15,11 @@
 //!
 //! Only two ends move values: the initiator's `Applied` and the responder's. An exchange cut
 //! before the initiator applied moves nothing on either side; one cut after it applied and
-//! before the responder read the confirmation moves the initiator only ([`Ended::Unconfirmed`]),
+//! before the responder read the confirmation moves the initiator only ([`ExchangeOutcome::Unconfirmed`]),
 //! which is the one case where the pair's mass changes, and the report says so.
 
 use super::mix::coefficients;
+use super::report::ExchangeOutcome;
 use crate::wire::GossipMsg;
 
 /// Where the initiator of an exchange stands.
@@ -47,33 +48,22 @@ pub(crate) enum ResponderPhase {
     AwaitingConfirmation,
 }
 
-/// How an exchange ended for one side, by the phase it reached.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Ended {
-    /// Both sides applied: the pair's mass is preserved.
-    Averaged,
-    /// Nothing was applied on this side.
-    Failed(String),
-    /// This side's values moved but the other side's did not (or may not have).
-    Unconfirmed(String),
-}
-
 /// What the initiator's failure in `phase` means: before it applied, nothing moved; after, its
 /// values moved and the responder's may not have.
-pub(crate) fn initiator_failed(phase: InitiatorPhase, why: String) -> Ended {
+pub(crate) fn initiator_failed(phase: InitiatorPhase, why: String) -> ExchangeOutcome {
     match phase {
-        InitiatorPhase::Applied => Ended::Unconfirmed(why),
-        _ => Ended::Failed(why),
+        InitiatorPhase::Applied => ExchangeOutcome::Unconfirmed(why),
+        _ => ExchangeOutcome::Failed(why),
     }
 }
 
 /// What the responder's failure in `phase` means: it applies only on the confirmation, so a
 /// failure before it moved nothing here; a missing confirmation means the initiator may have
 /// moved alone.
-pub(crate) fn responder_failed(phase: ResponderPhase, why: String) -> Ended {
+pub(crate) fn responder_failed(phase: ResponderPhase, why: String) -> ExchangeOutcome {
     match phase {
-        ResponderPhase::AwaitingConfirmation => Ended::Unconfirmed(why),
-        _ => Ended::Failed(why),
+        ResponderPhase::AwaitingConfirmation => ExchangeOutcome::Unconfirmed(why),
+        _ => ExchangeOutcome::Failed(why),
     }
 }
 
@@ -208,7 +198,7 @@ pub(crate) enum InitiatorAction {
     /// The responder is busy: try again after a pause.
     Retry,
     /// The exchange ended.
-    End(Ended),
+    End(ExchangeOutcome),
 }
 
 /// The initiator's side of an exchange as a state machine: each step's outcome in, the next
@@ -251,9 +241,9 @@ impl Initiator {
                 self.phase = P::Hello;
                 A::SendHello
             }
-            (P::Locking, E::Locked(None)) => {
-                A::End(Ended::Failed("this peer has no values to average".into()))
-            }
+            (P::Locking, E::Locked(None)) => A::End(ExchangeOutcome::Failed(
+                "this peer has no values to average".into(),
+            )),
             (P::Hello, E::Answer(reply)) => match on_answer(self.alpha, self.w_a, reply) {
                 Answered::Proceed { c_a, w_b } => {
                     self.c_a = c_a;
@@ -261,7 +251,7 @@ impl Initiator {
                     A::SendValues { w_b }
                 }
                 Answered::Retry => A::Retry,
-                Answered::Fail(why) => A::End(Ended::Failed(why)),
+                Answered::Fail(why) => A::End(ExchangeOutcome::Failed(why)),
             },
             (P::Sending, E::Sent) => {
                 self.phase = P::AwaitingDifference;
@@ -271,7 +261,7 @@ impl Initiator {
                 self.phase = P::Applied;
                 A::Apply { c_a: self.c_a }
             }
-            (P::Applied, E::Confirmed) => A::End(Ended::Averaged),
+            (P::Applied, E::Confirmed) => A::End(ExchangeOutcome::Averaged),
             (phase, event) => A::End(initiator_failed(
                 phase,
                 format!("{event:?} out of order while {phase:?}"),
@@ -306,7 +296,7 @@ pub(crate) enum ResponderAction {
         c_b: f32,
     },
     /// The exchange ended without this side applying.
-    End(Ended),
+    End(ExchangeOutcome),
 }
 
 /// The responder's side of an exchange as a state machine (see [`Initiator`]).
@@ -457,22 +447,22 @@ mod tests {
         ] {
             assert!(matches!(
                 initiator_failed(phase, "x".into()),
-                Ended::Failed(_)
+                ExchangeOutcome::Failed(_)
             ));
         }
         assert!(matches!(
             initiator_failed(InitiatorPhase::Applied, "x".into()),
-            Ended::Unconfirmed(_)
+            ExchangeOutcome::Unconfirmed(_)
         ));
         for phase in [ResponderPhase::Receiving, ResponderPhase::Sending] {
             assert!(matches!(
                 responder_failed(phase, "x".into()),
-                Ended::Failed(_)
+                ExchangeOutcome::Failed(_)
             ));
         }
         assert!(matches!(
             responder_failed(ResponderPhase::AwaitingConfirmation, "x".into()),
-            Ended::Unconfirmed(_)
+            ExchangeOutcome::Unconfirmed(_)
         ));
     }
 
@@ -497,7 +487,7 @@ mod tests {
             ResponderAction::AwaitConfirmation
         );
         assert_eq!(a.on(E::Difference), A::Apply { c_a: 0.75 });
-        assert_eq!(a.on(E::Confirmed), A::End(Ended::Averaged));
+        assert_eq!(a.on(E::Confirmed), A::End(ExchangeOutcome::Averaged));
         assert_eq!(
             b.on(ResponderEvent::Confirmed),
             ResponderAction::Apply { c_b: 0.25 }
@@ -508,11 +498,14 @@ mod tests {
         assert_eq!(a.on(E::Answer(GossipMsg::Busy)), A::Retry);
         assert!(matches!(
             Initiator::new(1.0).on(E::Locked(None)),
-            A::End(Ended::Failed(_))
+            A::End(ExchangeOutcome::Failed(_))
         ));
         let mut a = Initiator::new(1.0);
         a.on(E::Locked(Some(1.0)));
-        assert!(matches!(a.on(E::Difference), A::End(Ended::Failed(_))));
+        assert!(matches!(
+            a.on(E::Difference),
+            A::End(ExchangeOutcome::Failed(_))
+        ));
         // A failure after applying is unconfirmed, before it nothing moved.
         let mut a = Initiator::new(1.0);
         a.on(E::Locked(Some(1.0)));
@@ -520,7 +513,7 @@ mod tests {
         assert_eq!(a.phase(), InitiatorPhase::Sending);
         assert!(matches!(
             a.on(E::Failed("reset".into())),
-            A::End(Ended::Failed(_))
+            A::End(ExchangeOutcome::Failed(_))
         ));
         let mut a = Initiator::new(1.0);
         for e in [
@@ -533,14 +526,14 @@ mod tests {
         }
         assert!(matches!(
             a.on(E::Failed("reset".into())),
-            A::End(Ended::Unconfirmed(_))
+            A::End(ExchangeOutcome::Unconfirmed(_))
         ));
         let mut b = ResponderSide::new(0.5);
         b.on(ResponderEvent::Received);
         b.on(ResponderEvent::Sent);
         assert!(matches!(
             b.on(ResponderEvent::Failed("no confirmation".into())),
-            ResponderAction::End(Ended::Unconfirmed(_))
+            ResponderAction::End(ExchangeOutcome::Unconfirmed(_))
         ));
     }
 }
