@@ -256,12 +256,11 @@ fn descriptors_per_peer(peers: usize) -> usize {
     peers.saturating_sub(1) + 4
 }
 
-/// This process's open-file limit (`Max open files` in `/proc/self/limits`; the binary raises
-/// its soft limit to the hard one at start), or `None` where it cannot be read.
+/// This process's open-file limit (the soft one, which the binary raises to the hard one at
+/// start), or `None` where it cannot be read.
 fn open_files_limit() -> Option<usize> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    let (soft, _hard) = rlimit::getrlimit(rlimit::Resource::NOFILE).ok()?;
+    usize::try_from(soft).ok()
 }
 
 /// A warning when `per_process` peers (of `peers` in all) may need more file descriptors than

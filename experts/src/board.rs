@@ -29,15 +29,12 @@ pub struct ExpertsBoard {
 impl ExpertsBoard {
     /// The section for a node hosting `uids`, within the bounds.
     pub fn new(uids: &[String]) -> Self {
-        let cut = |s: &String| {
-            let mut end = s.len().min(MAX_UID_LEN);
-            while !s.is_char_boundary(end) {
-                end -= 1;
-            }
-            s[..end].to_string()
-        };
         ExpertsBoard {
-            listed: uids.iter().take(MAX_EXPERTS_LISTED).map(cut).collect(),
+            listed: uids
+                .iter()
+                .take(MAX_EXPERTS_LISTED)
+                .map(|u| starling_node::board::cut(u, MAX_UID_LEN))
+                .collect(),
             total: uids.len(),
         }
     }

@@ -42,6 +42,21 @@ pub const MAX_NAME_LEN: usize = 32;
 /// Largest encoded section, in bytes (a heartbeat must fit one DHT value).
 pub const MAX_SECTION_BYTES: usize = 2048;
 
+/// `s` cut to at most `max_bytes` bytes, at a character boundary: how sections (and the
+/// heartbeat) keep names and uids within their bounds.
+///
+/// ```
+/// assert_eq!(starling_node::board::cut("héllo", 2), "h");
+/// assert_eq!(starling_node::board::cut("run", 128), "run");
+/// ```
+pub fn cut(s: &str, max_bytes: usize) -> String {
+    let mut end = s.len().min(max_bytes);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
 /// A typed section of the board: its owner implements this for its serde type.
 pub trait Section: Serialize + DeserializeOwned {
     /// The section's name (at most [`MAX_NAME_LEN`] bytes), unique in the workspace: by

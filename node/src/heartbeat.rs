@@ -35,8 +35,9 @@ use crate::{Node, NodeError, Reachability};
 /// instead of misreading the other's.
 pub const HEARTBEAT_KEY: &str = "starling.heartbeat.v2";
 
-/// Longest peer id or version a heartbeat may carry (bytes): longer strings are cut, so a
-/// heartbeat always fits a DHT value.
+/// Longest version string a reader keeps of a heartbeat (bytes); longer ones are cut. (The
+/// peer id is checked against the signing key, and the board is bounded by
+/// [`Board::within_bounds`].)
 pub const MAX_FIELD_LEN: usize = 128;
 
 /// How a node takes part in the swarm.
@@ -111,17 +112,6 @@ impl HeartbeatConfig {
     }
 }
 
-fn cut(s: &str) -> String {
-    if s.len() <= MAX_FIELD_LEN {
-        return s.to_string();
-    }
-    let mut end = MAX_FIELD_LEN;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
-}
-
 /// This node's heartbeat now: its status and its board (see [`crate::board`]).
 pub async fn current(node: &Node) -> Result<Heartbeat, NodeError> {
     let status = node.status().await?;
@@ -179,8 +169,7 @@ pub async fn read_heartbeats(
                 return None;
             }
             hb.expires_ms = expires;
-            hb.peer_id = cut(&hb.peer_id);
-            hb.version = cut(&hb.version);
+            hb.version = crate::board::cut(&hb.version, MAX_FIELD_LEN);
             hb.board = hb.board.within_bounds();
             Some(hb)
         })

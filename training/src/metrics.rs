@@ -55,16 +55,8 @@ impl TrainingBoard {
     /// The section for `run` at `epoch`, with the name cut to [`MAX_BOARD_RUN_LEN`] bytes and
     /// non-finite numbers left out.
     pub fn new(run: String, epoch: u64, samples_per_second: f64, loss: Option<f64>) -> Self {
-        let mut run = run;
-        if run.len() > MAX_BOARD_RUN_LEN {
-            let mut end = MAX_BOARD_RUN_LEN;
-            while !run.is_char_boundary(end) {
-                end -= 1;
-            }
-            run.truncate(end);
-        }
         TrainingBoard {
-            run,
+            run: starling_node::board::cut(&run, MAX_BOARD_RUN_LEN),
             epoch,
             samples_per_second: if samples_per_second.is_finite() {
                 samples_per_second

@@ -4,6 +4,7 @@
 use serde::Serialize;
 use starling_averager::AveragerBoard;
 use starling_experts::ExpertsBoard;
+use starling_node::board::Section;
 use starling_node::heartbeat::{Heartbeat, Mode};
 use starling_node::Reachability;
 use starling_training::TrainingBoard;
@@ -41,7 +42,7 @@ pub struct PeerView {
 impl From<&Heartbeat> for PeerView {
     fn from(hb: &Heartbeat) -> Self {
         let experts = hb.board.get::<ExpertsBoard>();
-        let known = ["averager", "training", "experts"];
+        let known = [AveragerBoard::NAME, TrainingBoard::NAME, ExpertsBoard::NAME];
         PeerView {
             peer_id: hb.peer_id.clone(),
             version: hb.version.clone(),
