@@ -25,7 +25,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use starling_dht::now_ms;
-use starling_node::{Multiaddr, Node, NodeConfig};
+use starling_node::{ConnectionLimits, Multiaddr, Node, NodeConfig};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
@@ -66,6 +66,11 @@ pub struct DhtArgs {
     /// about three refreshes a second, each a few hundred requests.
     #[arg(long)]
     refresh: Option<u64>,
+    /// Connections each peer keeps before its connection manager prunes (its high-water mark;
+    /// it prunes to half of it). Default: the node's (128), lowered where the peers of one
+    /// process would not fit its open-file limit.
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// Seconds to let the started swarm sit idle while its CPU time is measured
     /// (`idle_cpu_ms_per_s_per_peer` in the output; 0: skip).
     #[arg(long, default_value_t = 10)]
@@ -177,6 +182,11 @@ struct Report {
     procs: usize,
     startup_s: f64,
     idle_timeout_s: u64,
+    /// Each peer's connection manager: pruning above `high_water` down to `low_water`, and
+    /// the ceiling on established connections.
+    high_water: usize,
+    low_water: usize,
+    max_established: Option<u32>,
     /// Routing-table refresh interval of every peer (null: never).
     routing_refresh_s: Option<u64>,
     sequential: PhaseStats,
@@ -188,7 +198,8 @@ struct Report {
     rss_total_mb: f64,
     rss_per_peer_kb: f64,
     /// Open connections per peer when memory was read (libp2p keeps a connection open until it
-    /// has been idle for `idle_connection_timeout`, 120 s by default).
+    /// has been idle for `idle_connection_timeout`, 120 s by default, or the connection
+    /// manager closes it).
     connections_per_peer: f64,
     /// CPU time the idle swarm used (all processes), per peer: milliseconds per second. The
     /// machine's cores divided by the peer count is the most a peer may use.
@@ -247,14 +258,14 @@ async fn run_local(node: &Node, op: &Op) -> (bool, f64) {
     (ok, t.elapsed().as_secs_f64() * 1e3)
 }
 
-/// What a bench peer's connections cost in file descriptors: libp2p keeps a connection to
-/// every peer it talked to until it has been idle for `idle_connection_timeout`, and Kademlia's
-/// bootstrap and lookups talk to many, so a swarm on one machine drifts towards a full mesh
-/// (measured here: about 134 connections per peer with 177 of 1024 peers up, 286 with 321 up,
-/// still growing). Each connection is one descriptor at each end.
-fn descriptors_per_peer(peers: usize) -> usize {
-    peers.saturating_sub(1) + 4
-}
+/// File descriptors a bench peer holds besides its connections: its TCP listener, its
+/// fast-lane listener, and room for a fast lane or dial in progress.
+const DESCRIPTORS_PER_PEER: usize = 4;
+/// Descriptors a process holds besides its peers' (the runtime, stdio, the binary's files).
+const DESCRIPTORS_PER_PROCESS: usize = 256;
+/// The fewest connections (high-water mark) a bench peer is run with: below it, most Kademlia
+/// requests would dial anew.
+const MIN_HIGH_WATER: usize = 16;
 
 /// This process's open-file limit (the soft one, which the binary raises to the hard one at
 /// start), or `None` where it cannot be read.
@@ -263,28 +274,46 @@ fn open_files_limit() -> Option<usize> {
     usize::try_from(soft).ok()
 }
 
-/// A warning when `per_process` peers (of `peers` in all) may need more file descriptors than
-/// a process may open: the cause of a large run that stalls (a process at its limit accepts
-/// no connection, so its peers' dials time out) or fails with "Too many open files".
-fn open_files_warning(peers: usize, per_process: usize) -> Option<String> {
-    open_files_warning_at(open_files_limit()?, peers, per_process)
-}
-
-/// [`open_files_warning`] for a process that may open `limit` files.
-fn open_files_warning_at(limit: usize, peers: usize, per_process: usize) -> Option<String> {
-    let per_peer = descriptors_per_peer(peers);
-    let needed = per_process * per_peer + 256;
-    (needed > limit).then(|| {
-        let procs = (peers * per_peer).div_ceil(limit.saturating_sub(256).max(1));
-        format!(
-            "warning: {per_process} peers in one process may need about {needed} open files (a \
-             peer can end up connected to every other one of the {peers}), but a process here \
-             may open {limit} (the hard `ulimit -n`; raise it in /etc/security/limits.conf, a \
-             container's --ulimit nofile, or a service's LimitNOFILE). A process at its limit \
-             accepts no connection, so its peers' dials time out and new listeners fail with \
-             \"Too many open files\": use --procs {procs} or more, or raise the limit."
-        )
-    })
+/// The connection limits every bench peer runs with: the node's defaults, or a high-water
+/// mark of `requested`, with the ceiling lowered where `per_process` peers (of `peers`) would
+/// not fit a process that may open `limit` files: each connection is a descriptor at each
+/// end, and a process at its limit accepts no connection (its peers' dials time out, its new
+/// listeners fail with "Too many open files"). Without the manager a swarm of a thousand on
+/// one machine drifted towards a full mesh (about 134 connections per peer with 177 of 1024
+/// peers up, 286 with 321 up) and hit this machine's 20 000 files. An error names the limit,
+/// how to raise it and the `--procs` that fits.
+fn peer_connections(
+    limit: Option<usize>,
+    peers: usize,
+    per_process: usize,
+    requested: Option<usize>,
+) -> Result<ConnectionLimits, String> {
+    let mut c = requested.map_or_else(ConnectionLimits::default, ConnectionLimits::with_high_water);
+    let Some(limit) = limit else {
+        return Ok(c);
+    };
+    let budget = (limit.saturating_sub(DESCRIPTORS_PER_PROCESS) / per_process.max(1))
+        .saturating_sub(DESCRIPTORS_PER_PEER);
+    // The ceiling holds bursts; pruning starts at three quarters of it.
+    let fits = budget * 3 / 4;
+    if fits < MIN_HIGH_WATER.min(c.high_water) {
+        let per_peer = MIN_HIGH_WATER * 4 / 3 + 1 + DESCRIPTORS_PER_PEER;
+        let procs =
+            (peers * per_peer).div_ceil(limit.saturating_sub(DESCRIPTORS_PER_PROCESS).max(1));
+        return Err(format!(
+            "{per_process} peers in one process fit the open-file limit of {limit} (the hard \
+             `ulimit -n`) only with {fits} connections each, too few for a swarm: use --procs \
+             {procs} or more, or raise the limit (/etc/security/limits.conf, a container's \
+             --ulimit nofile, a service's LimitNOFILE)."
+        ));
+    }
+    let ceiling = u32::try_from(budget).unwrap_or(u32::MAX);
+    if c.max_established.is_none_or(|m| m > ceiling) {
+        c.max_established = Some(ceiling);
+    }
+    c.high_water = c.high_water.min(fits);
+    c.low_water = c.low_water.min(c.high_water / 2);
+    Ok(c)
 }
 
 /// Open connections of the live `nodes`, summed.
@@ -306,6 +335,7 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>, peer: PeerSettings) -> R
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
         idle_connection_timeout: peer.idle,
         routing_refresh_interval: peer.refresh,
+        connections: peer.connections,
         // A thousand peers joining on two cores make handshakes slow: keep trying longer than
         // a user's node would (0.5 s, doubling: about a minute in all).
         bootstrap_attempts: 8,
@@ -346,6 +376,7 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>, peer: PeerSettings) -> R
 struct PeerSettings {
     idle: Duration,
     refresh: Option<Duration>,
+    connections: ConnectionLimits,
 }
 
 impl PeerSettings {
@@ -380,6 +411,12 @@ impl Worker {
             .arg(peer.idle.as_secs().to_string())
             .arg("--refresh")
             .arg(peer.refresh_s().to_string())
+            .arg("--high-water")
+            .arg(peer.connections.high_water.to_string())
+            .arg("--low-water")
+            .arg(peer.connections.low_water.to_string())
+            .arg("--max-established")
+            .arg(peer.connections.max_established.unwrap_or(0).to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -586,9 +623,13 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         "--kill must be between 0 and 0.9"
     );
     let share = args.peers / args.procs;
-    if let Some(warning) = open_files_warning(args.peers, args.peers - share * (args.procs - 1)) {
-        eprintln!("{warning}");
-    }
+    let connections = peer_connections(
+        open_files_limit(),
+        args.peers,
+        args.peers - share * (args.procs - 1),
+        args.max_connections,
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
     let base_rss = rss_kb();
     let started = Instant::now();
     let first_share = args.peers - share * (args.procs - 1);
@@ -602,6 +643,7 @@ pub async fn run(args: DhtArgs) -> Result<()> {
             defaults.routing_refresh_interval,
             PeerSettings::refresh_from_s,
         ),
+        connections,
     };
     let local = start_peers(first_share, None, peer).await?;
     let boot = local[0]
@@ -706,6 +748,9 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         procs: args.procs,
         startup_s,
         idle_timeout_s: peer.idle.as_secs(),
+        high_water: peer.connections.high_water,
+        low_water: peer.connections.low_water,
+        max_established: peer.connections.max_established,
         routing_refresh_s: peer.refresh.map(|r| r.as_secs()),
         sequential,
         concurrent,
@@ -726,22 +771,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_swarm_too_large_for_the_open_file_limit_is_warned_about_with_the_fix() {
-        // 1024 peers over 8 processes under a 20000-file limit: the run that stalled here.
-        let w = open_files_warning_at(20_000, 1024, 128).expect("a warning");
-        assert!(
-            w.contains("20000") && w.contains("ulimit -n") && w.contains("--procs"),
-            "{w}"
-        );
-        let procs: usize = w
+    fn peers_get_connection_limits_that_fit_the_open_file_limit() {
+        // Plenty of room: the node's defaults.
+        let c = peer_connections(Some(1 << 20), 64, 64, None).unwrap();
+        assert_eq!(c, ConnectionLimits::default());
+        // 1024 peers over 8 processes under 20000 files (the run that stalled here): the
+        // ceiling and the marks come down so that 128 peers' connections fit.
+        let c = peer_connections(Some(20_000), 1024, 128, None).unwrap();
+        let ceiling = c.max_established.unwrap() as usize;
+        assert!(128 * (ceiling + DESCRIPTORS_PER_PEER) + DESCRIPTORS_PER_PROCESS <= 20_000);
+        assert!(c.high_water < ceiling && c.low_water < c.high_water);
+        assert!(c.high_water >= MIN_HIGH_WATER);
+        // A smaller mark asked for is kept.
+        let c = peer_connections(Some(20_000), 1024, 128, Some(32)).unwrap();
+        assert_eq!((c.high_water, c.low_water), (32, 16));
+        // All 1024 in one process: too few connections each; the error says what to do.
+        let e = peer_connections(Some(20_000), 1024, 1024, None).unwrap_err();
+        assert!(e.contains("20000") && e.contains("ulimit -n"), "{e}");
+        let procs: usize = e
             .split("--procs ")
             .nth(1)
             .and_then(|t| t.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .expect("a process count");
-        assert!(open_files_warning_at(20_000, 1024, 1024 / procs + 1).is_none());
-        // Small swarms: each peer connects to at most the others.
-        assert!(open_files_warning_at(20_000, 64, 64).is_none());
+        assert!(peer_connections(Some(20_000), 1024, 1024 / procs + 1, None).is_ok());
+        // No readable limit: the defaults.
+        assert_eq!(
+            peer_connections(None, 1024, 1024, None).unwrap(),
+            ConnectionLimits::default()
+        );
         assert!(open_files_limit().is_some_and(|l| l > 0));
     }
 }

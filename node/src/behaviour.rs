@@ -12,7 +12,7 @@ use std::time::Duration;
 use libp2p::identity::Keypair;
 use libp2p::kad::{self, StoreInserts};
 use libp2p::swarm::{behaviour::toggle::Toggle, NetworkBehaviour};
-use libp2p::{autonat, dcutr, identify, ping, relay, StreamProtocol};
+use libp2p::{autonat, connection_limits, dcutr, identify, ping, relay, StreamProtocol};
 use starling_dht::DhtStore;
 
 use crate::{NatConfig, NodeConfig, NodeError, RelayServerConfig};
@@ -28,6 +28,9 @@ const IDENTIFY_INTERVAL: Duration = Duration::from_secs(300);
 /// The protocols every Starling node runs, composed into one behaviour.
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
+    /// The ceiling on established connections ([`crate::ConnectionLimits::max_established`]);
+    /// pruning below it is the swarm task's (see `node::connections`).
+    pub limits: connection_limits::Behaviour,
     pub kad: kad::Behaviour<DhtStore>,
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
@@ -83,7 +86,10 @@ pub(crate) fn build(
             // re-identify only repeats what the peer already said.
             .with_interval(IDENTIFY_INTERVAL),
     );
+    let limits = connection_limits::ConnectionLimits::default()
+        .with_max_established(cfg.connections.max_established);
     Ok(Behaviour {
+        limits: connection_limits::Behaviour::new(limits),
         kad,
         identify,
         // Every connection pings both ways; at libp2p's 15 s that was 80 % of an idle swarm's

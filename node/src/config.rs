@@ -57,6 +57,8 @@ pub struct NodeConfig {
     pub replication_interval: Option<Duration>,
     /// How long an idle connection stays open.
     pub idle_connection_timeout: Duration,
+    /// How many connections the node keeps open (its connection manager).
+    pub connections: ConnectionLimits,
     /// How often Kademlia refreshes the routing table (a lookup of our own id, then one of a
     /// random id in every bucket farther out: a few hundred requests, many on new connections,
     /// in a swarm of a thousand). `None`: never; the table then changes only through traffic.
@@ -81,6 +83,74 @@ pub struct NodeConfig {
     pub relay_server: Option<RelayServerConfig>,
     /// Reachability detection (autonat) and what a node behind a NAT does about it.
     pub nat: NatConfig,
+}
+
+/// The connection manager's bounds. Kademlia talks to whichever peers a lookup leads to and
+/// libp2p keeps each connection until it has been idle for
+/// [`NodeConfig::idle_connection_timeout`], so in a large swarm a busy node drifts towards a
+/// connection to everyone (about 134 per peer with 177 peers up, measured), one file descriptor
+/// each. The manager keeps the count bounded, in the manner of go-libp2p's `connmgr` (which
+/// hivemind's daemon runs): when more than `high_water` connections are open it closes whole
+/// peers' connections until `low_water` remain, least valuable first: peers outside the
+/// Kademlia routing table before peers in it, and among those the one used longest ago (its
+/// newest connection, or the last stream opened to or from it through
+/// [`Node::stream_control`](crate::Node::stream_control)). Never closed: peers used within
+/// `grace`, relays this node holds a reservation on, and peers holding a reservation or
+/// circuit on this node's relay server. Above `max_established` libp2p refuses new connections
+/// outright (a ceiling for bursts of new peers, all still in their grace period).
+///
+/// Protection comes from use: a stream that stays open longer than `grace` with nothing new
+/// opened to that peer may lose its connection when the node is over its high-water mark.
+/// Groups of averaging peers open streams every round, so they stay protected while they work.
+///
+/// ```
+/// use starling_node::{ConnectionLimits, NodeConfig};
+/// let cfg = NodeConfig::default().with_connections(ConnectionLimits::with_high_water(48));
+/// assert_eq!(cfg.connections.low_water, 24);
+/// assert!(cfg.connections.max_established.unwrap() > 48);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections left open after pruning.
+    pub low_water: usize,
+    /// Pruning starts when more than this many connections are open.
+    pub high_water: usize,
+    /// A peer used within this long is never pruned (a new connection counts as a use).
+    pub grace: Duration,
+    /// Established connections at most (inbound and outbound); `None`: no ceiling.
+    pub max_established: Option<u32>,
+}
+
+impl ConnectionLimits {
+    /// Limits around a high-water mark: low water at half of it, a ceiling at twice it, a 20 s
+    /// grace period.
+    pub fn with_high_water(high_water: usize) -> Self {
+        let high_water = high_water.max(2);
+        ConnectionLimits {
+            low_water: high_water / 2,
+            high_water,
+            grace: Duration::from_secs(20),
+            max_established: u32::try_from(high_water.saturating_mul(2)).ok(),
+        }
+    }
+
+    /// No pruning and no ceiling.
+    pub fn unlimited() -> Self {
+        ConnectionLimits {
+            low_water: usize::MAX,
+            high_water: usize::MAX,
+            grace: Duration::from_secs(20),
+            max_established: None,
+        }
+    }
+}
+
+impl Default for ConnectionLimits {
+    /// High water 128, low water 64, a ceiling of 256, 20 s grace: room for a routing table of a
+    /// thousand-peer swarm and the groups a node averages with.
+    fn default() -> Self {
+        ConnectionLimits::with_high_water(128)
+    }
 }
 
 /// How a node learns whether others can dial it (libp2p autonat v1), and what it does when they
@@ -185,6 +255,7 @@ impl Default for NodeConfig {
             put_quorum: 1,
             replication_interval: Some(Duration::from_secs(600)),
             idle_connection_timeout: Duration::from_secs(120),
+            connections: ConnectionLimits::default(),
             routing_refresh_interval: Some(Duration::from_secs(300)),
             kad_protocol: DEFAULT_KAD_PROTOCOL.to_string(),
             command_queue: 1024,
@@ -225,6 +296,12 @@ impl NodeConfig {
     /// Loads (or creates) the identity from this file.
     pub fn with_identity_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.identity_file = Some(path.into());
+        self
+    }
+
+    /// Sets the connection manager's bounds.
+    pub fn with_connections(mut self, limits: ConnectionLimits) -> Self {
+        self.connections = limits;
         self
     }
 

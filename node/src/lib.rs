@@ -54,6 +54,7 @@ mod behaviour;
 pub mod board;
 pub mod cluster;
 mod config;
+mod control;
 mod error;
 pub mod fastlane;
 pub mod framing;
@@ -64,7 +65,9 @@ mod node;
 pub mod streams;
 mod swarm_key;
 
-pub use config::{NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL};
+pub use config::{
+    ConnectionLimits, NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL,
+};
 pub use error::{error_chain, NodeError};
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
@@ -73,5 +76,6 @@ pub use node::{NatEvent, Node, NodeStatus, PutReport, Reachability};
 pub use starling_dht::lock;
 pub use swarm_key::SwarmKey;
 
+pub use control::{IncomingStreams, StreamControl};
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
-pub use libp2p_stream::{Control as StreamControl, IncomingStreams};
+pub use libp2p_stream::{AlreadyRegistered, OpenStreamError};

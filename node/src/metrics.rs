@@ -123,6 +123,7 @@ pub(crate) struct NodeMetrics {
     pub routing_table: Gauge,
     pub dht_records: Gauge,
     pub dht_record_bytes: Gauge,
+    pub connections_pruned: prometheus_client::metrics::counter::Counter,
     query_seconds: Family<QueryLabels, Histogram>,
 }
 
@@ -168,6 +169,7 @@ impl Metrics {
             routing_table: Gauge::default(),
             dht_records: Gauge::default(),
             dht_record_bytes: Gauge::default(),
+            connections_pruned: Default::default(),
             query_seconds: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
         };
         {
@@ -191,6 +193,11 @@ impl Metrics {
                 "node_dht_record_bytes",
                 "Bytes of DHT records held in the local store",
                 node.dht_record_bytes.clone(),
+            );
+            r.register(
+                "node_connections_pruned",
+                "Peers disconnected by the connection manager (over its high-water mark)",
+                node.connections_pruned.clone(),
             );
             r.register_with_unit(
                 "node_dht_query",

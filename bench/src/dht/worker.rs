@@ -18,6 +18,15 @@ pub struct DhtWorkerArgs {
     /// Routing-table refresh interval of its peers, seconds (0: never).
     #[arg(long)]
     pub refresh: u64,
+    /// Its peers' connection high-water mark.
+    #[arg(long)]
+    pub high_water: usize,
+    /// Its peers' connection low-water mark.
+    #[arg(long)]
+    pub low_water: usize,
+    /// Its peers' ceiling on established connections (0: none).
+    #[arg(long)]
+    pub max_established: u32,
 }
 
 /// `starling bench dht-worker`: hosts peers and runs the operations its stdin asks for.
@@ -26,6 +35,12 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
     let peer = PeerSettings {
         idle: Duration::from_secs(args.idle_timeout),
         refresh: PeerSettings::refresh_from_s(args.refresh),
+        connections: ConnectionLimits {
+            high_water: args.high_water,
+            low_water: args.low_water,
+            max_established: (args.max_established > 0).then_some(args.max_established),
+            ..ConnectionLimits::default()
+        },
     };
     let nodes = start_peers(args.peers, Some(args.bootstrap), peer).await?;
     let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();

@@ -114,7 +114,7 @@ pub(super) fn bind(ips: &[IpAddr], port: u16) -> Result<Vec<TcpListener>, NodeEr
 }
 
 /// Answers lane requests on [`FASTLANE_PROTOCOL`] streams until the lane state is gone.
-pub(super) async fn serve_offers(lane: Weak<FastLane>, mut control: libp2p_stream::Control) {
+pub(super) async fn serve_offers(lane: Weak<FastLane>, mut control: crate::StreamControl) {
     let Ok(mut incoming) = control.accept(FASTLANE_PROTOCOL) else {
         tracing::warn!("fast lane protocol already registered; lanes disabled");
         return;

@@ -173,7 +173,7 @@ impl FastLane {
         ips: &[IpAddr],
         port: u16,
         timeout: Duration,
-        control: libp2p_stream::Control,
+        control: crate::StreamControl,
         peer_ip: PeerIpLookup,
     ) -> Result<Arc<Self>, NodeError> {
         let listeners = listener::bind(ips, port)?;
@@ -244,7 +244,7 @@ impl FastLane {
     /// Requests and connects a lane to `peer` (reached at `ip`) for `protocol`.
     pub(crate) async fn open(
         &self,
-        control: libp2p_stream::Control,
+        control: crate::StreamControl,
         peer: PeerId,
         ip: IpAddr,
         protocol: &StreamProtocol,
@@ -267,7 +267,7 @@ impl FastLane {
     /// keys, and the addresses the peer listens for lanes on.
     async fn request(
         &self,
-        mut control: libp2p_stream::Control,
+        mut control: crate::StreamControl,
         peer: PeerId,
         protocol: &StreamProtocol,
     ) -> Result<(Token, Keys, Vec<SocketAddr>), NodeError> {

@@ -6,9 +6,9 @@
 //! Commands that need the network (dials, DHT queries) park their reply until the matching
 //! swarm event arrives; Kademlia's part of that lives in [`Queries`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use libp2p::kad::{Record, RecordKey};
@@ -21,11 +21,13 @@ use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
 use starling_dht::{now_ms, DictionaryRecord, Validator};
 use tokio::sync::{mpsc, oneshot};
 
+use super::connections::Connections;
 use super::nat::{Nat, NatEvents};
 use super::queries::{GetMode, Kad, Queries, Reply};
 use super::transport::{direct_ip, on_remote_ip, peer_of};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
+use crate::control::StreamUsage;
 use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
@@ -68,11 +70,14 @@ pub(super) struct Actor {
     kad_protocol: StreamProtocol,
     /// libp2p's metrics and the node's gauges.
     metrics: Metrics,
+    /// The connection manager's bookkeeping.
+    connections: Connections,
 }
 
 impl Actor {
     /// The task's state for a swarm that already listens on `listen_addrs`; NAT events go to
-    /// `nat_events`. The configured external addresses are confirmed here.
+    /// `nat_events`; streams opened through the node's handles are recorded in `usage`. The
+    /// configured external addresses are confirmed here.
     pub(super) fn new(
         mut swarm: Swarm<Behaviour>,
         listen_addrs: Vec<Multiaddr>,
@@ -80,6 +85,7 @@ impl Actor {
         cfg: &NodeConfig,
         nat_events: &NatEvents,
         metrics: Metrics,
+        usage: StreamUsage,
     ) -> Result<Self, NodeError> {
         for addr in &cfg.external_addrs {
             swarm.add_external_address(addr.clone());
@@ -94,6 +100,7 @@ impl Actor {
             kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
             metrics,
+            connections: Connections::new(cfg.connections, usage),
         })
     }
 
@@ -122,6 +129,8 @@ impl Actor {
                 _ = sweep.tick() => {
                     self.swarm.behaviour_mut().kad.store_mut().remove_expired(now_ms());
                     self.nat.maintain(&mut self.swarm);
+                    self.prune_connections();
+                    self.connections.forget_stale(Instant::now());
                     self.update_gauges();
                 }
             }
@@ -225,6 +234,42 @@ impl Actor {
         }
     }
 
+    /// Closes the connections the connection manager names (none while under its high-water
+    /// mark).
+    fn prune_connections(&mut self) {
+        if !self.connections.over_high_water() {
+            return;
+        }
+        let routing: HashSet<PeerId> = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .kbuckets()
+            .flat_map(|b| b.iter().map(|e| *e.node.key.preimage()).collect::<Vec<_>>())
+            .collect();
+        let protected: HashSet<PeerId> = self.nat.reserved_relays().collect();
+        let open = self.connections.open();
+        let pruned = self
+            .connections
+            .take_prunable(Instant::now(), &routing, &protected);
+        if pruned.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            open,
+            pruned = pruned.len(),
+            left = self.connections.open(),
+            "over the connection high-water mark: closing the least used"
+        );
+        self.metrics
+            .node()
+            .connections_pruned
+            .inc_by(pruned.len() as u64);
+        for peer in pruned {
+            let _ = self.swarm.disconnect_peer_id(peer);
+        }
+    }
+
     /// Sets the node's gauges from the swarm's state (on connection changes and every sweep).
     fn update_gauges(&mut self) {
         let status = self.status();
@@ -277,6 +322,9 @@ impl Actor {
                 ..
             } => {
                 self.nat.on_connection_established(connection_id, &endpoint);
+                self.connections
+                    .on_established(peer_id, connection_id, Instant::now());
+                self.prune_connections();
                 if let Some(ip) = direct_ip(endpoint.get_remote_address()) {
                     self.peer_ips.insert(peer_id, ip);
                 }
@@ -312,6 +360,7 @@ impl Actor {
             } => {
                 tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
                 self.nat.on_connection_closed(connection_id);
+                self.connections.on_closed(connection_id);
                 if num_established == 0 {
                     self.peer_ips.remove(&peer_id);
                 }
@@ -364,7 +413,10 @@ impl Actor {
                 self.nat.on_autonat(&mut self.swarm, new);
             }
             BehaviourEvent::RelayClient(event) => self.nat.on_relay_client(event),
-            BehaviourEvent::RelayServer(event) => self.nat.on_relay_server(event),
+            BehaviourEvent::RelayServer(event) => {
+                self.connections.on_relay_server(&event);
+                self.nat.on_relay_server(event);
+            }
             BehaviourEvent::Dcutr(event) => self.nat.on_dcutr(event),
             BehaviourEvent::Kad(event) => self.queries.on_event(kad(&mut self.swarm), event),
             _ => {}

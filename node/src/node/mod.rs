@@ -8,6 +8,7 @@
 //! - [`transport`]: building the swarm, bringing listeners up, multiaddr helpers.
 
 mod actor;
+mod connections;
 mod nat;
 mod queries;
 mod transport;
@@ -99,7 +100,7 @@ pub struct Node {
     tx: mpsc::Sender<Command>,
     peer_id: PeerId,
     owner: OwnerKey,
-    stream: libp2p_stream::Control,
+    stream: crate::StreamControl,
     validator: Validator,
     request_timeout: Duration,
     fast: Option<Arc<FastLane>>,
@@ -143,7 +144,9 @@ impl Node {
         metrics.init_libp2p();
         let mut swarm = transport::build_swarm(&key, &cfg, &metrics)?;
         let peer_id = *swarm.local_peer_id();
-        let stream = swarm.behaviour().stream.new_control();
+        let usage = crate::control::StreamUsage::default();
+        let stream =
+            crate::StreamControl::new(swarm.behaviour().stream.new_control(), usage.clone());
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
         let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
@@ -156,6 +159,7 @@ impl Node {
             &cfg,
             &nat_events,
             metrics.clone(),
+            usage,
         )?;
         tokio::spawn(actor.run(rx).instrument(span.clone()));
         let node = Node {
@@ -363,7 +367,7 @@ impl Node {
     }
 
     /// The handle for opening and accepting bulk-data streams on custom protocols.
-    pub fn stream_control(&self) -> libp2p_stream::Control {
+    pub fn stream_control(&self) -> crate::StreamControl {
         self.stream.clone()
     }
 
@@ -651,7 +655,7 @@ fn identity(cfg: &NodeConfig) -> Result<Keypair, NodeError> {
 async fn start_fast_lane(
     cfg: &NodeConfig,
     listen: &[Multiaddr],
-    stream: libp2p_stream::Control,
+    stream: crate::StreamControl,
     peer_ip: PeerIpLookup,
 ) -> Result<Option<Arc<FastLane>>, NodeError> {
     if !cfg.fast_lane {

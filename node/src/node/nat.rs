@@ -182,6 +182,12 @@ impl Nat {
         }
     }
 
+    /// Relays this node holds (or has asked for) a reservation on: their connections carry
+    /// this node's reachability and must stay open.
+    pub(super) fn reserved_relays(&self) -> impl Iterator<Item = PeerId> + '_ {
+        self.reservations.values().map(|r| r.relay)
+    }
+
     /// The current verdict.
     pub(super) fn reachability(&self) -> Reachability {
         self.reachability
