@@ -292,6 +292,18 @@ impl CollaborativeOptimizer {
         self.optimizer.as_ref()
     }
 
+    /// The local optimizer, to restore its state between steps (from a checkpoint the caller
+    /// keeps); follow with [`resume`](Self::resume) for the epoch.
+    ///
+    /// ```no_run
+    /// # fn demo(mut opt: starling_training::CollaborativeOptimizer) {
+    /// opt.optimizer_mut().set_steps(100);
+    /// # }
+    /// ```
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        self.optimizer.as_mut()
+    }
+
     /// Takes one batch: `params.grads()` holds the mean gradient of `batch_samples` samples.
     /// Gradient mode accumulates it and, once the swarm has its global batch, averages and steps;
     /// local SGD steps locally and averages every `inner_steps` batches.
