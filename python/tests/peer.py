@@ -1,5 +1,7 @@
 """One peer of test_processes: averages a seeded random array with the others and prints a
-JSON line about the result. Run as: python peer.py INDEX PEERS SIZE [ADDRESS]."""
+JSON line about the result. Run as: python peer.py INDEX PEERS SIZE [ADDRESS [ROUNDS]]; with
+ROUNDS > 1 it also runs that many more rounds on fresh copies of its data and reports their
+median all-reduce time (a warm round, as `starling bench allreduce` reports)."""
 
 import hashlib
 import json
@@ -17,7 +19,8 @@ def data(i, size):
 
 def main():
     index, peers, size = (int(a) for a in sys.argv[1:4])
-    initial = sys.argv[4:5]
+    initial = [a for a in sys.argv[4:5] if a != "-"]
+    rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     node = starling.Node(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial)
     print(json.dumps({"address": node.addresses[0]}), flush=True)
     averager = starling.Averager(
@@ -27,6 +30,10 @@ def main():
     started = time.perf_counter()
     report = averager.step([x], weight=float(index + 1), timeout=120)
     seconds = time.perf_counter() - started
+    warm = []
+    for _ in range(rounds - 1):
+        y = data(index, size)
+        warm.append(averager.step([y], weight=float(index + 1), timeout=120).allreduce_time)
     want = sum((i + 1) * data(i, size).astype(np.float64) for i in range(peers))
     want /= sum(i + 1 for i in range(peers))
     print(
@@ -38,6 +45,7 @@ def main():
                 "averaged_fraction": report.averaged_fraction,
                 "seconds": seconds,
                 "allreduce": report.allreduce_time,
+                "warm_allreduce_median": float(np.median(warm)) if warm else None,
             }
         ),
         flush=True,
