@@ -76,8 +76,10 @@ def main():
     ap.add_argument("--run-id", default="py-digits")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--codec", default="none")
+    ap.add_argument("--compute-ms", type=float, default=0.0,
+                    help="extra time per batch, as a larger model's compute would take")
     ap.add_argument("--alone", action="store_true", help="train one process on all ranks' samples")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
     args = ap.parse_args()
@@ -113,6 +115,7 @@ def main():
         while opt.epoch < args.epochs:
             x, y = batch(train_x, train_y, k, args.rank, args.batch_size)
             k += 1
+            time.sleep(args.compute_ms / 1000)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()

@@ -304,6 +304,10 @@ impl PyCollaborative {
             let params = self.params.lock().await;
             collab.serve_state(server.clone(), &params).await;
             *self.server.lock().await = Some(server);
+            // Counted in the run from now on, not from its first batch.
+            if let Err(e) = collab.announce().await {
+                tracing::debug!("announcing this peer's progress: {e}");
+            }
             Ok::<(), PyErr>(())
         })?
     }

@@ -292,6 +292,21 @@ impl CollaborativeOptimizer {
         self.optimizer.as_ref()
     }
 
+    /// Publishes this peer's progress now (its epoch and the samples so far), so that the
+    /// other peers count it in the run from this moment instead of from its first batch: call
+    /// it once the peer is ready to train (after state sync), or peers already training may
+    /// find no other peer in their progress records and step alone meanwhile. A run's first
+    /// peer has nobody to store the record with; that error changes nothing.
+    ///
+    /// ```no_run
+    /// # async fn demo(mut opt: starling_training::CollaborativeOptimizer) {
+    /// let _ = opt.announce().await;
+    /// # }
+    /// ```
+    pub async fn announce(&mut self) -> Result<(), TrainingError> {
+        Ok(self.tracker.publish(self.local_progress()).await?)
+    }
+
     /// The local optimizer, to restore its state between steps (from a checkpoint the caller
     /// keeps); follow with [`resume`](Self::resume) for the epoch.
     ///
