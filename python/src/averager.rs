@@ -1,6 +1,6 @@
 //! `starling.Averager`: butterfly all-reduce of numpy float32 arrays, in place.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -8,9 +8,10 @@ use pyo3::prelude::*;
 use starling_averager::{Aggregation, Averager, AveragerConfig, AveragingMode, RoundReport};
 use starling_compression::Codec;
 
-use crate::errors::{averager_error, NodeClosedError};
+use crate::errors::averager_error;
 use crate::node::PyNode;
 use crate::runtime::wait;
+use crate::slot::Slot;
 use crate::tensors;
 
 /// A positive, finite number of seconds, or a `ValueError` naming `what`.
@@ -36,17 +37,13 @@ pub(crate) fn codec(name: &str) -> PyResult<Codec> {
 /// one averager per node.
 #[pyclass(name = "Averager", module = "starling", frozen)]
 pub(crate) struct PyAverager {
-    averager: Mutex<Option<Arc<Averager>>>,
+    averager: Slot<Averager>,
     prefix: String,
 }
 
 impl PyAverager {
     fn get(&self) -> PyResult<Arc<Averager>> {
-        self.averager
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or_else(|| NodeClosedError::new_err("the averager has shut down"))
+        self.averager.get("the averager")
     }
 }
 
@@ -93,7 +90,7 @@ impl PyAverager {
         let n = node.node.clone();
         let averager = wait(py, Averager::new(n, cfg))?.map_err(averager_error)?;
         Ok(PyAverager {
-            averager: Mutex::new(Some(Arc::new(averager))),
+            averager: Slot::new(averager),
             prefix: prefix.to_string(),
         })
     }
@@ -134,15 +131,8 @@ impl PyAverager {
 
     /// Stops serving rounds; later steps raise `NodeClosedError`. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self
-            .averager
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(a) = taken {
-            if let Ok(a) = Arc::try_unwrap(a) {
-                wait(py, a.shutdown())?;
-            }
+        if let Some(a) = self.averager.take() {
+            wait(py, a.shutdown())?;
         }
         Ok(())
     }

@@ -1,15 +1,15 @@
 //! `starling.GossipAverager`: gossip averaging of numpy float32 arrays, in place.
 
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use pyo3::prelude::*;
 use starling_averager::gossip::{ExchangeOutcome, GossipAverager, GossipConfig, GossipReport};
 
 use crate::averager::{codec, seconds};
-use crate::errors::{averager_error, NodeClosedError};
+use crate::errors::averager_error;
 use crate::node::PyNode;
 use crate::runtime::wait;
+use crate::slot::Slot;
 use crate::tensors;
 
 /// Averages with a few neighbours per round instead of a whole group (decentralized SGD's
@@ -17,7 +17,7 @@ use crate::tensors;
 /// exchanges with this round's neighbours, and writes the result back into the arrays.
 #[pyclass(name = "GossipAverager", module = "starling", frozen)]
 pub(crate) struct PyGossipAverager {
-    averager: Mutex<Option<Arc<GossipAverager>>>,
+    averager: Slot<GossipAverager>,
 }
 
 #[pymethods]
@@ -40,7 +40,7 @@ impl PyGossipAverager {
         let n = node.node.clone();
         let averager = wait(py, GossipAverager::new(n, cfg))?.map_err(averager_error)?;
         Ok(PyGossipAverager {
-            averager: Mutex::new(Some(Arc::new(averager))),
+            averager: Slot::new(averager),
         })
     }
 
@@ -54,12 +54,7 @@ impl PyGossipAverager {
         weight: f32,
         timeout: f64,
     ) -> PyResult<PyGossipReport> {
-        let averager = self
-            .averager
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or_else(|| NodeClosedError::new_err("the gossip averager has shut down"))?;
+        let averager = self.averager.get("the gossip averager")?;
         let deadline = Instant::now() + seconds("timeout", timeout)?;
         let raws = tensors::extract(tensors)?;
         // SAFETY: as in `Averager.step`.
@@ -73,15 +68,8 @@ impl PyGossipAverager {
 
     /// Stops answering exchanges; later steps raise `NodeClosedError`. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self
-            .averager
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(a) = taken {
-            if let Ok(a) = Arc::try_unwrap(a) {
-                wait(py, a.shutdown())?;
-            }
+        if let Some(a) = self.averager.take() {
+            wait(py, a.shutdown())?;
         }
         Ok(())
     }

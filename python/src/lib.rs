@@ -15,6 +15,7 @@ mod errors;
 mod gossip;
 mod node;
 mod runtime;
+mod slot;
 mod tensors;
 mod training;
 
