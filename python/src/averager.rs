@@ -112,10 +112,8 @@ impl PyAverager {
     ) -> PyResult<PyRoundReport> {
         let averager = self.get()?;
         let deadline = Instant::now() + seconds("timeout", timeout)?;
-        let raws = tensors::extract(tensors)?;
-        // SAFETY: `tensors` (borrowed for this whole call) keeps every array alive, and
-        // `extract` checked them; the caller must not write them during the step (documented).
-        let mut slices = unsafe { tensors::slices(&raws) };
+        let mut arrays = tensors::borrow(tensors)?;
+        let mut slices = arrays.slices();
         let report = wait(py, async move {
             averager.step(&mut slices, weight, deadline).await
         })?

@@ -56,9 +56,8 @@ impl PyGossipAverager {
     ) -> PyResult<PyGossipReport> {
         let averager = self.averager.get("the gossip averager")?;
         let deadline = Instant::now() + seconds("timeout", timeout)?;
-        let raws = tensors::extract(tensors)?;
-        // SAFETY: as in `Averager.step`.
-        let mut slices = unsafe { tensors::slices(&raws) };
+        let mut arrays = tensors::borrow(tensors)?;
+        let mut slices = arrays.slices();
         let report = wait(py, async move {
             averager.step(&mut slices, weight, deadline).await
         })?

@@ -8,7 +8,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 /// One array's memory: a writable, C-contiguous run of `len` float32 values at `addr`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Raw {
+struct Raw {
     addr: usize,
     len: usize,
 }
@@ -83,10 +83,40 @@ fn raw(i: usize, obj: &Bound<'_, PyAny>) -> PyResult<Raw> {
     Ok(Raw { addr, len })
 }
 
-/// The memory of every array in `tensors` (a list or tuple), checked: float32, C-contiguous,
-/// writable, and no two sharing memory.
-pub(crate) fn extract(tensors: &Bound<'_, PyAny>) -> PyResult<Vec<Raw>> {
-    let items: Vec<Bound<'_, PyAny>> = if let Ok(t) = tensors.cast::<PyTuple>() {
+/// The arrays of one call, borrowed: a reference to each (so that none is freed while the
+/// GIL is released, whatever other threads do to the list that held it) and its checked
+/// memory.
+pub(crate) struct Borrowed<'py> {
+    _items: Vec<Bound<'py, PyAny>>,
+    raws: Vec<Raw>,
+}
+
+impl Borrowed<'_> {
+    /// The arrays' memory as mutable slices, for as long as this borrow lives.
+    pub(crate) fn slices(&mut self) -> Vec<&mut [f32]> {
+        self.raws
+            .iter()
+            .map(|r| {
+                if r.len == 0 {
+                    &mut [][..]
+                } else {
+                    // SAFETY: `_items` holds a reference to every array, so each stays alive
+                    // (numpy refuses to resize an array others reference) while `self` is
+                    // borrowed; `borrow` checked alignment, that each is a writable,
+                    // C-contiguous run of `len` float32 values, and that no two overlap. Other
+                    // threads must not write them meanwhile (the documented contract of every
+                    // in-place operation here).
+                    unsafe { std::slice::from_raw_parts_mut(r.addr as *mut f32, r.len) }
+                }
+            })
+            .collect()
+    }
+}
+
+/// Every array in `tensors` (a list or tuple), checked: float32, C-contiguous, writable, and
+/// no two sharing memory.
+pub(crate) fn borrow<'py>(tensors: &Bound<'py, PyAny>) -> PyResult<Borrowed<'py>> {
+    let items: Vec<Bound<'py, PyAny>> = if let Ok(t) = tensors.cast::<PyTuple>() {
         t.iter().collect()
     } else {
         tensors
@@ -115,26 +145,8 @@ pub(crate) fn extract(tensors: &Bound<'_, PyAny>) -> PyResult<Vec<Raw>> {
             )));
         }
     }
-    Ok(raws)
-}
-
-/// The arrays' memory as mutable slices.
-///
-/// # Safety
-///
-/// Each `Raw` must come from [`extract`] on arrays that stay alive, unmoved and unresized for
-/// `'a` (the caller holds references to them for the whole call), and nothing else may write
-/// them meanwhile (the Python caller's contract, as with any in-place operation).
-pub(crate) unsafe fn slices<'a>(raws: &[Raw]) -> Vec<&'a mut [f32]> {
-    raws.iter()
-        .map(|r| {
-            if r.len == 0 {
-                &mut [][..]
-            } else {
-                // SAFETY: per this function's contract; `extract` checked alignment, that the
-                // arrays are C-contiguous float32 of `len` values, writable and disjoint.
-                unsafe { std::slice::from_raw_parts_mut(r.addr as *mut f32, r.len) }
-            }
-        })
-        .collect()
+    Ok(Borrowed {
+        _items: items,
+        raws,
+    })
 }

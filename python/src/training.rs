@@ -147,6 +147,17 @@ pub(crate) struct FlatBuffer {
     len: usize,
 }
 
+impl FlatBuffer {
+    /// The buffer at `addr` of `owner` (one of its two), keeping `owner` alive.
+    fn of(owner: &Bound<'_, PyCollaborative>, addr: usize) -> Self {
+        FlatBuffer {
+            _owner: owner.clone().unbind(),
+            addr,
+            len: owner.get().len,
+        }
+    }
+}
+
 #[pymethods]
 impl FlatBuffer {
     #[getter]
@@ -249,22 +260,12 @@ impl PyCollaborative {
 
     /// The flat parameter buffer (for `numpy.asarray`).
     fn params_buffer(slf: &Bound<'_, Self>) -> FlatBuffer {
-        let me = slf.get();
-        FlatBuffer {
-            _owner: slf.clone().unbind(),
-            addr: me.params_addr,
-            len: me.len,
-        }
+        FlatBuffer::of(slf, slf.get().params_addr)
     }
 
     /// The flat gradient buffer (for `numpy.asarray`).
     fn grads_buffer(slf: &Bound<'_, Self>) -> FlatBuffer {
-        let me = slf.get();
-        FlatBuffer {
-            _owner: slf.clone().unbind(),
-            addr: me.grads_addr,
-            len: me.len,
-        }
+        FlatBuffer::of(slf, slf.get().grads_addr)
     }
 
     /// Takes one batch of `batch_size` samples whose mean gradient is in the gradient buffer;
