@@ -63,9 +63,10 @@ pub struct DhtArgs {
     #[arg(long)]
     idle_timeout: Option<u64>,
     /// Seconds between Kademlia routing-table refreshes of each peer (the node's
-    /// `routing_refresh_interval`; default: the node default, 300; 0: never). Every peer of a
-    /// simulated swarm refreshes on this machine's cores: a thousand peers at 300 s start
-    /// about three refreshes a second, each a few hundred requests.
+    /// `routing_refresh_interval`; 0: never). Default: the node's 300 s up to 128 peers,
+    /// stretched by peers / 128 above (2400 s at 1024 peers): every peer of a simulated swarm
+    /// refreshes on this machine's cores, and a thousand peers at 300 s start about three
+    /// refreshes a second, each a few hundred requests.
     #[arg(long)]
     refresh: Option<u64>,
     /// Connections each peer keeps before its connection manager prunes (its high-water mark;
@@ -133,6 +134,9 @@ struct Answer {
     /// For `Rss`: connections of its live peers, summed.
     #[serde(default)]
     connections: u64,
+    /// For `Rss`: the routing-table size of each live peer.
+    #[serde(default)]
+    routing: Vec<usize>,
 }
 
 /// The first line a worker prints: its peers are up.
@@ -208,6 +212,37 @@ struct Report {
     idle_cpu_ms_per_s_per_peer: f64,
     /// Open connections per peer after the idle time.
     idle_connections_per_peer: f64,
+    /// Routing-table sizes of the peers after the idle time.
+    routing_table: RoutingStats,
+}
+
+/// How full the peers' routing tables are: a peer with only its bootstrap peer in it is cut
+/// off from the swarm once that connection closes.
+#[derive(Serialize, Debug, Default)]
+struct RoutingStats {
+    min: usize,
+    p10: usize,
+    p50: usize,
+    /// Peers whose table holds at most one peer.
+    isolated: usize,
+}
+
+impl RoutingStats {
+    fn from(mut sizes: Vec<usize>) -> Self {
+        sizes.sort_unstable();
+        let at = |q: f64| {
+            sizes
+                .get(((sizes.len() as f64 - 1.0) * q).round() as usize)
+                .copied()
+                .unwrap_or(0)
+        };
+        RoutingStats {
+            min: at(0.0),
+            p10: at(0.1),
+            p50: at(0.5),
+            isolated: sizes.iter().filter(|&&s| s <= 1).count(),
+        }
+    }
 }
 
 /// CPU time (user + system) of process `pid` so far, in clock ticks (100 per second).
@@ -245,19 +280,44 @@ fn rss_kb() -> u64 {
 /// Runs one store / get / get-first on a local peer; (success, milliseconds).
 async fn run_local(node: &Node, op: &Op) -> (bool, f64) {
     let t = Instant::now();
+    let found =
+        |r: Result<Vec<(String, String, starling_dht::DhtTime)>, starling_node::NodeError>,
+         key: &str| match r {
+            Ok(v) if v.iter().any(|(_, value, _)| value == key) => true,
+            Ok(v) => {
+                tracing::debug!(key, values = v.len(), "read did not find the record");
+                false
+            }
+            Err(e) => {
+                tracing::debug!(key, error = %e, "read failed");
+                false
+            }
+        };
     let ok = match op {
-        Op::Store { key, .. } => node.store(key, "v", key, now_ms() + 600_000).await.is_ok(),
-        Op::Get { key, .. } => node
-            .get::<String>(key)
-            .await
-            .is_ok_and(|v| v.iter().any(|(_, value, _)| value == key)),
-        Op::GetFirst { key, .. } => node
-            .get_first::<String>(key)
-            .await
-            .is_ok_and(|v| v.iter().any(|(_, value, _)| value == key)),
+        Op::Store { key, .. } => match node.store(key, "v", key, now_ms() + 600_000).await {
+            Ok(_) => true,
+            Err(e) => {
+                let st = node.status().await.ok();
+                tracing::debug!(key, error = %e, routing = st.as_ref().map(|s| s.routing_table), connected = st.as_ref().map(|s| s.connected_peers), "store failed");
+                false
+            }
+        },
+        Op::Get { key, .. } => found(node.get::<String>(key).await, key),
+        Op::GetFirst { key, .. } => found(node.get_first::<String>(key).await, key),
         Op::Kill { .. } | Op::Rss { .. } => true,
     };
     (ok, t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Routing-table sizes of the live `nodes` (0 for one that does not answer).
+async fn routing_of(nodes: &[Option<Node>]) -> Vec<usize> {
+    futures::future::join_all(
+        nodes
+            .iter()
+            .flatten()
+            .map(|n| async move { n.status().await.map_or(0, |s| s.routing_table) }),
+    )
+    .await
 }
 
 /// Open connections of the live `nodes`, summed.
@@ -275,9 +335,11 @@ async fn connections_of(nodes: &[Option<Node>]) -> u64 {
 /// Peers of one process joining at once.
 const JOINS_IN_FLIGHT: usize = 16;
 
-/// Starts `n` peers bootstrapped from `boot` (or, without it, from the first of them), each as
-/// `Node::start` does for a user: dial the bootstrap peer, one Kademlia bootstrap.
-async fn start_peers(n: usize, boot: Option<Multiaddr>, peer: PeerSettings) -> Result<Vec<Node>> {
+/// Starts `n` peers, each bootstrapped from two of `boots` in turn (or, with none, all from the
+/// first of them), each as `Node::start` does for a user: dial the bootstrap peers, one
+/// Kademlia bootstrap. Spreading the joins keeps any one bootstrap peer from answering a
+/// hundred newcomers at once (with one per worker, 12 of 1024 peers here found nobody else).
+async fn start_peers(n: usize, boots: Vec<Multiaddr>, peer: PeerSettings) -> Result<Vec<Node>> {
     let template = NodeConfig {
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
         idle_connection_timeout: peer.idle,
@@ -289,31 +351,53 @@ async fn start_peers(n: usize, boot: Option<Multiaddr>, peer: PeerSettings) -> R
         ..NodeConfig::default()
     };
     let mut nodes = Vec::with_capacity(n);
-    let boot = match boot {
-        Some(b) => b,
-        None => {
-            let first = Node::start(template.clone()).await?;
-            let addr = first
-                .listen_addrs()
-                .await?
-                .into_iter()
-                .next()
-                .context("first peer has no address")?;
-            nodes.push(first);
-            addr
-        }
+    let boots = if boots.is_empty() {
+        let first = Node::start(template.clone()).await?;
+        let addr = first
+            .listen_addrs()
+            .await?
+            .into_iter()
+            .next()
+            .context("first peer has no address")?;
+        nodes.push(first);
+        vec![addr]
+    } else {
+        boots
     };
     // At most JOINS_IN_FLIGHT joins at a time, so that one bootstrap peer is not asked by a
     // thousand at once; a new one starts as soon as any ends (waves of 16 waited for each
     // wave's slowest Kademlia bootstrap: 1409 s for 1024 peers here).
     let remaining = n - nodes.len();
     let mut joins = futures::stream::iter(0..remaining)
-        .map(|_| Node::start(template.clone().bootstrap_from(boot.clone())))
+        .map(|i| {
+            let mut cfg = template
+                .clone()
+                .bootstrap_from(boots[i % boots.len()].clone());
+            if boots.len() > 1 {
+                cfg = cfg.bootstrap_from(boots[(i + 1) % boots.len()].clone());
+            }
+            Node::start(cfg)
+        })
         .buffer_unordered(JOINS_IN_FLIGHT);
     while let Some(node) = joins.next().await {
         nodes.push(node?);
     }
     Ok(nodes)
+}
+
+/// Peers of a simulated swarm whose routing-table refreshes run at a node's own interval; above
+/// it the interval stretches in proportion (see [`simulated_refresh`]).
+const REFRESH_AT_NODE_INTERVAL: usize = 128;
+
+/// The default refresh interval of each of `peers` simulated peers: a node's `interval` up to
+/// [`REFRESH_AT_NODE_INTERVAL`] peers, stretched by `peers / 128` above, so that the swarm starts
+/// no more refreshes a second than 128 real peers would. Each refresh is a lookup per routing
+/// bucket (a few hundred requests, many over new connections): on real hosts every peer pays
+/// for its own on its own cores, here a thousand peers pay on two, and at a node's 300 s their
+/// refreshes alone keep both cores busy (measured: DHT reads slowed from 0.3 s to 19 s each).
+fn simulated_refresh(interval: Option<Duration>, peers: usize) -> Option<Duration> {
+    let stretch = u32::try_from(peers.div_ceil(REFRESH_AT_NODE_INTERVAL).max(1)).ok()?;
+    interval.map(|i| i * stretch)
 }
 
 /// What the bench sets on every peer's [`NodeConfig`], in every process.
@@ -345,13 +429,16 @@ struct Worker {
 
 impl Worker {
     /// Starts a worker hosting `peers` peers; with its resident KiB before they started.
-    async fn spawn(peers: usize, boot: &Multiaddr, peer: PeerSettings) -> Result<(Worker, u64)> {
+    async fn spawn(peers: usize, boots: &[Multiaddr], peer: PeerSettings) -> Result<(Worker, u64)> {
         let exe = std::env::current_exe()?;
         let mut child = tokio::process::Command::new(exe)
             .args(["bench", "dht-worker", "--peers"])
             .arg(peers.to_string())
-            .arg("--bootstrap")
-            .arg(boot.to_string())
+            .args(
+                boots
+                    .iter()
+                    .flat_map(|b| ["--bootstrap".to_string(), b.to_string()]),
+            )
             .arg("--idle-timeout")
             .arg(peer.idle.as_secs().to_string())
             .arg("--refresh")
@@ -484,17 +571,20 @@ impl Swarm {
         }
     }
 
-    /// Total resident KiB of every process, and connections of every live peer.
-    async fn rss_kb(&self) -> (u64, u64) {
+    /// Total resident KiB of every process, connections of every live peer, and every live
+    /// peer's routing-table size.
+    async fn survey(&self) -> (u64, u64, Vec<usize>) {
         let mut total = rss_kb();
         let mut connections = connections_of(&self.local).await;
+        let mut routing = routing_of(&self.local).await;
         for (w, _) in &self.workers {
             if let Ok(a) = w.call(&Op::Rss { id: self.id() }).await {
                 total += a.rss_kb;
                 connections += a.connections;
+                routing.extend(a.routing);
             }
         }
-        (total, connections)
+        (total, connections, routing)
     }
 }
 
@@ -585,34 +675,23 @@ pub async fn run(args: DhtArgs) -> Result<()> {
             .map(Duration::from_secs)
             .unwrap_or(defaults.idle_connection_timeout),
         refresh: args.refresh.map_or(
-            defaults.routing_refresh_interval,
+            simulated_refresh(defaults.routing_refresh_interval, args.peers),
             PeerSettings::refresh_from_s,
         ),
         connections,
     };
-    let local = start_peers(first_share, None, peer).await?;
-    let boot = local[0]
-        .listen_addrs()
-        .await?
-        .into_iter()
-        .next()
-        .context("first peer has no address")?;
-    // Workers bootstrap each from another of this process's peers.
+    let local = start_peers(first_share, Vec::new(), peer).await?;
+    // Workers' peers bootstrap from all of this process's peers in turn.
     let mut boots = Vec::new();
-    for p in 0..args.procs.saturating_sub(1) {
-        let addr = local[p % local.len()]
-            .listen_addrs()
-            .await?
-            .into_iter()
-            .next();
-        boots.push(addr.unwrap_or_else(|| boot.clone()));
+    for node in &local {
+        boots.extend(node.listen_addrs().await?.into_iter().next());
     }
     // One worker at a time: joins are the expensive part (every new peer's handshakes and
     // Kademlia bootstrap), and a thousand at once on two cores time each other out.
     let mut workers = Vec::new();
     let mut base_rss_all = base_rss;
-    for b in &boots {
-        let (w, base) = Worker::spawn(share, b, peer).await?;
+    for _ in 1..args.procs {
+        let (w, base) = Worker::spawn(share, &boots, peer).await?;
         base_rss_all += base;
         workers.push((w, share));
     }
@@ -639,9 +718,13 @@ pub async fn run(args: DhtArgs) -> Result<()> {
     } else {
         0.0
     };
-    let idle_connections = swarm.rss_kb().await.1 as f64 / swarm.peers() as f64;
+    let (_, idle_connections, routing) = swarm.survey().await;
+    let idle_connections = idle_connections as f64 / swarm.peers() as f64;
+    let routing_table = RoutingStats::from(routing);
     eprintln!(
-        "idle: {idle_cpu:.3} ms of CPU per second per peer, {idle_connections:.1} connections per peer"
+        "idle: {idle_cpu:.3} ms of CPU per second per peer, {idle_connections:.1} connections per \
+         peer; routing tables: min {}, p10 {}, median {}, {} isolated",
+        routing_table.min, routing_table.p10, routing_table.p50, routing_table.isolated
     );
     let run_id: u64 = rand::random();
     let key = |phase: &str, i: usize| format!("bench.{run_id:x}.{phase}.{i}");
@@ -652,7 +735,7 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         .map(|i| key("c", i))
         .collect();
     let concurrent = phase(&swarm, &all, &conc_keys, args.concurrency).await;
-    let (rss_total, connections) = swarm.rss_kb().await;
+    let (rss_total, connections, _) = swarm.survey().await;
     let mut killed = 0;
     let mut after_kill = None;
     if args.kill > 0.0 {
@@ -706,7 +789,32 @@ pub async fn run(args: DhtArgs) -> Result<()> {
         connections_per_peer: connections as f64 / args.peers as f64,
         idle_cpu_ms_per_s_per_peer: idle_cpu,
         idle_connections_per_peer: idle_connections,
+        routing_table,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_large_simulated_swarm_refreshes_no_more_often_than_128_real_peers() {
+        let node = Some(Duration::from_secs(300));
+        assert_eq!(simulated_refresh(node, 64), node);
+        assert_eq!(simulated_refresh(node, 128), node);
+        assert_eq!(
+            simulated_refresh(node, 1024),
+            Some(Duration::from_secs(2400))
+        );
+        assert_eq!(simulated_refresh(None, 1024), None);
+        let r = RoutingStats::from(vec![1, 30, 0, 25, 40, 41, 42, 43, 44, 45, 46]);
+        assert_eq!((r.min, r.p10, r.p50, r.isolated), (0, 1, 41, 2));
+        // The swarm's refreshes per second stay at or under 128 peers' at the node interval.
+        for peers in [129, 500, 1024, 4096] {
+            let every = simulated_refresh(node, peers).unwrap().as_secs_f64();
+            assert!(peers as f64 / every <= 128.0 / 300.0 + 1e-9, "{peers}");
+        }
+    }
 }

@@ -168,3 +168,63 @@ async fn no_more_connections_than_the_ceiling_are_ever_established() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_next_to_peers_at_their_ceiling_succeeds_and_its_bootstrap_counts_the_refusals() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let listen: starling_node::Multiaddr = "/ip4/127.0.0.1/tcp/0".parse().unwrap();
+        let base = NodeConfig::default()
+            .listen_on(listen.clone())
+            .with_request_timeout(Duration::from_secs(2));
+        let hub = Node::start(base.clone()).await.expect("hub starts");
+        let addr = hub.listen_addrs().await.unwrap()[0].clone();
+        // Two peers that hold one connection at most: the one to the hub. They refuse anyone
+        // else, as busy peers at their ceiling do.
+        let mut full = Vec::new();
+        for _ in 0..2 {
+            full.push(
+                Node::start(
+                    base.clone()
+                        .with_connections(ConnectionLimits {
+                            max_established: Some(1),
+                            ..ConnectionLimits::unlimited()
+                        })
+                        .bootstrap_from(addr.clone()),
+                )
+                .await
+                .expect("a full peer starts"),
+            );
+        }
+        // The hub names them to a newcomer, whose join still succeeds (it is connected to the
+        // hub), after retrying its lookup with a short backoff.
+        let mut cfg = base.clone().bootstrap_from(addr.clone());
+        cfg.bootstrap_attempts = 2;
+        cfg.bootstrap_backoff = Duration::from_millis(100);
+        let newcomer = Node::start(cfg).await.expect("the join succeeds");
+        let report = newcomer.bootstrap().await.expect("bootstrap answers");
+        assert!(
+            report.failed >= 1 && report.answered >= 1,
+            "the hub answered and the full peers refused: {report:?}"
+        );
+        assert_eq!(
+            report.routing_table, 1,
+            "only the hub is in the table: {report:?}"
+        );
+        // Once a full peer has room, a lookup finds it.
+        full.pop().unwrap().shutdown().await;
+        let other = Node::start(base.clone().bootstrap_from(addr.clone()))
+            .await
+            .expect("a peer with room joins");
+        let report = newcomer.bootstrap().await.expect("bootstrap answers");
+        assert!(
+            report.routing_table >= 2,
+            "{report:?} ({})",
+            other.peer_id()
+        );
+        for n in full.iter().chain([&other, &newcomer, &hub]) {
+            n.shutdown().await;
+        }
+    })
+    .await;
+}

@@ -9,9 +9,9 @@ pub struct DhtWorkerArgs {
     /// Peers this process hosts.
     #[arg(long)]
     pub peers: usize,
-    /// Where its peers bootstrap from.
-    #[arg(long)]
-    pub bootstrap: Multiaddr,
+    /// Where its peers bootstrap from (each peer from two of them, in turn).
+    #[arg(long, required = true)]
+    pub bootstrap: Vec<Multiaddr>,
     /// Idle connection timeout of its peers, seconds.
     #[arg(long)]
     pub idle_timeout: u64,
@@ -42,7 +42,7 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
             ..ConnectionLimits::default()
         },
     };
-    let nodes = start_peers(args.peers, Some(args.bootstrap), peer).await?;
+    let nodes = start_peers(args.peers, args.bootstrap, peer).await?;
     let mut nodes: Vec<Option<Node>> = nodes.into_iter().map(Some).collect();
     let (tx, mut rx) = mpsc::channel::<String>(1024);
     let mut out = tokio::io::stdout();
@@ -65,13 +65,14 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
             Ok(op) => op,
             Err(e) => bail!("bad op line {line:?}: {e}"),
         };
-        let answer = |id, ok, ms, rss_kb, connections| {
+        let answer = |id, ok, ms, rss_kb, connections, routing| {
             let a = Answer {
                 id,
                 ok,
                 ms,
                 rss_kb,
                 connections,
+                routing,
             };
             format!("{}\n", serde_json::to_string(&a).unwrap_or_default())
         };
@@ -82,11 +83,14 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
                         node.shutdown().await;
                     }
                 }
-                let _ = tx.send(answer(*id, true, 0.0, 0, 0)).await;
+                let _ = tx.send(answer(*id, true, 0.0, 0, 0, Vec::new())).await;
             }
             Op::Rss { id } => {
                 let connections = connections_of(&nodes).await;
-                let _ = tx.send(answer(*id, true, 0.0, rss_kb(), connections)).await;
+                let routing = routing_of(&nodes).await;
+                let _ = tx
+                    .send(answer(*id, true, 0.0, rss_kb(), connections, routing))
+                    .await;
             }
             Op::Store { id, peer, .. }
             | Op::Get { id, peer, .. }
@@ -98,7 +102,7 @@ pub async fn worker(args: DhtWorkerArgs) -> Result<()> {
                         Some(node) => run_local(&node, &op).await,
                         None => (false, 0.0),
                     };
-                    let _ = tx.send(answer(id, ok, ms, 0, 0)).await;
+                    let _ = tx.send(answer(id, ok, ms, 0, 0, Vec::new())).await;
                 });
             }
         }

@@ -38,7 +38,7 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 pub(super) enum Command {
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     Dial(Multiaddr, Reply<PeerId>),
-    Bootstrap(Reply<()>),
+    Bootstrap(Reply<super::BootstrapReport>),
     Status(oneshot::Sender<NodeStatus>),
     ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
     Put(Record, Reply<PutReport>),

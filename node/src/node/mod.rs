@@ -66,6 +66,27 @@ pub struct NodeStatus {
     pub reachability: Reachability,
 }
 
+/// What a Kademlia bootstrap (a lookup of this node's own id, then one per bucket to refresh)
+/// met: how many peers answered its requests and how many could not be reached or refused, and
+/// the routing table's size when it ended.
+///
+/// ```no_run
+/// # async fn f(node: starling_node::Node) -> Result<(), starling_node::NodeError> {
+/// let report = node.bootstrap().await?;
+/// println!("{} peers answered, {} in the routing table", report.answered, report.routing_table);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BootstrapReport {
+    /// Requests that peers answered, over every step.
+    pub answered: u32,
+    /// Requests that failed: the peer could not be dialled, refused the connection (e.g. at its
+    /// connection ceiling) or did not answer in time.
+    pub failed: u32,
+    /// Peers in the Kademlia routing table when the bootstrap ended.
+    pub routing_table: usize,
+}
+
 /// The outcome of a successful PUT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PutReport {
@@ -195,11 +216,8 @@ impl Node {
                 }
             }
             if connected > 0 {
-                tracing::info!(connected, "joined the swarm");
-                // A failed bootstrap query (e.g. a lone bootstrap peer) still leaves us connected.
-                if let Err(e) = self.bootstrap().await {
-                    tracing::debug!("bootstrap query: {e}");
-                }
+                self.fill_routing_table(cfg, connected, attempt, attempts, backoff)
+                    .await;
                 return Ok(());
             }
             if attempt + 1 < attempts {
@@ -216,6 +234,69 @@ impl Node {
             attempts,
             last_error,
         })
+    }
+
+    /// The Kademlia bootstrap of a join, tried again (up to the join's remaining attempts, with
+    /// its backoff) while it leaves the routing table holding only the bootstrap peers although
+    /// some of the peers they named could not be reached: busy peers at their connection ceiling
+    /// refuse new connections, and a node that stopped there would be cut off from the swarm
+    /// once its connection to the bootstrap peer is pruned. A lone bootstrap peer (a new swarm)
+    /// names nobody, so nothing failed and nothing is retried. Never fails the join: the node is
+    /// connected, and later refreshes can fill the table.
+    async fn fill_routing_table(
+        &self,
+        cfg: &NodeConfig,
+        connected: usize,
+        mut attempt: u32,
+        attempts: u32,
+        mut backoff: Duration,
+    ) {
+        loop {
+            let result = match self.bootstrap().await {
+                // A lookup that ran out of time may still have filled the table.
+                Err(e) => match self.status().await {
+                    Ok(s) if s.routing_table > connected => Ok(BootstrapReport {
+                        routing_table: s.routing_table,
+                        ..BootstrapReport::default()
+                    }),
+                    _ => Err(e),
+                },
+                ok => ok,
+            };
+            match result {
+                Ok(r) if r.failed == 0 || r.routing_table > connected => {
+                    tracing::info!(
+                        connected,
+                        routing_table = r.routing_table,
+                        "joined the swarm"
+                    );
+                    return;
+                }
+                Ok(r) if attempt + 1 < attempts => tracing::debug!(
+                    failed = r.failed,
+                    routing_table = r.routing_table,
+                    "bootstrap reached no peer beyond the bootstrap peers; retrying in {backoff:?}"
+                ),
+                Err(e) if attempt + 1 < attempts => {
+                    tracing::debug!("bootstrap query: {e}; retrying in {backoff:?}")
+                }
+                r => {
+                    tracing::warn!(
+                        bootstrap_peers = cfg.bootstrap.len(),
+                        "joined the swarm, but its bootstrap reached no other peer ({}); \
+                         the routing table fills as peers are met",
+                        match r {
+                            Ok(r) => format!("{} requests failed", r.failed),
+                            Err(e) => e.to_string(),
+                        }
+                    );
+                    return;
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+            attempt += 1;
+        }
     }
 
     async fn call<T>(
@@ -309,8 +390,9 @@ impl Node {
         .await
     }
 
-    /// Runs a Kademlia bootstrap (refreshes the routing table through known peers).
-    pub async fn bootstrap(&self) -> Result<(), NodeError> {
+    /// Runs a Kademlia bootstrap (refreshes the routing table through known peers) and says what
+    /// it met.
+    pub async fn bootstrap(&self) -> Result<BootstrapReport, NodeError> {
         self.call_timeout("bootstrap", self.request_timeout * 6, Command::Bootstrap)
             .await
     }

@@ -24,7 +24,7 @@ use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, Record, Recor
 use starling_dht::{now_ms, DhtStore, DictionaryRecord, Validator};
 use tokio::sync::oneshot;
 
-use super::PutReport;
+use super::{BootstrapReport, PutReport};
 use crate::NodeError;
 
 /// The Kademlia behaviour of a Starling node, over our validating store.
@@ -71,7 +71,8 @@ pub(super) struct Queries {
     /// PUTs in their second step, with the key (for the error message) and the caller's reply.
     puts: HashMap<QueryId, (String, Reply<PutReport>)>,
     gets: HashMap<QueryId, PendingGet>,
-    bootstraps: HashMap<QueryId, Reply<()>>,
+    /// Bootstraps in flight, with the peers their steps have heard from and failed to reach.
+    bootstraps: HashMap<QueryId, (Reply<BootstrapReport>, BootstrapReport)>,
     /// Checks records that GETs bring back.
     validator: Validator,
     /// Peers that must acknowledge a PUT (at least 1).
@@ -194,10 +195,11 @@ impl Queries {
     }
 
     /// Refreshes the routing table through known peers.
-    pub(super) fn bootstrap(&mut self, kad: &mut Kad, reply: Reply<()>) {
+    pub(super) fn bootstrap(&mut self, kad: &mut Kad, reply: Reply<BootstrapReport>) {
         match kad.bootstrap() {
             Ok(id) => {
-                self.bootstraps.insert(id, reply);
+                self.bootstraps
+                    .insert(id, (reply, BootstrapReport::default()));
             }
             Err(_) => {
                 let _ = reply.send(Err(NodeError::Bootstrap {
@@ -229,8 +231,18 @@ impl Queries {
                 }
             }
             kad::Event::OutboundQueryProgressed {
-                id, result, step, ..
-            } => self.on_progress(kad, id, result, step.last),
+                id,
+                result,
+                step,
+                stats,
+            } => {
+                // Every step of a bootstrap is a lookup of its own, with its own statistics.
+                if let Some((_, report)) = self.bootstraps.get_mut(&id) {
+                    report.answered += stats.num_successes();
+                    report.failed += stats.num_failures();
+                }
+                self.on_progress(kad, id, result, step.last)
+            }
             _ => {}
         }
     }
@@ -303,10 +315,12 @@ impl Queries {
                     Err(_) => true,
                 } || last;
                 if done {
-                    if let Some(reply) = self.bootstraps.remove(&id) {
+                    if let Some((reply, mut report)) = self.bootstraps.remove(&id) {
+                        report.routing_table =
+                            kad.kbuckets().map(|b| b.num_entries()).sum::<usize>();
                         let _ = reply.send(
                             result
-                                .map(|_| ())
+                                .map(|_| report)
                                 .map_err(|_| NodeError::Timeout("bootstrap")),
                         );
                     }
