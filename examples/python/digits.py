@@ -6,6 +6,9 @@ Four peers on this machine, one command each (the first prints the address to jo
     python examples/python/digits.py --peers 4 --rank 0
     python examples/python/digits.py --peers 4 --rank 1 --join ADDRESS     # ranks 1, 2, 3
 
+A process may also join a run under way (``--late``): it downloads the run's state from the
+others and steps in their next epoch.
+
 One process alone on the same samples (each epoch, the batches of all four ranks at once):
 
     python examples/python/digits.py --peers 4 --alone
@@ -81,6 +84,13 @@ def main():
     ap.add_argument("--compute-ms", type=float, default=0.0,
                     help="extra time per batch, as a larger model's compute would take")
     ap.add_argument("--alone", action="store_true", help="train one process on all ranks' samples")
+    ap.add_argument("--wait-for", type=int, default=None,
+                    help="peers to wait for before training (default: --peers)")
+    ap.add_argument("--one-batch", action="store_true",
+                    help="compute exactly one batch per epoch (wait for the swarm's step with "
+                         "try_step): the global batch is then exactly the lone process's samples")
+    ap.add_argument("--late", action="store_true",
+                    help="join a run under way: sync its state, do not wait for the others")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
     args = ap.parse_args()
 
@@ -109,8 +119,12 @@ def main():
             target_batch_size=args.batch_size * args.peers,
             codec=args.codec,
             target_group_size=args.peers,
+            # One batch per rank per epoch: only reported samples count towards the target.
+            projected_batch=not args.one_batch,
         )
-        wait_for_peers(node, args.run_id, args.peers)
+        joined = opt.epoch
+        if not args.late:
+            wait_for_peers(node, args.run_id, args.wait_for or args.peers)
         k = 0
         while opt.epoch < args.epochs:
             x, y = batch(train_x, train_y, k, args.rank, args.batch_size)
@@ -120,6 +134,12 @@ def main():
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             report = opt.step()
+            # (Until the swarm is seen past this peer's epoch: then it missed the round, and
+            # its next step catches up.)
+            while (args.one_batch and not report.stepped
+                   and (report.swarm_epoch is None or report.swarm_epoch <= opt.epoch)):
+                time.sleep(0.005)
+                report = opt.try_step()
             opt.report_loss(loss.item())
             if report.stepped:
                 prints[opt.epoch] = fingerprint(model)
@@ -135,7 +155,8 @@ def main():
     acc = accuracy(model, test_x, test_y)
     if args.json:
         print(json.dumps({"accuracy": acc, "fingerprints": prints, "epochs": args.epochs,
-                          "trouble": trouble}), flush=True)
+                          "trouble": trouble, "joined": None if args.alone else joined}),
+              flush=True)
     else:
         print(f"test accuracy {acc:.4f}")
 

@@ -98,6 +98,7 @@ pub(crate) struct Collab {
     matchmaking_time: f64,
     averaging_timeout: f64,
     target_group_size: usize,
+    projected_batch: bool,
 }
 
 impl Collab {
@@ -126,6 +127,7 @@ impl Collab {
         cfg.averager.matchmaking_time = seconds("matchmaking_time", self.matchmaking_time)?;
         cfg.averager.target_group_size = self.target_group_size.max(2);
         cfg.averaging_timeout = seconds("averaging_timeout", self.averaging_timeout)?;
+        cfg.projected_batch = self.projected_batch;
         if matches!(mode, Mode::LocalSgd { .. }) {
             cfg.outer = SgdConfig::new(self.outer_lr)
                 .momentum(self.outer_momentum)
@@ -282,6 +284,24 @@ impl PyCollaborative {
                 .step(&mut params, batch_size)
                 .await
                 .map_err(training_error);
+            self.epoch.store(collab.epoch(), Ordering::Release);
+            report
+        })??;
+        Ok(PyStepReport::from(&report))
+    }
+
+    /// Gradient mode, for a peer with no more batches this epoch: takes the global step if the
+    /// swarm has its batch, adding no samples (this peer's count is final for the epoch).
+    /// Returns at once either way; call it again after a pause until the report says
+    /// `stepped`. In DiLoCo mode it does nothing. The GIL is released meanwhile.
+    fn try_step(&self, py: Python<'_>) -> PyResult<PyStepReport> {
+        let report = wait(py, async {
+            let mut collab = self.collab.lock().await;
+            let collab = collab
+                .as_mut()
+                .ok_or_else(|| NodeClosedError::new_err("the optimizer has shut down"))?;
+            let mut params = self.params.lock().await;
+            let report = collab.try_step(&mut params).await.map_err(training_error);
             self.epoch.store(collab.epoch(), Ordering::Release);
             report
         })??;

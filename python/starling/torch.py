@@ -124,6 +124,10 @@ class Optimizer:
         aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip``.
         matchmaking_time, averaging_timeout: seconds.
         target_group_size: peers per averaging group.
+        projected_batch: gradient mode: stop accumulating when the swarm's samples, the others'
+            projected from their rates, reach the target (each peer computes about its share).
+            ``False``: only reported samples count, for peers that each compute an exact share
+            and then wait with :meth:`try_step` (reproducible runs).
         load_state_from_peers: download the run's state at start (a late joiner), within
             ``sync_timeout`` seconds; a run's first peer finds no donor and keeps its values.
     """
@@ -146,6 +150,7 @@ class Optimizer:
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 15.0,
         target_group_size: int = 16,
+        projected_batch: bool = True,
         load_state_from_peers: bool = True,
         sync_timeout: float = 60.0,
         **hyper: Any,
@@ -184,6 +189,7 @@ class Optimizer:
                 "matchmaking_time": float(matchmaking_time),
                 "averaging_timeout": float(averaging_timeout),
                 "target_group_size": int(target_group_size),
+                "projected_batch": bool(projected_batch),
             },
         )
         # numpy views of Starling's buffers (they keep the native object alive), as tensors.
@@ -267,6 +273,23 @@ class Optimizer:
                 self.load_state_from_peers(timeout=self.sync_timeout)
             except _native.StarlingError:
                 pass  # retried at the next step; training goes on from the local values
+        return report
+
+    def try_step(self) -> "_native.StepReport":
+        """Gradient mode, for a peer with no more batches this epoch (e.g. each peer computing
+        exactly one batch per global step, with ``projected_batch=False``): takes the global
+        step if the swarm has its batch,
+        adding no samples, and returns at once either way. Call it again after a short pause
+        until ``stepped``::
+
+            report = opt.step()
+            while not report.stepped:
+                time.sleep(0.005)
+                report = opt.try_step()
+        """
+        report = self._native.try_step()
+        if self._staged and report.stepped:
+            self._scatter_params()
         return report
 
     def load_state_from_peers(self, timeout: float = 60.0) -> Optional[int]:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,10 +31,12 @@ def run(*args):
 def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
     procs = []
     try:
-        first = run("--rank", "0")
+        # One batch per rank per epoch (try_step waits for the swarm's step), so the global
+        # batches are exactly the lone process's.
+        first = run("--rank", "0", "--one-batch")
         procs.append(first)
         address = json.loads(first.stdout.readline())["address"]
-        procs += [run("--rank", str(r), "--join", address) for r in (1, 2, 3)]
+        procs += [run("--rank", str(r), "--join", address, "--one-batch") for r in (1, 2, 3)]
         for p in procs[1:]:
             json.loads(p.stdout.readline())  # started
         results = [json.loads(p.stdout.readline()) for p in procs]
@@ -50,10 +53,7 @@ def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
     alone_acc = json.loads(alone.stdout.strip().splitlines()[-1])["accuracy"]
     accs = [r["accuracy"] for r in results]
     print("swarm accuracies", accs, "alone", alone_acc)
-    # The issue asks for 1 point; measured here 0.958-0.975 against 0.972 alone: a peer can add
-    # a second batch to an epoch while it waits for the others, so the swarm's global batches
-    # are not exactly the lone process's. 2 points until that is fixed (#24's batch accounting).
-    assert all(abs(a - alone_acc) <= 0.02 for a in accs), (accs, alone_acc)
+    assert all(abs(a - alone_acc) <= 0.01 for a in accs), (accs, alone_acc)
     # Every epoch that every process saw end, up to the first epoch whose round did not
     # average all four on some process (a timeout under load: that process keeps its own
     # values for a span, and state averaging brings the peers together again later): the same
@@ -66,3 +66,51 @@ def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
     assert len(clean) >= int(EPOCHS) // 2, json.dumps([r["trouble"] for r in results])
     for epoch in clean:
         assert len({p[str(epoch)] for p in prints}) == 1, f"processes differ after epoch {epoch}"
+
+
+def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
+    """Three processes start a run; a fourth starts while they train, downloads the run's
+    state and steps in the run's next epochs, training with the others (not alone).
+
+    Then, within one state-averaging period (10 epochs), it holds the others' bits after every
+    epoch. Not at once: a donor serves the state of the epoch it finished while it may already
+    be in the next round; the joiner can then take its first round one epoch behind, in the
+    others' next round (rounds are not keyed by epoch), and differ until state averaging (#24)."""
+    epochs = "150"
+    procs = []
+    try:
+        first = run("--rank", "0", "--wait-for", "3", "--run-id", "py-digits-late", "--epochs", epochs)
+        procs.append(first)
+        address = json.loads(first.stdout.readline())["address"]
+        procs += [run("--rank", str(r), "--join", address, "--wait-for", "3",
+                      "--run-id", "py-digits-late", "--epochs", epochs) for r in (1, 2)]
+        for p in procs[1:]:
+            json.loads(p.stdout.readline())  # started
+        time.sleep(1.5)  # the three are training by now
+        late = run("--rank", "3", "--join", address, "--late", "--run-id", "py-digits-late",
+                   "--epochs", epochs)
+        procs.append(late)
+        json.loads(late.stdout.readline())
+        results = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    joined = results[3]["joined"]
+    prints = [{int(e): f for e, f in r["fingerprints"].items()} for r in results]
+    first_step = min(prints[3])
+    same = {e: len({p.get(e) for p in prints}) == 1 for e in sorted(prints[3])}
+    differ = [e for e, ok in same.items() if not ok]
+    print("late joiner synced at epoch", joined, "first stepped epoch", first_step,
+          "epochs where it differs", differ, "its trouble", results[3]["trouble"],
+          "others' after it joined", [{e: t for e, t in r["trouble"].items() if int(e) > joined}
+                                      for r in results[:3]])
+    assert 0 < joined < int(epochs) - 10, "it joined a run under way"
+    assert joined < first_step <= joined + 2, "it steps in the run's next epochs"
+    # From then on it is in the others' groups: every process's rounds have all four members,
+    # but for a couple of epochs around the join.
+    after = [[e for e, t in r["trouble"].items() if int(e) > joined + 2] for r in results]
+    assert all(len(a) <= 2 for a in after), after
+    assert all(e <= joined + 12 for e in differ), "the same bits after one state averaging"
