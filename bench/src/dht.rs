@@ -29,11 +29,11 @@ use starling_node::{ConnectionLimits, Multiaddr, Node, NodeConfig};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::percentile;
-
 mod limits;
+mod report;
 mod worker;
 use limits::{open_files_limit, peer_connections};
+use report::{LatencyStats, PhaseStats, Report, RoutingStats};
 pub use worker::{worker, DhtWorkerArgs};
 
 /// Arguments of `starling bench dht`.
@@ -145,104 +145,6 @@ struct Ready {
     ready: bool,
     /// Resident kilobytes before its peers started.
     base_rss_kb: u64,
-}
-
-#[derive(Serialize, Default)]
-struct LatencyStats {
-    ops: usize,
-    success_rate: f64,
-    p50_ms: f64,
-    p90_ms: f64,
-    p99_ms: f64,
-}
-
-impl LatencyStats {
-    fn from(results: &[(bool, f64)]) -> Self {
-        let mut ms: Vec<f64> = results.iter().map(|(_, ms)| *ms).collect();
-        ms.sort_by(f64::total_cmp);
-        let ok = results.iter().filter(|(ok, _)| *ok).count();
-        LatencyStats {
-            ops: results.len(),
-            success_rate: ok as f64 / results.len().max(1) as f64,
-            p50_ms: percentile(&ms, 0.5),
-            p90_ms: percentile(&ms, 0.9),
-            p99_ms: percentile(&ms, 0.99),
-        }
-    }
-}
-
-/// Store, get (latest) and get-first latencies of one phase.
-#[derive(Serialize)]
-struct PhaseStats {
-    records: usize,
-    in_flight: usize,
-    store: LatencyStats,
-    get: LatencyStats,
-    get_first: LatencyStats,
-}
-
-#[derive(Serialize)]
-struct Report {
-    bench: &'static str,
-    peers: usize,
-    procs: usize,
-    startup_s: f64,
-    idle_timeout_s: u64,
-    /// Each peer's connection manager: pruning above `high_water` down to `low_water`, and
-    /// the ceiling on established connections.
-    high_water: usize,
-    low_water: usize,
-    max_established: Option<u32>,
-    /// Routing-table refresh interval of every peer (null: never).
-    routing_refresh_s: Option<u64>,
-    sequential: PhaseStats,
-    concurrent: PhaseStats,
-    killed: usize,
-    /// After `killed` peers stopped: gets (latest and first) of every record by survivors.
-    after_kill: Option<PhaseStats>,
-    /// Resident memory of all processes, megabytes, and per peer (growth since start, KiB).
-    rss_total_mb: f64,
-    rss_per_peer_kb: f64,
-    /// Open connections per peer when memory was read (libp2p keeps a connection open until it
-    /// has been idle for `idle_connection_timeout`, 120 s by default, or the connection
-    /// manager closes it).
-    connections_per_peer: f64,
-    /// CPU time the idle swarm used (all processes), per peer: milliseconds per second. The
-    /// machine's cores divided by the peer count is the most a peer may use.
-    idle_cpu_ms_per_s_per_peer: f64,
-    /// Open connections per peer after the idle time.
-    idle_connections_per_peer: f64,
-    /// Routing-table sizes of the peers after the idle time.
-    routing_table: RoutingStats,
-}
-
-/// How full the peers' routing tables are: a peer with only its bootstrap peer in it is cut
-/// off from the swarm once that connection closes.
-#[derive(Serialize, Debug, Default)]
-struct RoutingStats {
-    min: usize,
-    p10: usize,
-    p50: usize,
-    /// Peers whose table holds at most one peer.
-    isolated: usize,
-}
-
-impl RoutingStats {
-    fn from(mut sizes: Vec<usize>) -> Self {
-        sizes.sort_unstable();
-        let at = |q: f64| {
-            sizes
-                .get(((sizes.len() as f64 - 1.0) * q).round() as usize)
-                .copied()
-                .unwrap_or(0)
-        };
-        RoutingStats {
-            min: at(0.0),
-            p10: at(0.1),
-            p50: at(0.5),
-            isolated: sizes.iter().filter(|&&s| s <= 1).count(),
-        }
-    }
 }
 
 /// CPU time (user + system) of process `pid` so far, in clock ticks (100 per second).
@@ -809,8 +711,6 @@ mod tests {
             Some(Duration::from_secs(2400))
         );
         assert_eq!(simulated_refresh(None, 1024), None);
-        let r = RoutingStats::from(vec![1, 30, 0, 25, 40, 41, 42, 43, 44, 45, 46]);
-        assert_eq!((r.min, r.p10, r.p50, r.isolated), (0, 1, 41, 2));
         // The swarm's refreshes per second stay at or under 128 peers' at the node interval.
         for peers in [129, 500, 1024, 4096] {
             let every = simulated_refresh(node, peers).unwrap().as_secs_f64();

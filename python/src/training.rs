@@ -199,6 +199,28 @@ pub(crate) struct PyCollaborative {
     epoch: AtomicU64,
 }
 
+impl PyCollaborative {
+    /// `step` with a batch of `batch` samples, or `try_step` without one, under the optimizer's
+    /// and the parameters' locks, with the GIL released; the epoch Python reads is updated.
+    fn run_step(&self, py: Python<'_>, batch: Option<u64>) -> PyResult<PyStepReport> {
+        let report = wait(py, async {
+            let mut collab = self.collab.lock().await;
+            let collab = collab
+                .as_mut()
+                .ok_or_else(|| NodeClosedError::new_err("the optimizer has shut down"))?;
+            let mut params = self.params.lock().await;
+            let report = match batch {
+                Some(samples) => collab.step(&mut params, samples).await,
+                None => collab.try_step(&mut params).await,
+            }
+            .map_err(training_error);
+            self.epoch.store(collab.epoch(), Ordering::Release);
+            report
+        })??;
+        Ok(PyStepReport::from(&report))
+    }
+}
+
 #[pymethods]
 impl PyCollaborative {
     /// Joins run `run_id` on `node` for tensors of `shapes` (all float32), stepping with
@@ -274,20 +296,7 @@ impl PyCollaborative {
     /// averages and steps when the swarm has its global batch (gradient mode), or steps
     /// locally and averages every `inner_steps` (DiLoCo). The GIL is released meanwhile.
     fn step(&self, py: Python<'_>, batch_size: u64) -> PyResult<PyStepReport> {
-        let report = wait(py, async {
-            let mut collab = self.collab.lock().await;
-            let collab = collab
-                .as_mut()
-                .ok_or_else(|| NodeClosedError::new_err("the optimizer has shut down"))?;
-            let mut params = self.params.lock().await;
-            let report = collab
-                .step(&mut params, batch_size)
-                .await
-                .map_err(training_error);
-            self.epoch.store(collab.epoch(), Ordering::Release);
-            report
-        })??;
-        Ok(PyStepReport::from(&report))
+        self.run_step(py, Some(batch_size))
     }
 
     /// Gradient mode, for a peer with no more batches this epoch: takes the global step if the
@@ -295,17 +304,7 @@ impl PyCollaborative {
     /// Returns at once either way; call it again after a pause until the report says
     /// `stepped`. In DiLoCo mode it does nothing. The GIL is released meanwhile.
     fn try_step(&self, py: Python<'_>) -> PyResult<PyStepReport> {
-        let report = wait(py, async {
-            let mut collab = self.collab.lock().await;
-            let collab = collab
-                .as_mut()
-                .ok_or_else(|| NodeClosedError::new_err("the optimizer has shut down"))?;
-            let mut params = self.params.lock().await;
-            let report = collab.try_step(&mut params).await.map_err(training_error);
-            self.epoch.store(collab.epoch(), Ordering::Release);
-            report
-        })??;
-        Ok(PyStepReport::from(&report))
+        self.run_step(py, None)
     }
 
     /// Starts serving this peer's state to late joiners (after the initial values are in
