@@ -32,6 +32,9 @@ use actor::{Actor, Command};
 pub use nat::NatEvent;
 use queries::GetMode;
 
+/// How long [`Node::shutdown`] waits for the swarm task to stop.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Whether this node can be dialed from outside, as far as autonat can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Reachability {
@@ -615,7 +618,16 @@ impl Node {
         if let Some(f) = &self.fast {
             f.stop();
         }
-        let _ = self.call(Command::Shutdown).await;
+        // The task answers before it returns and drops its receiver (dropping the swarm and its
+        // connections on the way): wait for that too, so that `is_closed()` holds as soon as
+        // `shutdown()` has returned. Both waits are bounded, for a stalled task.
+        let stop = async {
+            let _ = self.call(Command::Shutdown).await;
+            self.tx.closed().await;
+        };
+        if tokio::time::timeout(SHUTDOWN_TIMEOUT, stop).await.is_err() {
+            tracing::warn!("the swarm task did not stop within {SHUTDOWN_TIMEOUT:?}");
+        }
     }
 
     /// Resolves once the node's swarm task has stopped (after [`Node::shutdown`] from any handle,

@@ -1,4 +1,5 @@
-//! The swarm task and fast lane log inside the node's tracing span; a listen that fails says why.
+//! The swarm task and fast lane log inside the node span; a listen that fails says why; shutdown
+//! returns once the node is closed.
 
 use super::*;
 use std::sync::Mutex;
@@ -68,4 +69,21 @@ async fn a_listen_on_a_taken_port_names_the_os_cause() {
         "{text}"
     );
     drop(taken);
+}
+
+/// `shutdown()` returns only once the swarm task has gone: a caller that checks `is_closed()`
+/// right after it (the Python binding's context manager does) sees the node closed, on a
+/// runtime whose other threads may not have run the task's last steps yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_reads_closed_as_soon_as_shutdown_returns() {
+    for _ in 0..20 {
+        let cfg = NodeConfig::default().listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap());
+        let node = Node::start(cfg).await.unwrap();
+        assert!(!node.is_closed());
+        node.shutdown().await;
+        assert!(node.is_closed());
+        // Idempotent: a second shutdown on a closed node returns at once.
+        node.shutdown().await;
+        assert!(node.is_closed());
+    }
 }
