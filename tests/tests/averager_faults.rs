@@ -74,8 +74,11 @@ async fn run_with(
     let reports = swarm.step_all(&mut results, &weights, deadline).await;
     let ids = swarm.peer_ids();
     swarm.shutdown().await;
+    let mut probe = avg_cfg(prefix, group);
+    configure(&mut probe);
     Run {
-        check: RoundCheck::new(ids.clone(), &originals, &weights),
+        check: RoundCheck::new(ids.clone(), &originals, &weights)
+            .with_aggregation(probe.aggregation),
         ids,
         results,
         reports,
@@ -84,8 +87,11 @@ async fn run_with(
 
 impl Run {
     /// Every span of every listed peer holds exactly the weighted mean of the contributors its
-    /// report names, or its original values where the report says they were kept.
+    /// report names (under a robust aggregation: a value inside their range), or its original
+    /// values where the report says they were kept; peers that averaged a span together hold
+    /// the same bits there.
     fn check_spans(&self, peers: &[usize]) {
+        let mut agreed = Vec::new();
         for &p in peers {
             let report = self.reports[p]
                 .as_ref()
@@ -93,6 +99,10 @@ impl Run {
             if let Err(e) = self.check.check_spans(p, report, &self.results[p]) {
                 panic!("{e}");
             }
+            agreed.push((p, report, &self.results[p][..]));
+        }
+        if let Err(e) = self.check.check_agreement(&agreed) {
+            panic!("{e}");
         }
     }
 }
@@ -267,6 +277,45 @@ async fn peer_killed_while_reducing_has_its_span_redelegated() {
         assert_eq!(report.averaged_fraction(), 1.0, "{report:#?}");
     })
     .await;
+}
+
+/// The crashes above under each robust aggregator: the survivors finish, every span they
+/// averaged lies inside its contributors' range and is the same on all of them, and the crashed
+/// reducer's span is re-delegated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_finish_under_every_robust_aggregator() {
+    init_tracing();
+    for (a, aggregation) in ["median", "trimmed-mean", "centered-clip"]
+        .iter()
+        .enumerate()
+    {
+        let aggregation: starling_averager::Aggregation = aggregation.parse().unwrap();
+        for (f, fault) in [
+            Fault::BeforeSending,
+            Fault::AfterSentChunks(1),
+            Fault::WhileReducing,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let prefix = format!("kill-robust-{a}-{f}");
+            let run = bounded(
+                Duration::from_secs(120),
+                survivors_finish_with(&prefix, fault, |c| c.aggregation = aggregation),
+            )
+            .await;
+            if fault == Fault::WhileReducing {
+                for s in [0, 1, 3] {
+                    for part in victim_parts(&run, s, 2) {
+                        assert!(
+                            matches!(part.outcome, SpanOutcome::Redelegated { .. }),
+                            "{aggregation}: peer {s}: {part:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,7 @@ use starling_averager::wire::{
     write_control, MatchMsg, MemberIdx, MemberInfo, ReduceMsg, MATCHMAKING_PROTOCOL,
     REDUCE_PROTOCOL,
 };
-use starling_averager::{AveragerConfig, AveragingMode, Fault, Rogue, SpanOutcome};
+use starling_averager::{Aggregation, AveragerConfig, AveragingMode, Fault, Rogue, SpanOutcome};
 use starling_node::NodeConfig;
 use starling_tests::{bounded, init_tracing, normal_tensors, AveragingSwarm, RoundCheck};
 
@@ -47,9 +47,15 @@ fn first_frame_is_bad(r: Rogue) -> bool {
 
 /// One round of 4 peers where peer `ROGUE` misbehaves as `rogue` says.
 async fn round_with(rogue: Rogue, case: u64) {
+    round_aggregated(rogue, case, Aggregation::Mean).await
+}
+
+/// [`round_with`], every peer's reducer applying `aggregation`.
+async fn round_aggregated(rogue: Rogue, case: u64, aggregation: Aggregation) {
     let prefix = format!("rogue-{case}");
     let swarm = AveragingSwarm::start(PEERS, node_cfg(), |i| {
         let mut c = avg_cfg(&prefix);
+        c.aggregation = aggregation;
         if i == ROGUE {
             c.fault = Some(Fault::Rogue(rogue));
         }
@@ -61,7 +67,7 @@ async fn round_with(rogue: Rogue, case: u64) {
         .map(|i| normal_tensors(&[LEN], 100 * case + i as u64))
         .collect();
     let weights = [1.0, 2.0, 3.0, 4.0];
-    let check = RoundCheck::new(swarm.peer_ids(), &data, &weights);
+    let check = RoundCheck::new(swarm.peer_ids(), &data, &weights).with_aggregation(aggregation);
     let deadline = Instant::now() + Duration::from_secs(30);
     let results = swarm.step_all(&mut data, &weights, deadline).await;
     let rogue_id = swarm.peer_ids()[ROGUE];
@@ -104,6 +110,15 @@ async fn round_with(rogue: Rogue, case: u64) {
             }
         }
     }
+    let honest: Vec<_> = results
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != ROGUE)
+        .filter_map(|(i, r)| r.as_ref().ok().map(|r| (i, r, &data[i][..])))
+        .collect();
+    check
+        .check_agreement(&honest)
+        .unwrap_or_else(|e| panic!("{rogue:?} ({aggregation}): {e}"));
     swarm.shutdown().await;
 }
 
@@ -136,12 +151,10 @@ proptest! {
     }
 }
 
-/// Every kind of lie at least once, with fixed values at the edges (the property test above
-/// samples them at random).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_kind_of_lie_is_refused() {
-    init_tracing();
-    let lies = [
+/// Every kind of lie, with fixed values at the edges (the property test above samples them at
+/// random).
+fn every_lie() -> [Rogue; 10] {
+    [
         Rogue::HelloLength(u64::MAX),
         Rogue::HelloRound(1),
         Rogue::ChunkOffset(u64::MAX - 1),
@@ -155,14 +168,50 @@ async fn every_kind_of_lie_is_refused() {
         Rogue::Contributor(u32::MAX),
         Rogue::DuplicateResult,
         Rogue::DeltaOffset(u64::MAX),
-    ];
-    for (case, lie) in lies.into_iter().enumerate() {
+    ]
+}
+
+/// Every kind of lie at least once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_lie_is_refused() {
+    init_tracing();
+    for (case, lie) in every_lie().into_iter().enumerate() {
         bounded(
             Duration::from_secs(90),
             round_with(lie, 1_000_000 + case as u64),
         )
         .await;
     }
+}
+
+/// Every kind of lie under each robust aggregator: the reducers refuse the rogue's frames the
+/// same way, every honest span lies inside its contributors' range, and honest peers agree on
+/// every span they averaged together.
+async fn every_lie_is_refused_under(aggregation: &str, first_case: u64) {
+    init_tracing();
+    let aggregation: Aggregation = aggregation.parse().unwrap();
+    for (case, lie) in every_lie().into_iter().enumerate() {
+        bounded(
+            Duration::from_secs(90),
+            round_aggregated(lie, first_case + case as u64, aggregation),
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_lie_is_refused_under_the_median() {
+    every_lie_is_refused_under("median", 2_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_lie_is_refused_under_the_trimmed_mean() {
+    every_lie_is_refused_under("trimmed-mean", 3_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_lie_is_refused_under_centered_clipping() {
+    every_lie_is_refused_under("centered-clip", 4_000_000).await;
 }
 
 /// A stranger (a node of the swarm that is not in the group) floods every averager with

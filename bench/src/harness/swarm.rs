@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
 
-use starling_averager::{Averager, AveragerConfig, AveragerError, RoundReport, SpanOutcome};
+use starling_averager::{
+    Aggregation, Averager, AveragerConfig, AveragerError, RoundReport, SpanOutcome,
+};
 use starling_node::{cluster::LocalCluster, Node, NodeConfig, PeerId};
 
 use super::rel_error;
@@ -246,6 +248,8 @@ pub struct RoundCheck {
     /// Every peer's tensors before the round, flattened as the averager flattens them.
     before: Vec<Vec<f32>>,
     weights: Vec<f32>,
+    /// The rule the reducers applied (the mean unless [`RoundCheck::with_aggregation`] says).
+    aggregation: Aggregation,
 }
 
 impl RoundCheck {
@@ -260,7 +264,43 @@ impl RoundCheck {
             ids,
             before: before.iter().map(|t| t.concat()).collect(),
             weights: weights.to_vec(),
+            aggregation: Aggregation::Mean,
         }
+    }
+
+    /// The same round averaged with `aggregation`: [`RoundCheck::check_spans`] then checks
+    /// every averaged span against what any robust rule must give (see there) instead of the
+    /// exact mean, which only [`Aggregation::Mean`] gives.
+    ///
+    /// ```
+    /// use starling_averager::Aggregation;
+    /// use starling_bench::harness::RoundCheck;
+    /// let ids = vec![starling_node::PeerId::random(), starling_node::PeerId::random()];
+    /// let check = RoundCheck::new(ids.clone(), &[vec![vec![1.0]], vec![vec![4.0]]], &[1.0, 1.0])
+    ///     .with_aggregation(Aggregation::Median);
+    /// assert_eq!(check.range_over(&ids, 0..1), vec![(1.0, 4.0)]);
+    /// ```
+    pub fn with_aggregation(mut self, aggregation: Aggregation) -> Self {
+        self.aggregation = aggregation;
+        self
+    }
+
+    /// Per element of `range`, the least and the greatest of `contributors`' values before
+    /// the round: where every robust rule's result lies (a median, a trimmed mean and each
+    /// centered-clipping iterate are convex combinations of the inputs, coordinate-wise or as
+    /// vectors).
+    pub fn range_over(&self, contributors: &[PeerId], range: Range<usize>) -> Vec<(f32, f32)> {
+        let members: Vec<usize> = contributors.iter().map(|c| self.index_of(c)).collect();
+        range
+            .map(|k| {
+                members
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &m| {
+                        let v = self.before[m][k];
+                        (lo.min(v), hi.max(v))
+                    })
+            })
+            .collect()
     }
 
     /// The peers' ids, in order.
@@ -295,7 +335,10 @@ impl RoundCheck {
     /// Checks that peer `peer`'s tensors after the round (`after`) hold, on every span of its
     /// report, the exact weighted mean (relative error below [`EXACT`]) of the contributors the
     /// span names, or the peer's own values where the report says they were kept, and that the
-    /// report covers every element. The error says which span is wrong and how.
+    /// report covers every element. The error says which span is wrong and how. With a robust
+    /// [`aggregation`](RoundCheck::with_aggregation), an averaged span must instead hold
+    /// finite values inside its contributors' range, element by element ([`Self::range_over`]),
+    /// up to f32 rounding.
     pub fn check_spans(
         &self,
         peer: usize,
@@ -309,11 +352,32 @@ impl RoundCheck {
             let got = &after[r.clone()];
             match &span.outcome {
                 SpanOutcome::Averaged { contributors }
-                | SpanOutcome::Redelegated { contributors, .. } => {
+                | SpanOutcome::Redelegated { contributors, .. }
+                    if self.aggregation.is_mean() =>
+                {
                     let err = rel_error(got, &self.mean_over(contributors, r.clone()));
                     if err >= EXACT {
                         return Err(format!(
                             "peer {peer} span {r:?}: rel error {err} against its contributors' mean"
+                        ));
+                    }
+                }
+                SpanOutcome::Averaged { contributors }
+                | SpanOutcome::Redelegated { contributors, .. } => {
+                    let bounds = self.range_over(contributors, r.clone());
+                    let outside = got.iter().zip(&bounds).position(|(v, (lo, hi))| {
+                        // f32 rounding of the rule's arithmetic, relative to the values.
+                        let slack = 1e-5 * lo.abs().max(hi.abs()).max(1.0);
+                        !(v.is_finite() && *v >= lo - slack && *v <= hi + slack)
+                    });
+                    if let Some(k) = outside {
+                        return Err(format!(
+                            "peer {peer} span {r:?}: element {} is {}, outside its {} contributors' range {:?} ({})",
+                            r.start + k,
+                            got[k],
+                            contributors.len(),
+                            bounds[k],
+                            self.aggregation
                         ));
                     }
                 }
@@ -332,6 +396,45 @@ impl RoundCheck {
                 "peer {peer}: the report covers {covered} of {} elements",
                 before.len()
             ));
+        }
+        Ok(())
+    }
+
+    /// Checks that peers who report the same span averaged by the same reducer over the same
+    /// contributors hold the same bits there: a reducer sends one result to every member, so
+    /// any difference is a corrupted span (what [`Self::check_spans`] cannot see under a robust
+    /// rule, which leaves a range rather than one value). `results` holds each checked peer's
+    /// index, report and tensors after the round.
+    pub fn check_agreement(
+        &self,
+        results: &[(usize, &RoundReport, &[Vec<f32>])],
+    ) -> Result<(), String> {
+        // (span start, span end, reducer, sorted contributors) -> (first peer, its values)
+        type SpanKey = (usize, usize, PeerId, Vec<PeerId>);
+        let mut seen: HashMap<SpanKey, (usize, Vec<f32>)> = HashMap::new();
+        for (peer, report, after) in results {
+            let after = after.concat();
+            for span in &report.spans {
+                let SpanOutcome::Averaged { contributors } = &span.outcome else {
+                    continue;
+                };
+                let mut c = contributors.clone();
+                c.sort();
+                let key = (span.range.start, span.range.end, span.reducer, c);
+                let got = after[span.range.clone()].to_vec();
+                match seen.get(&key) {
+                    Some((other, values)) if values != &got => {
+                        return Err(format!(
+                            "peers {other} and {peer} hold different values on span {:?} reduced by {}",
+                            span.range, span.reducer
+                        ));
+                    }
+                    Some(_) => {}
+                    None => {
+                        seen.insert(key, (*peer, got));
+                    }
+                }
+            }
         }
         Ok(())
     }
