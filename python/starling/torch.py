@@ -265,10 +265,9 @@ class Optimizer:
         report = self._native.step(int(batch_size or self.batch_size_per_step))
         if self._staged:
             self._scatter_params()
-        # More than one epoch behind the swarm (a long pause, a lost round): catch up by state
-        # sync, as `starling train` does.
-        swarm = report.swarm_epoch
-        if swarm is not None and swarm > self._native.epoch + 1 and self._native.epoch == before:
+        # Behind the swarm (a long pause, a lost round, or a synced state that was already an
+        # epoch old): catch up by state sync, as `starling train` does.
+        if report.behind and self._native.epoch == before:
             try:
                 self.load_state_from_peers(timeout=self.sync_timeout)
             except _native.StarlingError:
@@ -287,9 +286,15 @@ class Optimizer:
                 time.sleep(0.005)
                 report = opt.try_step()
         """
+        before = self._native.epoch
         report = self._native.try_step()
         if self._staged and report.stepped:
             self._scatter_params()
+        if report.behind and self._native.epoch == before:
+            try:
+                self.load_state_from_peers(timeout=self.sync_timeout)
+            except _native.StarlingError:
+                pass  # retried at the next call
         return report
 
     def load_state_from_peers(self, timeout: float = 60.0) -> Optional[int]:

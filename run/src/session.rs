@@ -413,13 +413,12 @@ impl Trainer {
             if report.stepped {
                 self.stepped(s, m, &report, &mut steps).await?;
             }
-            // More than one epoch behind the swarm: catch up by state sync.
-            if let Some(swarm) = &report.swarm {
-                if swarm.epoch > self.collab.epoch() + 1 && self.collab.epoch() == before {
-                    self.sync(&s.node, m, reporter, self.collab.epoch() + 1)
-                        .await;
-                    self.binding.params_to_vars(&self.params)?;
-                }
+            // Behind the swarm (more than one epoch, or a synced state that was already an
+            // epoch old): catch up by state sync.
+            if report.behind && self.collab.epoch() == before {
+                self.sync(&s.node, m, reporter, self.collab.epoch() + 1)
+                    .await;
+                self.binding.params_to_vars(&self.params)?;
             }
         }
         self.flush(s, m, &mut steps).await?;

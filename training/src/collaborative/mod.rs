@@ -130,6 +130,9 @@ pub struct CollaborativeOptimizer {
     swarm: Option<(Instant, SwarmProgress)>,
     /// The last reading actually read from the DHT (what a failed read falls back to).
     last_read: Option<SwarmProgress>,
+    /// After a state sync, until this peer's first step: how many times the swarm was found
+    /// an epoch ahead of the synced state (see `take_swarm_epoch`).
+    fresh_sync: Option<u32>,
     /// Failures met during the current call, moved into its [`StepReport`].
     errors: Vec<String>,
     /// This run's metrics, and the node's (journals, board).
@@ -220,6 +223,7 @@ impl CollaborativeOptimizer {
             epoch_start: None,
             swarm: None,
             last_read: None,
+            fresh_sync: None,
             errors: Vec::new(),
             metrics,
             node_metrics,
@@ -469,6 +473,14 @@ impl CollaborativeOptimizer {
             .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
     }
 
+    /// Whether the round after this epoch's carries the state: a peer an epoch behind the
+    /// others would be in this one.
+    fn state_due_next(&self) -> bool {
+        self.cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && (self.epoch + 2).is_multiple_of(n))
+    }
+
     /// Steps if the swarm (or this peer alone) has the global batch: averages the mean
     /// gradient with the group, weighted by samples, and applies the shared optimizer step.
     async fn try_global_step(
@@ -491,12 +503,16 @@ impl CollaborativeOptimizer {
         );
         self.take_swarm_epoch(&swarm);
         let ready = self.batch_ready(&swarm);
-        if ready && (swarm.peers_in_epoch < swarm.peers || self.state_due()) {
+        if ready
+            && (swarm.peers_in_epoch < swarm.peers || self.state_due() || self.state_due_next())
+        {
             // About to average while a live peer's report of this epoch is missing (it may
             // have stepped a moment ago), or in a round that would carry the state (a joiner
             // that synced at epoch E while its donor stepped to E + 1 alone would average the
-            // state while the donor does not): read again, so that this peer agrees with the
-            // others on the epoch, and so on which rounds carry the state.
+            // state while the donor does not), or in the round before one (a peer an epoch
+            // behind would average gradients while the others average the state): read
+            // again, so that this peer agrees with the others on the epoch, and so on which
+            // rounds carry the state.
             self.swarm = None;
             swarm = self.swarm_progress().await?;
             self.take_swarm_epoch(&swarm);
@@ -505,6 +521,12 @@ impl CollaborativeOptimizer {
         let mut report = self.idle_report();
         report.swarm = Some(swarm);
         report.behind = behind;
+        if behind && self.fresh_sync.is_some() {
+            // The state just synced is already an epoch old (the donor stepped meanwhile):
+            // averaging with the swarm would apply its gradients to older parameters. The
+            // caller syncs again (`behind`); it does not step meanwhile.
+            return Ok(applied.unwrap_or(report));
+        }
         if !ready || self.samples == 0 {
             if let Some(swarm) = &report.swarm {
                 self.schedule_matchmaking(swarm);
@@ -598,9 +620,17 @@ impl CollaborativeOptimizer {
         report.timings.averaging = averaged_at - began;
         self.optimizer.step_set(params)?;
         self.epoch += 1;
+        self.fresh_sync = None;
         self.accumulated.fill(0.0);
         self.samples = 0;
-        self.swarm = None;
+        let everyone = report
+            .round
+            .as_ref()
+            .filter(|r| report.averaging_error.is_none() && r.failed_peers.is_empty())
+            .map_or(0, |r| r.group.len());
+        self.swarm = self
+            .progress_after_round(everyone)
+            .map(|s| (Instant::now(), s));
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         let stepped_at = Instant::now();

@@ -8,6 +8,10 @@ use starling_node::NodeError;
 
 use super::{CollaborativeOptimizer, StepReport, TrainingError, RATE_WINDOW};
 
+/// Times a freshly synced state is found an epoch old (each time the caller syncs again)
+/// before the peer takes the swarm's epoch anyway (see `take_swarm_epoch`).
+const STALE_SYNC_RETRIES: u32 = 3;
+
 /// Batch intervals after which the compute rate is measured afresh (or a quarter second).
 const COMPUTE_WINDOW_BATCHES: u32 = 8;
 use crate::progress::{LocalProgress, ProgressError, SwarmProgress};
@@ -175,9 +179,27 @@ impl CollaborativeOptimizer {
     /// count, for AdamW's bias correction) keeps both sides agreeing on which rounds carry the
     /// state, and that round brings its parameters back to the swarm's. Further behind, the
     /// caller syncs state.
+    ///
+    /// Not right after a state sync: the synced state is then simply an epoch old (the donor
+    /// stepped while this peer downloaded it), and taking the epoch would average the swarm's
+    /// gradients into older parameters; the step reports `behind` so that the caller syncs
+    /// again, up to [`STALE_SYNC_RETRIES`] times (then it takes the epoch, as a caller that does
+    /// not sync would leave it waiting for ever).
     pub(super) fn take_swarm_epoch(&mut self, swarm: &SwarmProgress) {
         if swarm.epoch != self.epoch + 1 || swarm.peers_in_epoch == 0 {
             return;
+        }
+        if let Some(waits) = self.fresh_sync.as_mut() {
+            if *waits < STALE_SYNC_RETRIES {
+                *waits += 1;
+                tracing::debug!(
+                    epoch = self.epoch,
+                    to = swarm.epoch,
+                    "the synced state is an epoch old: sync again"
+                );
+                return;
+            }
+            self.fresh_sync = None;
         }
         tracing::debug!(
             from = self.epoch,
@@ -188,5 +210,42 @@ impl CollaborativeOptimizer {
         self.optimizer.set_steps(steps);
         self.epoch = swarm.epoch;
         self.metrics.epoch.set(self.epoch as i64);
+    }
+}
+
+impl CollaborativeOptimizer {
+    /// The swarm's progress right after a step whose round averaged with every live peer of
+    /// the last reading: all of them are in the new epoch with no samples yet, computing at the
+    /// rates they reported. Exactly what a read would return once their post-step reports land,
+    /// known without one, so the next epoch starts computing at once instead of waiting out a
+    /// DHT read (about a millisecond on loopback, a round trip between hosts). The next read is
+    /// due `fetch_interval` later, as after any reading; `None` (read as usual) after a round
+    /// that missed a live peer, or with no reading to go on.
+    pub(super) fn progress_after_round(&self, group: usize) -> Option<SwarmProgress> {
+        let last = self.last_read.as_ref()?;
+        if group < 2 || group != last.peers || last.peers_in_epoch != last.peers {
+            return None;
+        }
+        let rate = last.samples_per_second;
+        let target = self.cfg.target_batch_size;
+        Some(SwarmProgress {
+            epoch: self.epoch,
+            samples: 0,
+            projected: 0,
+            samples_per_second: rate,
+            peers_in_epoch: group,
+            peers: group,
+            ready: target == 0,
+            eta: if target == 0 {
+                std::time::Duration::ZERO
+            } else if rate > 0.0 {
+                std::time::Duration::try_from_secs_f64(target as f64 / rate)
+                    .unwrap_or(std::time::Duration::MAX)
+            } else {
+                std::time::Duration::MAX
+            },
+            own_samples: 0,
+            own_samples_per_second: last.own_samples_per_second,
+        })
     }
 }

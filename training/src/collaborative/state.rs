@@ -80,6 +80,9 @@ impl CollaborativeOptimizer {
         self.samples = 0;
         self.inner = 0;
         self.swarm = None;
+        // (A sync that follows a stale one keeps its count: at most `STALE_SYNC_RETRIES`
+        // syncs again before the next step.)
+        self.fresh_sync = Some(self.fresh_sync.unwrap_or(0));
         Ok(())
     }
 
