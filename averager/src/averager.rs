@@ -84,6 +84,8 @@ pub struct Averager {
     prepared: Mutex<Option<Prepared>>,
     /// Peers expected to search in the next rounds (0: no hint), see [`Averager::expect_peers`].
     expected_peers: AtomicUsize,
+    /// The round tag searches declare (see [`Averager::set_round_tag`]).
+    round_tag: std::sync::atomic::AtomicU64,
     tasks: Vec<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
 }
@@ -92,6 +94,7 @@ pub struct Averager {
 struct Prepared {
     schema: u64,
     grid: u32,
+    tag: u64,
     task: JoinHandle<Result<Group, AveragerError>>,
 }
 
@@ -149,6 +152,7 @@ impl Averager {
             busy: AtomicBool::new(false),
             prepared: Mutex::new(None),
             expected_peers: AtomicUsize::new(0),
+            round_tag: std::sync::atomic::AtomicU64::new(0),
             tasks,
             runtime: tokio::runtime::Handle::current(),
             config,
@@ -356,7 +360,13 @@ impl Averager {
             },
             None => {
                 let (group_key, mm) = self.search_inputs(schema.hash, grid);
-                let me = member_info(&self.transport, cfg.mode, self.bandwidth.current()).await?;
+                let me = member_info(
+                    &self.transport,
+                    cfg.mode,
+                    self.bandwidth.current(),
+                    self.round_tag(),
+                )
+                .await?;
                 find_group(&mm, &group_key, me, deadline).await
             }
         };
@@ -465,10 +475,11 @@ impl Averager {
         let cfg = &self.config;
         let schema = Schema::of(sizes, &wire_label(cfg));
         let grid = *lock(&self.grid_index);
+        let tag = self.round_tag();
         let mut prepared = lock(&self.prepared);
         if prepared
             .as_ref()
-            .is_some_and(|p| p.schema == schema.hash && p.grid == grid)
+            .is_some_and(|p| p.schema == schema.hash && p.grid == grid && p.tag == tag)
         {
             return false;
         }
@@ -481,15 +492,44 @@ impl Averager {
             (self.transport.clone(), cfg.mode, self.bandwidth.current());
         let span = tracing::debug_span!(parent: transport.node().span(), "averager");
         let search = async move {
-            let me = member_info(&transport, mode, bandwidth).await?;
+            let me = member_info(&transport, mode, bandwidth, tag).await?;
             find_group(&mm, &group_key, me, Instant::from_std(deadline)).await
         };
         *prepared = Some(Prepared {
             schema: schema.hash,
             grid,
+            tag,
             task: self.runtime.spawn(search.instrument(span)),
         });
         true
+    }
+
+    /// Tags this peer's next searches with `tag` (e.g. its training epoch; 0 until set): peers
+    /// with different tags never group, and a search that meets a peer with a greater tag
+    /// ends at once with [`AveragerError::Behind`] instead of waiting out its window, so a
+    /// caller whose peers may disagree on which round they are in (one of them an epoch behind)
+    /// finds out within one read of the group key. A prepared search with another tag is not
+    /// used.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager, mut grads: Vec<f32>, epoch: u64) {
+    /// use std::time::{Duration, Instant};
+    /// use starling_averager::AveragerError;
+    /// averager.set_round_tag(epoch);
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// match averager.step(&mut [&mut grads[..]], 1.0, deadline).await {
+    ///     Err(AveragerError::Behind { theirs, .. }) => { /* catch up to `theirs`, step again */ }
+    ///     _ => {}
+    /// }
+    /// # }
+    /// ```
+    pub fn set_round_tag(&self, tag: u64) {
+        self.round_tag.store(tag, Ordering::Release);
+    }
+
+    /// The round tag searches declare now.
+    pub fn round_tag(&self) -> u64 {
+        self.round_tag.load(Ordering::Acquire)
     }
 
     /// Ends a search started by [`Averager::prepare`] whose step will not come (the members of
@@ -500,15 +540,15 @@ impl Averager {
         }
     }
 
-    /// The prepared search for `schema` in grid cell `grid`, if any; a prepared search for
-    /// anything else ends.
+    /// The prepared search for `schema` in grid cell `grid` with the current round tag, if
+    /// any; a prepared search for anything else ends.
     fn take_prepared(
         &self,
         schema: u64,
         grid: u32,
     ) -> Option<JoinHandle<Result<Group, AveragerError>>> {
         let p = lock(&self.prepared).take()?;
-        if p.schema == schema && p.grid == grid {
+        if p.schema == schema && p.grid == grid && p.tag == self.round_tag() {
             Some(p.task)
         } else {
             p.task.abort();
@@ -607,6 +647,7 @@ async fn member_info(
     transport: &Transport,
     mode: AveragingMode,
     bandwidth: f64,
+    tag: u64,
 ) -> Result<MemberInfo, AveragerError> {
     let node = transport.node();
     let reachability = node.status().await?.reachability;
@@ -633,6 +674,7 @@ async fn member_info(
             .iter()
             .map(|a| a.to_string())
             .collect(),
+        tag,
     })
 }
 

@@ -37,6 +37,17 @@ pub enum AveragerError {
         /// (a lone peer gives up after one window instead of searching until the deadline).
         alone: bool,
     },
+    /// Another peer searched for a group with a greater round tag
+    /// ([`crate::Averager::set_round_tag`]): this peer is behind (e.g. an epoch behind the
+    /// swarm). Found within one read of the group key, not after a whole window; the caller
+    /// catches up (takes the tag, or syncs state) and steps again.
+    #[error("behind: this peer searched with round tag {mine}, another peer with {theirs}")]
+    Behind {
+        /// This peer's tag.
+        mine: u64,
+        /// The greatest tag seen.
+        theirs: u64,
+    },
     /// The deadline passed (or had passed before the step began).
     #[error("the deadline passed {0}")]
     Deadline(&'static str),

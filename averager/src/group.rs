@@ -71,6 +71,7 @@ mod tests {
             mode: AveragingMode::Node,
             bandwidth: 1e8,
             addrs: vec!["/ip4/10.0.0.1/tcp/4001".into(), "not an address".into()],
+            tag: 0,
         }
     }
 

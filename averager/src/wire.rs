@@ -16,7 +16,7 @@ use crate::AveragerError;
 
 /// Matchmaking: join requests, then the leader's begin or disband.
 pub const MATCHMAKING_PROTOCOL: StreamProtocol =
-    StreamProtocol::new("/starling/averager/matchmaking/1");
+    StreamProtocol::new("/starling/averager/matchmaking/2");
 /// All-reduce: a sender's span to a reducer, and the reducer's averaged delta back (also a
 /// re-delegated part of a failed reducer's span to a surviving reducer).
 pub const REDUCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/starling/averager/reduce/1");
@@ -43,6 +43,10 @@ pub struct MemberInfo {
     pub bandwidth: f64,
     /// Addresses it can be dialed at (empty for clients).
     pub addrs: Vec<String>,
+    /// The caller's round tag ([`crate::Averager::set_round_tag`], e.g. a training epoch):
+    /// peers with different tags never group, and a peer that finds another searching with a
+    /// greater tag ends its search at once ([`crate::AveragerError::Behind`]). 0 unless set.
+    pub tag: u64,
 }
 
 /// The value a searching peer stores in the DHT under the group key.
@@ -100,6 +104,8 @@ pub enum RejectReason {
     /// The join request describes the follower impossibly (a peer id that does not parse, a
     /// bandwidth that is not a positive finite number).
     Invalid,
+    /// The follower's round tag is not the leader's (see [`MemberInfo::tag`]).
+    OtherRound,
 }
 
 /// All-reduce control messages.

@@ -3,9 +3,9 @@
 use std::time::{Duration, Instant};
 
 use starling_averager::{
-    Aggregation, Averager, AveragerConfig, AveragingMode, RoundReport, SpanOutcome,
+    Aggregation, Averager, AveragerConfig, AveragerError, AveragingMode, RoundReport, SpanOutcome,
 };
-use starling_node::{cluster::LocalCluster, Node, NodeConfig};
+use starling_node::{cluster::LocalCluster, Node, NodeConfig, PeerId};
 use starling_tests::{
     bounded, exact_weighted_mean, init_tracing, normal_tensors, normal_vec, rel_error,
     AveragingSwarm, RoundCheck,
@@ -708,6 +708,76 @@ async fn robust_aggregators_apply_their_rule_and_never_group_with_another() {
                     "peer {p} grouped with peer {q} of another aggregation"
                 );
             }
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
+/// Round tags: of three peers, one tagged a round behind the other two learns it from its search
+/// at once (`Behind`, well before its 20 s window ends) and never groups with them; the two
+/// average together; tagged like them, it joins their next round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_a_round_behind_learns_it_at_once_and_joins_the_next_round() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(3, NodeConfig::default(), |_| {
+            let mut cfg = AveragerConfig::new("tags");
+            cfg.target_group_size = 3;
+            cfg.min_group_size = 2;
+            cfg.matchmaking_time = Duration::from_secs(20);
+            cfg
+        })
+        .await
+        .unwrap();
+        let averagers = swarm.averagers();
+        for (a, tag) in averagers.iter().zip([8, 8, 7]) {
+            a.set_round_tag(tag);
+            a.expect_peers(Some(3));
+        }
+        let mut data: Vec<Vec<Vec<f32>>> = (0..3).map(|p| normal_tensors(&[4000], p)).collect();
+        let weights = [1.0, 2.0, 3.0];
+        let check = RoundCheck::new(swarm.peer_ids(), &data, &weights);
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(60);
+        let reports = swarm.step_all(&mut data, &weights, deadline).await;
+        match &reports[2] {
+            Err(AveragerError::Behind { mine: 7, theirs: 8 }) => {}
+            other => panic!("the peer behind: {other:?}"),
+        }
+        let two: Vec<PeerId> = swarm.peer_ids()[..2].to_vec();
+        for p in 0..2 {
+            let r = reports[p]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            let mut group = r.group.clone();
+            group.sort();
+            let mut want = two.clone();
+            want.sort();
+            assert_eq!(
+                group, want,
+                "peer {p} averaged with the other one in its round"
+            );
+            check.check_spans(p, r, &data[p]).unwrap();
+        }
+        // (The window's length, not a timing threshold: a peer that waited out its window
+        // would take all of it.)
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "somebody waited out its 20 s window: {:?}",
+            started.elapsed()
+        );
+        // Caught up: all three in round 9.
+        for a in averagers {
+            a.set_round_tag(9);
+        }
+        let check = RoundCheck::new(swarm.peer_ids(), &data, &weights);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let reports = swarm.step_all(&mut data, &weights, deadline).await;
+        for (p, r) in reports.iter().enumerate() {
+            let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            assert_eq!(r.group.len(), 3);
+            check.check_spans(p, r, &data[p]).unwrap();
         }
         swarm.shutdown().await;
     })

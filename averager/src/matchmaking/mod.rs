@@ -112,6 +112,22 @@ pub(crate) async fn find_group(
                 return Ok(group);
             }
             Window::Again => {}
+            Window::Behind(theirs) => {
+                // Nobody should wait for this peer's declaration any longer.
+                let closed_until = mm.declared_until.fetch_add(1, Ordering::AcqRel) + 1;
+                close_declaration(
+                    node,
+                    group_key,
+                    &subkey,
+                    &me,
+                    closed_until,
+                    cfg.request_timeout,
+                );
+                return Err(AveragerError::Behind {
+                    mine: me.tag,
+                    theirs,
+                });
+            }
             // Nobody else searched under this key for a whole window: searching on until the
             // deadline would only hold the caller up (e.g. the odd peer out of a full grid key).
             Window::Alone => {
@@ -133,6 +149,8 @@ enum Window {
     Again,
     /// No other peer searched under the key during the whole window.
     Alone,
+    /// Another peer searched with this greater round tag.
+    Behind(u64),
 }
 
 /// A short printable form of a peer id, for logs.
@@ -251,6 +269,7 @@ async fn run_window(
                         }
                         (Outcome::Again, _) => Window::Again,
                         (Outcome::Alone, _) => Window::Alone,
+                        (Outcome::Behind(theirs), _) => Window::Behind(theirs),
                     });
                 }
             }

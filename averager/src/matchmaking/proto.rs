@@ -172,6 +172,8 @@ pub(crate) enum Outcome {
     Again,
     /// No other peer searched under the key during the whole window.
     Alone,
+    /// Another peer searched under the key with this greater round tag: this peer is behind.
+    Behind(u64),
 }
 
 /// What a leader's rejection means to the peer that asked: ask again after a pause
@@ -353,10 +355,26 @@ impl Search {
     fn join(&mut self, id: JoinId, info: MemberInfo, window_end: u64, out: &mut Vec<Action>) {
         self.saw_others = true;
         let reject = self.join_reply(&info, window_end);
+        let ahead = info.tag > self.me.tag;
         if reject.is_none() {
-            self.accepting.insert(id, info);
+            self.accepting.insert(id, info.clone());
         }
         out.push(Action::Reply { id, reject });
+        if ahead {
+            self.fall_behind(info.tag, out);
+        }
+    }
+
+    /// Another peer searches with a greater round tag: this one is behind and ends its
+    /// search now (letting its followers go), instead of waiting out a window for peers that
+    /// are in another round.
+    fn fall_behind(&mut self, theirs: u64, out: &mut Vec<Action>) {
+        if !matches!(self.phase, Phase::Searching | Phase::Requesting { .. }) {
+            return;
+        }
+        self.disband(out);
+        self.phase = Phase::Done;
+        out.push(Action::Finish(Outcome::Behind(theirs)));
     }
 
     /// How a searching peer answers a join request: `None` accepts it. Invalid requests,
@@ -366,6 +384,9 @@ impl Search {
     fn join_reply(&self, info: &MemberInfo, window_end: u64) -> Option<RejectReason> {
         if Member::parse(info).is_err() {
             return Some(RejectReason::Invalid);
+        }
+        if info.tag != self.me.tag {
+            return Some(RejectReason::OtherRound);
         }
         let ahead_of_us = rank(window_end, &info.peer_id) <= self.my_rank;
         let taken = self.followers.len() + self.accepting.len();
@@ -468,6 +489,16 @@ impl Search {
         // Whether others search now: peers that found a group meanwhile closed their
         // declarations, and a peer left out by all of them is alone, not "again".
         self.saw_others = entries.iter().any(|d| d.info.peer_id != self.me.peer_id);
+        // Peers in a later round: this one is behind. Peers in an earlier round will find out
+        // the same way; neither kind can be in this peer's group.
+        let ahead = entries.iter().map(|d| d.info.tag).max().unwrap_or(0);
+        if ahead > self.me.tag {
+            return self.fall_behind(ahead, out);
+        }
+        let entries: Vec<Declaration> = entries
+            .into_iter()
+            .filter(|d| d.info.tag == self.me.tag)
+            .collect();
         let best = self.pick_leader(&entries, now);
         self.last_read = Some((now, entries));
         if self.phase != Phase::Searching || self.full() {

@@ -142,6 +142,7 @@ impl Sim {
                 mode: AveragingMode::Node,
                 bandwidth: 1e8,
                 addrs: vec![],
+                tag: 0,
             };
             by_id.insert(info.peer_id.clone(), i);
             let slow = rng.gen_bool(scenario.slow_fraction);
@@ -516,7 +517,8 @@ impl Sim {
                         self.peers[p].log.waited_out.push(now);
                         self.open_window(p)
                     }
-                    Outcome::Alone => {
+                    // (Every simulated peer searches with tag 0.)
+                    Outcome::Alone | Outcome::Behind(_) => {
                         self.peers[p].log.waited_out.push(now);
                         self.finish(p)
                     }

@@ -9,6 +9,7 @@ fn declaration(peer: &PeerId) -> Declaration {
             mode: AveragingMode::Node,
             bandwidth: 1.0,
             addrs: Vec::new(),
+            tag: 0,
         },
         window_end: 0,
     }

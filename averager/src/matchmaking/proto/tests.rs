@@ -11,6 +11,7 @@ fn info(mode: AveragingMode) -> MemberInfo {
         mode,
         bandwidth: 1e8,
         addrs: vec![],
+        tag: 0,
     }
 }
 
@@ -319,4 +320,75 @@ fn a_refused_leader_is_not_asked_again_and_a_busy_one_after_a_pause() {
             leader: decl(&l1, 800)
         }]
     );
+}
+
+#[test]
+fn peers_in_other_rounds_never_group_and_the_one_behind_learns_it_at_once() {
+    let tagged = |tag| MemberInfo {
+        tag,
+        ..info(AveragingMode::Node)
+    };
+    let me = tagged(7);
+    // A join from another round is refused; one from a later round also ends this search
+    // (with its follower let go), long before the window ends.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    let same = tagged(7);
+    take(&mut s, 1, 1, &same, 2000);
+    let earlier = tagged(6);
+    let a = s.handle(
+        2,
+        Event::Join {
+            id: 2,
+            info: earlier,
+            window_end: 2000,
+        },
+    );
+    assert_eq!(reply_to(&a, 2), Some(Some(RejectReason::OtherRound)));
+    assert!(!a.iter().any(|a| matches!(a, Action::Finish(_))), "{a:?}");
+    let later = tagged(8);
+    let a = s.handle(
+        3,
+        Event::Join {
+            id: 3,
+            info: later,
+            window_end: 2000,
+        },
+    );
+    assert_eq!(reply_to(&a, 3), Some(Some(RejectReason::OtherRound)));
+    assert_eq!(
+        a[1..],
+        [
+            Action::Disband { followers: vec![1] },
+            Action::Finish(Outcome::Behind(8))
+        ]
+    );
+    // A read that shows a later round's declaration ends the search too.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    let a = s.handle(
+        5,
+        Event::Read(Some(vec![decl(&me, 1000), decl(&tagged(9), 500)])),
+    );
+    assert_eq!(a, vec![Action::Finish(Outcome::Behind(9))]);
+    // An earlier round's peer is never followed, whatever its rank; the window ends alone.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    let a = s.handle(
+        5,
+        Event::Read(Some(vec![decl(&me, 1000), decl(&tagged(6), 500)])),
+    );
+    assert!(!a.iter().any(|a| matches!(a, Action::Ask { .. })), "{a:?}");
+    assert_eq!(
+        s.handle(5000, Event::Tick),
+        vec![Action::Finish(Outcome::Again)]
+    );
+    // The same round's peer ranked ahead is asked, as always.
+    let mut s = Search::new(params(8, 2), me.clone(), 1000, vec![], 0, 5000);
+    s.handle(0, Event::Tick);
+    let a = s.handle(
+        5,
+        Event::Read(Some(vec![decl(&me, 1000), decl(&tagged(7), 500)])),
+    );
+    assert!(a.iter().any(|a| matches!(a, Action::Ask { .. })), "{a:?}");
 }
