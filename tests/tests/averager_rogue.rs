@@ -242,6 +242,7 @@ async fn strangers_garbage_never_disturbs_a_round() {
                     mode: AveragingMode::Node,
                     bandwidth: f64::NAN,
                     addrs: vec![],
+                    tag: 0,
                 };
                 for round in 0..3u64 {
                     for &peer in &targets {

@@ -593,26 +593,27 @@ impl CollaborativeOptimizer {
             // A search started ahead would form a group nobody steps in.
             self.averager.cancel_prepared();
             report.averaging_error = Some(ALONE.into());
-        } else if with_state {
-            // Weighted by samples like the gradients (any weights give every member the same
-            // values). No error feedback: the residual is the gradients' own and carries over
-            // to the next gradient round unchanged.
-            let (values, grads) = params.buffers_mut();
-            let mut buffers: Vec<&mut [f32]> = vec![grads, values];
-            buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-            let averaged = self.averager.step(&mut buffers, weight, deadline).await;
-            report.state_averaged = averaged.is_ok();
-            note_round(&mut report, averaged)?;
-            self.learn_matchmaking(&report);
         } else {
-            let averaged = average_gradients(
-                &self.averager,
-                self.cfg.error_feedback.then_some(&mut self.residuals),
-                params.grads_mut(),
-                weight,
-                deadline,
-            )
-            .await;
+            let averaged = if with_state {
+                // Weighted by samples like the gradients (any weights give every member the
+                // same values). No error feedback: the residual is the gradients' own and
+                // carries over to the next gradient round unchanged.
+                let (values, grads) = params.buffers_mut();
+                let mut buffers: Vec<&mut [f32]> = vec![grads, values];
+                buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
+                let averaged = self.averager.step(&mut buffers, weight, deadline).await;
+                report.state_averaged = averaged.is_ok();
+                averaged
+            } else {
+                average_gradients(
+                    &self.averager,
+                    self.cfg.error_feedback.then_some(&mut self.residuals),
+                    params.grads_mut(),
+                    weight,
+                    deadline,
+                )
+                .await
+            };
             note_round(&mut report, averaged)?;
             self.learn_matchmaking(&report);
         }

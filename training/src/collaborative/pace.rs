@@ -189,26 +189,41 @@ impl CollaborativeOptimizer {
         if swarm.epoch != self.epoch + 1 || swarm.peers_in_epoch == 0 {
             return;
         }
-        if let Some(waits) = self.fresh_sync.as_mut() {
-            if *waits < STALE_SYNC_RETRIES {
-                *waits += 1;
-                tracing::debug!(
-                    epoch = self.epoch,
-                    to = swarm.epoch,
-                    "the synced state is an epoch old: sync again"
-                );
-                return;
-            }
-            self.fresh_sync = None;
+        if self.stale_sync() {
+            return;
         }
+        self.adopt_epoch(swarm.epoch);
+    }
+
+    /// Whether this peer's state was synced since its last step and the swarm is found an
+    /// epoch ahead of it: counted, and true (sync again) up to [`STALE_SYNC_RETRIES`] times;
+    /// then the peer takes the swarm's epoch after all.
+    pub(super) fn stale_sync(&mut self) -> bool {
+        let Some(waits) = self.fresh_sync.as_mut() else {
+            return false;
+        };
+        if *waits >= STALE_SYNC_RETRIES {
+            self.fresh_sync = None;
+            return false;
+        }
+        *waits += 1;
         tracing::debug!(
-            from = self.epoch,
-            to = swarm.epoch,
-            "one epoch behind the swarm: taking its epoch"
+            epoch = self.epoch,
+            "the synced state is an epoch old: sync again"
         );
-        let steps = self.optimizer.steps() + (swarm.epoch - self.epoch);
+        true
+    }
+
+    /// Takes the swarm's epoch `to` (and the optimizer's step count with it, for AdamW's bias
+    /// correction).
+    pub(super) fn adopt_epoch(&mut self, to: u64) {
+        if to <= self.epoch {
+            return;
+        }
+        tracing::debug!(from = self.epoch, to, "behind the swarm: taking its epoch");
+        let steps = self.optimizer.steps() + (to - self.epoch);
         self.optimizer.set_steps(steps);
-        self.epoch = swarm.epoch;
+        self.epoch = to;
         self.metrics.epoch.set(self.epoch as i64);
     }
 }
