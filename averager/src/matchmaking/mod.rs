@@ -98,31 +98,27 @@ pub(crate) async fn find_group(
             Err(NodeError::Closed) => return Err(NodeError::Closed.into()),
             Err(e) => tracing::debug!("declaring under {group_key}: {e}"),
         }
+        // A window that ended in a group, or behind another round: nobody should wait for
+        // this peer's declaration any longer.
+        let close = || {
+            let closed_until = mm.declared_until.fetch_add(1, Ordering::AcqRel) + 1;
+            close_declaration(
+                node,
+                group_key,
+                &subkey,
+                &me,
+                closed_until,
+                cfg.request_timeout,
+            );
+        };
         match run_window(mm, group_key, &me, window_end, window_end_ms, &mut rx).await? {
             Window::Group(group) => {
-                let closed_until = mm.declared_until.fetch_add(1, Ordering::AcqRel) + 1;
-                close_declaration(
-                    node,
-                    group_key,
-                    &subkey,
-                    &me,
-                    closed_until,
-                    cfg.request_timeout,
-                );
+                close();
                 return Ok(group);
             }
             Window::Again => {}
             Window::Behind(theirs) => {
-                // Nobody should wait for this peer's declaration any longer.
-                let closed_until = mm.declared_until.fetch_add(1, Ordering::AcqRel) + 1;
-                close_declaration(
-                    node,
-                    group_key,
-                    &subkey,
-                    &me,
-                    closed_until,
-                    cfg.request_timeout,
-                );
+                close();
                 return Err(AveragerError::Behind {
                     mine: me.tag,
                     theirs,

@@ -335,27 +335,21 @@ fn peers_in_other_rounds_never_group_and_the_one_behind_learns_it_at_once() {
     s.handle(0, Event::Tick);
     let same = tagged(7);
     take(&mut s, 1, 1, &same, 2000);
-    let earlier = tagged(6);
-    let a = s.handle(
-        2,
-        Event::Join {
-            id: 2,
-            info: earlier,
-            window_end: 2000,
-        },
-    );
-    assert_eq!(reply_to(&a, 2), Some(Some(RejectReason::OtherRound)));
+    let ask = |s: &mut Search, id: JoinId, info: MemberInfo| {
+        let a = s.handle(
+            id,
+            Event::Join {
+                id,
+                info,
+                window_end: 2000,
+            },
+        );
+        assert_eq!(reply_to(&a, id), Some(Some(RejectReason::OtherRound)));
+        a
+    };
+    let a = ask(&mut s, 2, tagged(6));
     assert!(!a.iter().any(|a| matches!(a, Action::Finish(_))), "{a:?}");
-    let later = tagged(8);
-    let a = s.handle(
-        3,
-        Event::Join {
-            id: 3,
-            info: later,
-            window_end: 2000,
-        },
-    );
-    assert_eq!(reply_to(&a, 3), Some(Some(RejectReason::OtherRound)));
+    let a = ask(&mut s, 3, tagged(8));
     assert_eq!(
         a[1..],
         [
