@@ -1,13 +1,13 @@
-//! Eight peers train the digits softmax classifier in gradient mode while two of them lie about
-//! their gradients; the reducers' aggregation decides whether the lie lands.
+//! Eight peers train the digits softmax classifier (or a small MLP) in gradient mode while two
+//! of them lie about their gradients; the reducers' aggregation decides whether the lie lands.
 //!
 //! - `noise_breaks_the_mean_and_no_attack_gets_through_centered_clipping`: two peers send
 //!   Gaussian noise of 100x their gradient's norm; with `mean` the model is ruined, with
 //!   `centered-clip` the honest peers end within 2 points of an attack-free run, and so they do
 //!   when the two send their gradient x100.
-//! - `attacks_by_aggregators_table` (ignored; run it by name, `--release`) prints final accuracy
-//!   for every attack (x100, sign flip, Gaussian noise of 100x the gradient norm, "a little is
-//!   enough") under every aggregator.
+//! - `attacks_by_aggregators_table` and `..._mlp` (ignored; run them by name, `--release`) print
+//!   final accuracy for every attack (x100, sign flip, Gaussian noise of 100x the gradient norm,
+//!   "a little is enough") under every aggregator.
 
 use std::time::Duration;
 
@@ -15,17 +15,22 @@ use rand::{Rng, SeedableRng};
 use starling_averager::Aggregation;
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
-use starling_training::{CollaborativeOptimizer, Mode, Sgd};
+use starling_training::{CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig};
 
 #[path = "support/digits.rs"]
 mod digits;
 
-use digits::{accuracy, collab_cfg, digits, gradient, model, sgd, Data, BATCH, BATCHES_PER_EPOCH};
+use digits::{
+    accuracy, collab_cfg, digits, gradient, model, sgd, Data, BATCH, BATCHES_PER_EPOCH, CLASSES,
+    FEATURES,
+};
 
 /// Peers in the run; the last [`LIARS`] lie.
 const N: usize = 8;
 const LIARS: usize = 2;
 const EPOCHS: usize = 12;
+/// Global steps of the MLP runs.
+const MLP_EPOCHS: usize = 40;
 
 /// What a lying peer sends instead of its gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,6 +45,150 @@ enum Attack {
     /// "A little is enough" (Baruch et al. 2019): the mean of the honest gradients minus z
     /// standard deviations, coordinate-wise, with z from the paper for N peers and LIARS liars.
     ALittle,
+}
+
+/// The model the peers train: the softmax classifier of `support/digits.rs`, or a one-hidden-
+/// layer MLP (64 -> 32 ReLU -> 10) whose loss is not convex.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Net {
+    Softmax,
+    Mlp,
+}
+
+const HIDDEN: usize = 32;
+/// The MLP's flat layout: W1 [HIDDEN x FEATURES], b1, W2 [CLASSES x HIDDEN], b2.
+const MLP_LEN: usize = HIDDEN * FEATURES + HIDDEN + CLASSES * HIDDEN + CLASSES;
+
+/// The MLP with seeded He-scaled weights (the same on every peer).
+fn mlp_model() -> ParamSet {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let mut draw = |n: usize, fan_in: usize| -> Vec<f32> {
+        let a = (6.0 / fan_in as f32).sqrt();
+        (0..n).map(|_| rng.gen_range(-a..a)).collect()
+    };
+    let mut p = ParamSet::new();
+    p.add(
+        "w1",
+        &[HIDDEN, FEATURES],
+        &draw(HIDDEN * FEATURES, FEATURES),
+    )
+    .unwrap();
+    p.add("b1", &[HIDDEN], &[0.0; HIDDEN]).unwrap();
+    p.add("w2", &[CLASSES, HIDDEN], &draw(CLASSES * HIDDEN, HIDDEN))
+        .unwrap();
+    p.add("b2", &[CLASSES], &[0.0; CLASSES]).unwrap();
+    p
+}
+
+/// The MLP's hidden activations and logits for one sample.
+fn mlp_forward(params: &[f32], x: &[f32]) -> ([f32; HIDDEN], [f32; CLASSES]) {
+    let (w1, rest) = params.split_at(HIDDEN * FEATURES);
+    let (b1, rest) = rest.split_at(HIDDEN);
+    let (w2, b2) = rest.split_at(CLASSES * HIDDEN);
+    let mut h = [0f32; HIDDEN];
+    for (j, hj) in h.iter_mut().enumerate() {
+        let z = b1[j]
+            + w1[j * FEATURES..(j + 1) * FEATURES]
+                .iter()
+                .zip(x)
+                .map(|(w, x)| w * x)
+                .sum::<f32>();
+        *hj = z.max(0.0);
+    }
+    let mut out = [0f32; CLASSES];
+    for (c, o) in out.iter_mut().enumerate() {
+        *o = b2[c]
+            + w2[c * HIDDEN..(c + 1) * HIDDEN]
+                .iter()
+                .zip(&h)
+                .map(|(w, h)| w * h)
+                .sum::<f32>();
+    }
+    (h, out)
+}
+
+/// The MLP's mean cross-entropy gradient over the samples `idx`, written into `grads`.
+fn mlp_gradient(params: &[f32], data: &Data, idx: &[usize], grads: &mut [f32]) {
+    grads.fill(0.0);
+    let w2 = &params[HIDDEN * FEATURES + HIDDEN..HIDDEN * FEATURES + HIDDEN + CLASSES * HIDDEN];
+    let (gw1, rest) = grads.split_at_mut(HIDDEN * FEATURES);
+    let (gb1, rest) = rest.split_at_mut(HIDDEN);
+    let (gw2, gb2) = rest.split_at_mut(CLASSES * HIDDEN);
+    for &i in idx {
+        let x = &data.x[i * FEATURES..(i + 1) * FEATURES];
+        let (h, z) = mlp_forward(params, x);
+        let max = z.iter().cloned().fold(f32::MIN, f32::max);
+        let e: Vec<f32> = z.iter().map(|v| (v - max).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        let mut dh = [0f32; HIDDEN];
+        for c in 0..CLASSES {
+            let d = e[c] / sum - if c == data.y[i] { 1.0 } else { 0.0 };
+            gb2[c] += d;
+            for j in 0..HIDDEN {
+                gw2[c * HIDDEN + j] += d * h[j];
+                dh[j] += d * w2[c * HIDDEN + j];
+            }
+        }
+        for j in 0..HIDDEN {
+            if h[j] <= 0.0 {
+                continue;
+            }
+            gb1[j] += dh[j];
+            for (g, xv) in gw1[j * FEATURES..(j + 1) * FEATURES].iter_mut().zip(x) {
+                *g += dh[j] * xv;
+            }
+        }
+    }
+    let k = 1.0 / idx.len() as f32;
+    grads.iter_mut().for_each(|g| *g *= k);
+}
+
+fn mlp_accuracy(params: &[f32], data: &Data) -> f64 {
+    let right = (0..data.len())
+        .filter(|&i| {
+            let (_, z) = mlp_forward(params, &data.x[i * FEATURES..(i + 1) * FEATURES]);
+            let best = (0..CLASSES).max_by(|a, b| z[*a].total_cmp(&z[*b])).unwrap();
+            best == data.y[i]
+        })
+        .count();
+    right as f64 / data.len() as f64
+}
+
+/// The MLP's gradient against central differences, on random parameters and samples.
+#[test]
+fn the_mlp_gradient_matches_finite_differences() {
+    let (tr, _) = digits();
+    let params = mlp_model();
+    let values = params.params().to_vec();
+    assert_eq!(values.len(), MLP_LEN);
+    let idx: Vec<usize> = (0..8).map(|k| 17 * k + 3).collect();
+    let mut g = vec![0.0; MLP_LEN];
+    mlp_gradient(&values, &tr, &idx, &mut g);
+    let loss = |p: &[f32]| -> f64 {
+        idx.iter()
+            .map(|&i| {
+                let (_, z) = mlp_forward(p, &tr.x[i * FEATURES..(i + 1) * FEATURES]);
+                let max = z.iter().cloned().fold(f32::MIN, f32::max) as f64;
+                let lse = z.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
+                lse - z[tr.y[i]] as f64
+            })
+            .sum::<f64>()
+            / idx.len() as f64
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for _ in 0..40 {
+        let j = rng.gen_range(0..MLP_LEN);
+        let (mut up, mut down) = (values.clone(), values.clone());
+        let h = 1e-2f32;
+        up[j] += h;
+        down[j] -= h;
+        let numeric = (loss(&up) - loss(&down)) / (2.0 * h as f64);
+        assert!(
+            (numeric - g[j] as f64).abs() <= 2e-3 + 0.05 * numeric.abs(),
+            "parameter {j}: analytic {} numeric {numeric}",
+            g[j]
+        );
+    }
 }
 
 /// ALIE's z: s = floor(n/2 + 1) - f peers must be won over; z = Φ⁻¹((n - s) / n).
@@ -101,12 +250,35 @@ async fn train(
     aggregation: Aggregation,
     attack: Attack,
 ) -> (f64, bool) {
+    train_net(Net::Softmax, train, test, run, aggregation, attack).await
+}
+
+/// [`train`] for `net`: the MLP takes SGD 0.1 with momentum 0.9 for `MLP_EPOCHS` steps.
+async fn train_net(
+    net: Net,
+    train: &Data,
+    test: &Data,
+    run: &str,
+    aggregation: Aggregation,
+    attack: Attack,
+) -> (f64, bool) {
+    let epochs = match net {
+        Net::Softmax => EPOCHS,
+        Net::Mlp => MLP_EPOCHS,
+    };
+    let gradient = match net {
+        Net::Softmax => gradient,
+        Net::Mlp => mlp_gradient,
+    };
     let cluster = LocalCluster::start(N, NodeConfig::default()).await.unwrap();
     let nodes = cluster.nodes.clone();
     let runs = nodes.iter().enumerate().map(|(p, node)| async move {
         let liar = attack != Attack::None && p >= N - LIARS;
-        let mut params = model();
-        let opt = Sgd::new(sgd(), params.len()).unwrap();
+        let (mut params, rule) = match net {
+            Net::Softmax => (model(), sgd()),
+            Net::Mlp => (mlp_model(), SgdConfig::new(0.1).momentum(0.9)),
+        };
+        let opt = Sgd::new(rule, params.len()).unwrap();
         let mut cfg = collab_cfg(run, Mode::Gradients);
         cfg.target_batch_size = (N * BATCHES_PER_EPOCH * BATCH) as u64;
         cfg.progress.target_batch_size = cfg.target_batch_size;
@@ -117,7 +289,7 @@ async fn train(
             .await
             .unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(p as u64);
-        for e in 0..EPOCHS {
+        for e in 0..epochs {
             let values = params.params().to_vec();
             // A liar running "a little is enough" estimates the honest mean and spread from
             // its own batches of the epoch.
@@ -176,7 +348,10 @@ async fn train(
     let honest = &finals[..N - LIARS];
     let same = honest.iter().all(|p| p == &honest[0]);
     let acc = if honest[0].iter().all(|v| v.is_finite()) {
-        accuracy(&honest[0], test)
+        match net {
+            Net::Softmax => accuracy(&honest[0], test),
+            Net::Mlp => mlp_accuracy(&honest[0], test),
+        }
     } else {
         0.0
     };
@@ -217,7 +392,19 @@ async fn noise_breaks_the_mean_and_no_attack_gets_through_centered_clipping() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, printed as a table"]
 async fn attacks_by_aggregators_table() {
+    attacks_table(Net::Softmax).await;
+}
+
+/// The same table for the MLP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, printed as a table"]
+async fn attacks_by_aggregators_table_mlp() {
+    attacks_table(Net::Mlp).await;
+}
+
+async fn attacks_table(net: Net) {
     init_tracing();
+    println!("{net:?}");
     let (tr, te) = digits();
     let aggregations: Vec<Aggregation> = ["mean", "median", "trimmed-mean", "centered-clip"]
         .iter()
@@ -244,7 +431,8 @@ async fn attacks_by_aggregators_table() {
     {
         let mut row = Vec::new();
         for (j, a) in aggregations.iter().enumerate() {
-            let (acc, same) = train(&tr, &te, &format!("byz-table-{i}-{j}"), *a, attack).await;
+            let run = format!("byz-table-{net:?}-{i}-{j}");
+            let (acc, same) = train_net(net, &tr, &te, &run, *a, attack).await;
             row.push(format!("{acc:.3}{}", if same { "" } else { " (apart)" }));
         }
         println!("| {attack:?} | {} |", row.join(" | "));
