@@ -240,21 +240,11 @@ fn batch(data: &Data, p: usize, e: usize, k: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Trains `EPOCHS` global steps with `aggregation`, the last `LIARS` peers attacking; returns
+/// Trains `net` with `aggregation`, the last `LIARS` peers attacking (the softmax: `EPOCHS`
+/// global steps of SGD 0.5; the MLP: `MLP_EPOCHS` of SGD 0.1, both with momentum 0.9); returns
 /// honest peer 0's test accuracy (NaN parameters count as 0) and whether every honest peer ended
 /// with the same parameters.
 async fn train(
-    train: &Data,
-    test: &Data,
-    run: &str,
-    aggregation: Aggregation,
-    attack: Attack,
-) -> (f64, bool) {
-    train_net(Net::Softmax, train, test, run, aggregation, attack).await
-}
-
-/// [`train`] for `net`: the MLP takes SGD 0.1 with momentum 0.9 for `MLP_EPOCHS` steps.
-async fn train_net(
     net: Net,
     train: &Data,
     test: &Data,
@@ -364,17 +354,40 @@ async fn noise_breaks_the_mean_and_no_attack_gets_through_centered_clipping() {
     bounded(Duration::from_secs(300), async {
         let (tr, te) = digits();
         let clip: Aggregation = "centered-clip".parse().unwrap();
-        let (clean, same) = train(&tr, &te, "byz-clean", Aggregation::Mean, Attack::None).await;
+        let (clean, same) = train(
+            Net::Softmax,
+            &tr,
+            &te,
+            "byz-clean",
+            Aggregation::Mean,
+            Attack::None,
+        )
+        .await;
         assert!(same && clean > 0.85, "attack-free run: {clean}");
-        let (attacked_mean, same) =
-            train(&tr, &te, "byz-mean", Aggregation::Mean, Attack::Noise).await;
+        let (attacked_mean, same) = train(
+            Net::Softmax,
+            &tr,
+            &te,
+            "byz-mean",
+            Aggregation::Mean,
+            Attack::Noise,
+        )
+        .await;
         assert!(same);
         assert!(
             attacked_mean < clean - 0.2,
             "the mean resisted noise of 100x the gradient norm: {attacked_mean} vs {clean}"
         );
         for attack in [Attack::Noise, Attack::Scale] {
-            let (acc, same) = train(&tr, &te, &format!("byz-clip-{attack:?}"), clip, attack).await;
+            let (acc, same) = train(
+                Net::Softmax,
+                &tr,
+                &te,
+                &format!("byz-clip-{attack:?}"),
+                clip,
+                attack,
+            )
+            .await;
             assert!(
                 same,
                 "{attack:?}: honest peers ended apart under centered clipping"
@@ -432,7 +445,7 @@ async fn attacks_table(net: Net) {
         let mut row = Vec::new();
         for (j, a) in aggregations.iter().enumerate() {
             let run = format!("byz-table-{net:?}-{i}-{j}");
-            let (acc, same) = train_net(net, &tr, &te, &run, *a, attack).await;
+            let (acc, same) = train(net, &tr, &te, &run, *a, attack).await;
             row.push(format!("{acc:.3}{}", if same { "" } else { " (apart)" }));
         }
         println!("| {attack:?} | {} |", row.join(" | "));
