@@ -241,26 +241,24 @@ impl CollaborativeOptimizer {
         if group < 2 || group != last.peers || last.peers_in_epoch != last.peers {
             return None;
         }
-        let rate = last.samples_per_second;
-        let target = self.cfg.target_batch_size;
+        // The whole swarm as one report of no samples at the summed rate, now: `estimate`'s
+        // readiness and time to the target; then the peers it stands for.
+        let now = starling_dht::now_ms();
+        let swarm = SwarmProgress::estimate(
+            &[crate::progress::PeerProgress {
+                epoch: self.epoch,
+                samples: 0,
+                samples_per_second: last.samples_per_second,
+                time_ms: now,
+            }],
+            self.cfg.target_batch_size,
+            now,
+        );
         Some(SwarmProgress {
-            epoch: self.epoch,
-            samples: 0,
-            projected: 0,
-            samples_per_second: rate,
             peers_in_epoch: group,
             peers: group,
-            ready: target == 0,
-            eta: if target == 0 {
-                std::time::Duration::ZERO
-            } else if rate > 0.0 {
-                std::time::Duration::try_from_secs_f64(target as f64 / rate)
-                    .unwrap_or(std::time::Duration::MAX)
-            } else {
-                std::time::Duration::MAX
-            },
-            own_samples: 0,
             own_samples_per_second: last.own_samples_per_second,
+            ..swarm
         })
     }
 }
