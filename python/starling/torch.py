@@ -263,23 +263,14 @@ class Optimizer:
         self._gather_grads()
         before = self._native.epoch
         report = self._native.step(int(batch_size or self.batch_size_per_step))
-        if self._staged:
-            self._scatter_params()
-        # Behind the swarm (a long pause, a lost round, or a synced state that was already an
-        # epoch old): catch up by state sync, as `starling train` does.
-        if report.behind and self._native.epoch == before:
-            try:
-                self.load_state_from_peers(timeout=self.sync_timeout)
-            except _native.StarlingError:
-                pass  # retried at the next step; training goes on from the local values
-        return report
+        # (DiLoCo changes the parameters at every step, not only at global ones.)
+        return self._after_step(report, before, scatter=True)
 
     def try_step(self) -> "_native.StepReport":
         """Gradient mode, for a peer with no more batches this epoch (e.g. each peer computing
         exactly one batch per global step, with ``projected_batch=False``): takes the global
-        step if the swarm has its batch,
-        adding no samples, and returns at once either way. Call it again after a short pause
-        until ``stepped``::
+        step if the swarm has its batch, adding no samples, and returns at once either way.
+        Call it again after a short pause until ``stepped``::
 
             report = opt.step()
             while not report.stepped:
@@ -288,13 +279,21 @@ class Optimizer:
         """
         before = self._native.epoch
         report = self._native.try_step()
-        if self._staged and report.stepped:
+        return self._after_step(report, before, scatter=report.stepped)
+
+    def _after_step(
+        self, report: "_native.StepReport", before: int, scatter: bool
+    ) -> "_native.StepReport":
+        """Copies changed parameters back to CUDA tensors; and when the step found this peer
+        behind the swarm (a long pause, a lost round, or a synced state that was already an epoch
+        old) without moving its epoch, catches up by state sync, as `starling train` does."""
+        if self._staged and scatter:
             self._scatter_params()
         if report.behind and self._native.epoch == before:
             try:
                 self.load_state_from_peers(timeout=self.sync_timeout)
             except _native.StarlingError:
-                pass  # retried at the next call
+                pass  # retried at the next call; training goes on from the local values
         return report
 
     def load_state_from_peers(self, timeout: float = 60.0) -> Optional[int]:

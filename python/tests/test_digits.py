@@ -1,6 +1,7 @@
 """The PyTorch MLP on the embedded digits (examples/python/digits.py) in 4 processes with
 starling.torch.Optimizer: test accuracy near one process trained alone on the same samples, and with codec none every process holds bit-identical parameters after every epoch."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,9 +29,28 @@ def run(*args):
     )
 
 
-def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
+@contextlib.contextmanager
+def processes():
+    """A list to start example processes into; those still running at the end are killed."""
     procs = []
     try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def results_of(procs):
+    """Every process's final JSON line, once each has exited cleanly."""
+    results = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    return results
+
+
+def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
+    with processes() as procs:
         # One batch per rank per epoch (try_step waits for the swarm's step), so the global
         # batches are exactly the lone process's.
         first = run("--rank", "0", "--one-batch")
@@ -39,13 +59,7 @@ def test_four_processes_match_one_alone_and_hold_the_same_bits_every_epoch():
         procs += [run("--rank", str(r), "--join", address, "--one-batch") for r in (1, 2, 3)]
         for p in procs[1:]:
             json.loads(p.stdout.readline())  # started
-        results = [json.loads(p.stdout.readline()) for p in procs]
-        for p in procs:
-            assert p.wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        results = results_of(procs)
     alone = subprocess.run(
         [sys.executable, EXAMPLE, "--json", "--epochs", EPOCHS, "--alone"],
         capture_output=True, text=True, timeout=300, check=True,
@@ -77,8 +91,7 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
     be in the next round; the joiner can then take its first round one epoch behind, in the
     others' next round (rounds are not keyed by epoch), and differ until state averaging (#24)."""
     epochs = "150"
-    procs = []
-    try:
+    with processes() as procs:
         first = run("--rank", "0", "--wait-for", "3", "--run-id", "py-digits-late", "--epochs", epochs)
         procs.append(first)
         address = json.loads(first.stdout.readline())["address"]
@@ -91,13 +104,7 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
                    "--epochs", epochs)
         procs.append(late)
         json.loads(late.stdout.readline())
-        results = [json.loads(p.stdout.readline()) for p in procs]
-        for p in procs:
-            assert p.wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        results = results_of(procs)
     joined = results[3]["joined"]
     prints = [{int(e): f for e, f in r["fingerprints"].items()} for r in results]
     first_step = min(prints[3])
