@@ -24,6 +24,7 @@ use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport
 use schema::{wire_label, Schema};
 use starling_node::lock::lock;
 
+mod lowrank;
 mod schema;
 pub(crate) use schema::group_schema_hash;
 
@@ -244,6 +245,16 @@ impl Averager {
         deadline: std::time::Instant,
         residuals: Option<&mut Residuals>,
     ) -> Result<RoundReport, AveragerError> {
+        let inner = self.step_inner(tensors, weight, Instant::from_std(deadline), residuals);
+        self.guarded(inner).await
+    }
+
+    /// Runs one step's work (`inner`, not started yet): one step at a time, ended at once
+    /// when this peer's node stops, recorded in the metrics.
+    async fn guarded(
+        &self,
+        inner: impl std::future::Future<Output = Result<RoundReport, AveragerError>>,
+    ) -> Result<RoundReport, AveragerError> {
         if self.busy.swap(true, Ordering::AcqRel) {
             return Err(AveragerError::StepInProgress);
         }
@@ -259,12 +270,28 @@ impl Averager {
         let result = tokio::select! {
             biased;
             _ = node.closed() => Err(NodeError::Closed.into()),
-            r = self.step_inner(tensors, weight, Instant::from_std(deadline), residuals).instrument(span) => r,
+            r = inner.instrument(span) => r,
         };
         self.transport
             .metrics()
             .record_step(node, &result, self.bandwidth.current());
         result
+    }
+
+    /// Checks a step's weight and deadline; the weight this peer contributes with (none as an
+    /// `Aux` peer).
+    fn check_step(&self, weight: f32, deadline: Instant) -> Result<f32, AveragerError> {
+        if !(weight.is_finite() && weight >= 0.0) {
+            return Err(AveragerError::InvalidWeight(weight));
+        }
+        if deadline <= Instant::now() {
+            return Err(AveragerError::Deadline("before the step began"));
+        }
+        Ok(if self.config.mode == AveragingMode::Aux {
+            0.0
+        } else {
+            weight
+        })
     }
 
     /// [`Averager::step`] for synchronous training loops: blocks the calling thread until the
@@ -321,17 +348,7 @@ impl Averager {
         residuals: Option<&mut Residuals>,
     ) -> Result<RoundReport, AveragerError> {
         let cfg = &self.config;
-        if !(weight.is_finite() && weight >= 0.0) {
-            return Err(AveragerError::InvalidWeight(weight));
-        }
-        if deadline <= Instant::now() {
-            return Err(AveragerError::Deadline("before the step began"));
-        }
-        let weight = if cfg.mode == AveragingMode::Aux {
-            0.0
-        } else {
-            weight
-        };
+        let weight = self.check_step(weight, deadline)?;
         let mut flat = self.flatten(tensors)?;
         let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
         // Error feedback: the round averages the corrected contribution. Only a lossy codec
@@ -344,48 +361,7 @@ impl Averager {
                 .map_err(|e| AveragerError::Schema(e.to_string()))?;
         }
         let schema = Schema::of(&sizes, &wire_label(cfg));
-        self.announce(&schema);
-        let grid = *lock(&self.grid_index);
-        let mm_start = Instant::now();
-        let prepared = self.take_prepared(schema.hash, grid);
-        let was_prepared = prepared.is_some();
-        let searched = match prepared {
-            // Started ahead by `prepare`: usually formed already, or about to.
-            // (Aborted if this step is dropped while it waits: nobody would use its group.)
-            Some(task) => match AbortOnDrop(task).join().await {
-                Ok(found) => found,
-                Err(e) => Err(AveragerError::Protocol(format!(
-                    "the matchmaking task ended: {e}"
-                ))),
-            },
-            None => {
-                let (group_key, mm) = self.search_inputs(schema.hash, grid);
-                let me = member_info(
-                    &self.transport,
-                    cfg.mode,
-                    self.bandwidth.current(),
-                    self.round_tag(),
-                )
-                .await?;
-                find_group(&mm, &group_key, me, deadline).await
-            }
-        };
-        let group = match searched {
-            Ok(group) => group,
-            Err(e @ AveragerError::NoGroup { alone: true, .. }) => {
-                // Alone in its grid cell: the others moved on (they re-key by their index in
-                // their last group), so staying would leave it alone in every round. Another
-                // cell, drawn at random, for the next one.
-                if cfg.group_bits > 0 {
-                    let cells = 1u32 << cfg.group_bits;
-                    let mut grid = lock(&self.grid_index);
-                    *grid = (*grid + 1 + rand::random::<u32>() % (cells - 1)) % cells;
-                }
-                return Err(self.explain_loneliness(&schema, e).await);
-            }
-            Err(e) => return Err(e),
-        };
-        let matchmaking_time = mm_start.elapsed();
+        let (group, matchmaking_time, was_prepared) = self.form_group(&schema, deadline).await?;
 
         let ar_start = Instant::now();
         let env = RoundEnv {
@@ -398,20 +374,7 @@ impl Averager {
         };
         let mut outcome = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
         let allreduce_time = ar_start.elapsed();
-        self.bandwidth.record(outcome.measured_bandwidth);
-        if let Some(server) = outcome.repair_server.take() {
-            self.keep_repair_server(Some(server));
-        }
-        if cfg.group_bits > 0 {
-            *lock(&self.grid_index) = group.my_index.0 % (1 << cfg.group_bits);
-        }
-        *lock(&self.last_group) = group
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != group.my_index.0 as usize)
-            .map(|(_, m)| m.peer)
-            .collect();
+        self.after_round(&group, &mut outcome);
         if let Some(f) = feedback {
             // Averaged ranges start from zero (this peer's own reductions used its exact
             // values); those sent quantized take what the reducer did not see. Ranges not
@@ -446,6 +409,78 @@ impl Averager {
         })
     }
 
+    /// Finds the group of a step averaging `schema`: the search [`Averager::prepare`] started
+    /// for it, or a new one. Returns the group, the time matchmaking took, and whether it was
+    /// prepared.
+    async fn form_group(
+        &self,
+        schema: &Schema,
+        deadline: Instant,
+    ) -> Result<(Group, std::time::Duration, bool), AveragerError> {
+        let cfg = &self.config;
+        self.announce(schema);
+        let grid = *lock(&self.grid_index);
+        let mm_start = Instant::now();
+        let prepared = self.take_prepared(schema.hash, grid);
+        let was_prepared = prepared.is_some();
+        let searched = match prepared {
+            // Started ahead by `prepare`: usually formed already, or about to.
+            // (Aborted if this step is dropped while it waits: nobody would use its group.)
+            Some(task) => match AbortOnDrop(task).join().await {
+                Ok(found) => found,
+                Err(e) => Err(AveragerError::Protocol(format!(
+                    "the matchmaking task ended: {e}"
+                ))),
+            },
+            None => {
+                let (group_key, mm) = self.search_inputs(schema.hash, grid);
+                let me = member_info(
+                    &self.transport,
+                    cfg.mode,
+                    self.bandwidth.current(),
+                    self.round_tag(),
+                )
+                .await?;
+                find_group(&mm, &group_key, me, deadline).await
+            }
+        };
+        match searched {
+            Ok(group) => Ok((group, mm_start.elapsed(), was_prepared)),
+            Err(e @ AveragerError::NoGroup { alone: true, .. }) => {
+                // Alone in its grid cell: the others moved on (they re-key by their index in
+                // their last group), so staying would leave it alone in every round. Another
+                // cell, drawn at random, for the next one.
+                if cfg.group_bits > 0 {
+                    let cells = 1u32 << cfg.group_bits;
+                    let mut grid = lock(&self.grid_index);
+                    *grid = (*grid + 1 + rand::random::<u32>() % (cells - 1)) % cells;
+                }
+                Err(self.explain_loneliness(schema, e).await)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// What a finished all-reduce leaves for the next rounds: the bandwidth measured, the
+    /// repair server that serves the others' re-delegated parts, the grid cell and the group.
+    fn after_round(&self, group: &Group, outcome: &mut crate::allreduce::Outcome) {
+        let cfg = &self.config;
+        self.bandwidth.record(outcome.measured_bandwidth);
+        if let Some(server) = outcome.repair_server.take() {
+            self.keep_repair_server(Some(server));
+        }
+        if cfg.group_bits > 0 {
+            *lock(&self.grid_index) = group.my_index.0 % (1 << cfg.group_bits);
+        }
+        *lock(&self.last_group) = group
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != group.my_index.0 as usize)
+            .map(|(_, m)| m.peer)
+            .collect();
+    }
+
     /// Starts matchmaking for the next step in the background, so that its group is ready when
     /// the tensors are (hivemind's pre-scheduled matchmaking): call it when the step is about
     /// one matchmaking time away, with the sizes of the tensors that step will pass, then call
@@ -466,14 +501,18 @@ impl Averager {
     /// # Ok(()) }
     /// ```
     pub fn prepare(&self, sizes: &[usize], deadline: std::time::Instant) -> bool {
-        if self.busy.load(Ordering::Acquire)
-            || sizes.iter().sum::<usize>() == 0
-            || deadline <= std::time::Instant::now()
-        {
+        if sizes.iter().sum::<usize>() == 0 {
+            return false;
+        }
+        self.prepare_schema(Schema::of(sizes, &wire_label(&self.config)), deadline)
+    }
+
+    /// [`Averager::prepare`] for a step averaging `schema`.
+    fn prepare_schema(&self, schema: Schema, deadline: std::time::Instant) -> bool {
+        if self.busy.load(Ordering::Acquire) || deadline <= std::time::Instant::now() {
             return false;
         }
         let cfg = &self.config;
-        let schema = Schema::of(sizes, &wire_label(cfg));
         let grid = *lock(&self.grid_index);
         let tag = self.round_tag();
         let mut prepared = lock(&self.prepared);

@@ -80,6 +80,9 @@ pub enum Error {
     /// A codec parameter on the wire (codebook entry, block scale, mean, standard deviation) is unusable.
     #[error("invalid codec parameter: {0}")]
     InvalidParameter(&'static str),
+    /// A caller's argument is unusable (a rank out of range, a matrix outside its buffer).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// The input cannot be represented by the chosen codec at all.
     #[error("input out of range for codec {codec}: {reason}")]
     OutOfRange {

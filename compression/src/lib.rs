@@ -48,6 +48,7 @@ mod error;
 mod feedback;
 pub mod format;
 mod frame;
+pub mod lowrank;
 mod options;
 mod stats;
 pub mod synthetic;

@@ -1,0 +1,241 @@
+//! Low-rank (PowerSGD) averaging between peers: the two all-reduces of a round run in one group
+//! and leave every member with the same bits, the approximation a plain reference computes.
+
+use std::time::{Duration, Instant};
+
+use starling_averager::{AveragerConfig, AveragerError, Fault, SpanOutcome};
+use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
+use starling_node::NodeConfig;
+use starling_tests::{bounded, init_tracing, normal_vec, AveragingSwarm};
+
+const ROWS: usize = 256;
+const COLS: usize = 128;
+const SMALL: usize = 64;
+/// A 256x128 matrix, a 64x64 one, and a bias of 128.
+const LEN: usize = ROWS * COLS + SMALL * SMALL + 128;
+
+fn layout() -> Vec<LowRankMatrix> {
+    vec![
+        LowRankMatrix {
+            offset: 0,
+            rows: ROWS,
+            cols: COLS,
+        },
+        LowRankMatrix {
+            offset: ROWS * COLS,
+            rows: SMALL,
+            cols: SMALL,
+        },
+    ]
+}
+
+fn avg_cfg(prefix: &str, peers: usize) -> AveragerConfig {
+    let mut c = AveragerConfig::new(prefix);
+    c.target_group_size = peers;
+    c.min_group_size = 2;
+    c.matchmaking_time = Duration::from_secs(5);
+    c.request_timeout = Duration::from_secs(3);
+    c.sender_timeout = Duration::from_secs(3);
+    c.reducer_timeout = Duration::from_secs(5);
+    c
+}
+
+fn node_cfg() -> NodeConfig {
+    NodeConfig::default().with_request_timeout(Duration::from_secs(3))
+}
+
+/// What every peer should hold after a round, from a plain simulation: the same PowerSGD
+/// arithmetic with the mean taken in f64.
+fn reference(states: &mut [PowerSgd], grads: &[Vec<f32>]) -> Vec<f32> {
+    let mean = |vs: &[Vec<f32>]| -> Vec<f32> {
+        (0..vs[0].len())
+            .map(|i| (vs.iter().map(|v| f64::from(v[i])).sum::<f64>() / vs.len() as f64) as f32)
+            .collect()
+    };
+    let firsts: Vec<Vec<f32>> = states
+        .iter_mut()
+        .zip(grads)
+        .map(|(s, g)| {
+            let mut v = vec![0.0; s.phase_one_len()];
+            s.begin(g, &mut v).unwrap();
+            v
+        })
+        .collect();
+    let mut one = mean(&firsts);
+    let seconds: Vec<Vec<f32>> = states
+        .iter_mut()
+        .map(|s| {
+            let mut p = one.clone();
+            let mut v = vec![0.0; s.phase_two_len()];
+            s.middle(&mut p, &mut v).unwrap();
+            v
+        })
+        .collect();
+    let two = mean(&seconds);
+    let mut out = grads[0].clone();
+    let mut p = states[0].clone();
+    p.middle(&mut one, &mut vec![0.0; two.len()]).unwrap();
+    p.finish(&one, &two, &mut out).unwrap();
+    for s in &mut states[1..] {
+        let mut scratch = one.clone();
+        s.middle(&mut scratch, &mut vec![0.0; two.len()]).unwrap();
+        let mut o = grads[0].clone();
+        s.finish(&scratch, &two, &mut o).unwrap();
+    }
+    states[0] = p;
+    out
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_hold_the_same_low_rank_average_as_a_plain_reference() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg("lowrank", 4))
+            .await
+            .unwrap();
+        let mut states: Vec<PowerSgd> = (0..4)
+            .map(|_| PowerSgd::new(4, LEN, &layout(), 9).unwrap())
+            .collect();
+        let mut shadow = states.clone();
+        for round in 0..3u64 {
+            let mut grads: Vec<Vec<f32>> = (0..4).map(|p| normal_vec(LEN, 40 * round + p)).collect();
+            let want = reference(&mut shadow, &grads);
+            let deadline = Instant::now() + Duration::from_secs(40);
+            let reports = futures::future::join_all(
+                swarm
+                    .averagers()
+                    .iter()
+                    .zip(&mut grads)
+                    .zip(&mut states)
+                    .map(|((a, g), s)| a.step_low_rank(g, 1.0, deadline, s)),
+            )
+            .await;
+            for (p, r) in reports.iter().enumerate() {
+                let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+                assert_eq!(r.group.len(), 4);
+                assert!(matches!(&r.spans[0].outcome, SpanOutcome::Averaged { contributors } if contributors.len() == 4));
+                // Both all-reduces together: far fewer bytes than one f32 all-reduce (3/4 of
+                // the buffer out to reducers and 3/4 back, at 4 bytes a value).
+                let dense = (LEN * 4 * 3 / 4 * 2) as u64;
+                assert!(r.bytes_sent * 10 < dense, "round {round} peer {p}: {} bytes", r.bytes_sent);
+            }
+            for p in 1..4 {
+                assert!(grads[p] == grads[0], "round {round}: peer {p} holds other bits than peer 0");
+            }
+            let e = rel(&grads[0], &want);
+            assert!(e < 1e-4, "round {round}: {e} from the reference");
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_rank_is_another_schema() {
+    init_tracing();
+    bounded(Duration::from_secs(60), async {
+        let swarm = AveragingSwarm::start(2, node_cfg(), |_| {
+            let mut c = avg_cfg("lowrank-ranks", 2);
+            c.matchmaking_time = Duration::from_secs(2);
+            c
+        })
+        .await
+        .unwrap();
+        let mut states = [
+            PowerSgd::new(2, LEN, &layout(), 1).unwrap(),
+            PowerSgd::new(4, LEN, &layout(), 1).unwrap(),
+        ];
+        let mut grads: Vec<Vec<f32>> = (0..2).map(|p| normal_vec(LEN, p)).collect();
+        let before = grads.clone();
+        let deadline = Instant::now() + Duration::from_secs(6);
+        let reports = futures::future::join_all(
+            swarm
+                .averagers()
+                .iter()
+                .zip(&mut grads)
+                .zip(&mut states)
+                .map(|((a, g), s)| a.step_low_rank(g, 1.0, deadline, s)),
+        )
+        .await;
+        for r in &reports {
+            assert!(
+                matches!(
+                    r,
+                    Err(AveragerError::SchemaMismatch { .. } | AveragerError::NoGroup { .. })
+                ),
+                "{r:?}"
+            );
+        }
+        assert_eq!(grads, before, "nothing changes without a round");
+        assert!(states
+            .iter()
+            .all(|s| s.residual().iter().all(|&r| r == 0.0)));
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_of_a_peer_killed_mid_round_agree_or_keep_their_gradient() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(4, node_cfg(), |i| {
+            let mut c = avg_cfg("lowrank-kill", 4);
+            if i == 2 {
+                c.fault = Some(Fault::WhileReducing);
+            }
+            c
+        })
+        .await
+        .unwrap();
+        let mut states: Vec<PowerSgd> = (0..4)
+            .map(|_| PowerSgd::new(4, LEN, &layout(), 3).unwrap())
+            .collect();
+        let mut grads: Vec<Vec<f32>> = (0..4).map(|p| normal_vec(LEN, 70 + p)).collect();
+        let before = grads.clone();
+        let deadline = Instant::now() + Duration::from_secs(40);
+        let reports = futures::future::join_all(
+            swarm
+                .averagers()
+                .iter()
+                .zip(&mut grads)
+                .zip(&mut states)
+                .map(|((a, g), s)| a.step_low_rank(g, 1.0, deadline, s)),
+        )
+        .await;
+        assert!(reports[2].is_err(), "the victim crashed");
+        let mut averaged = Vec::new();
+        for p in [0, 1, 3] {
+            let r = reports[p]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("survivor {p}: {e}"));
+            match &r.spans[0].outcome {
+                SpanOutcome::Averaged { .. } => averaged.push(p),
+                SpanOutcome::KeptLocal { .. } => {
+                    assert_eq!(grads[p], before[p], "survivor {p} kept its gradient");
+                    assert!(states[p].residual().iter().all(|&v| v == 0.0));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(
+            !averaged.is_empty(),
+            "the survivors re-delegated the victim's span"
+        );
+        for p in &averaged {
+            assert!(
+                grads[*p] == grads[averaged[0]],
+                "survivors {p} and {} differ",
+                averaged[0]
+            );
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
