@@ -177,12 +177,14 @@ pub(crate) enum Outcome {
 }
 
 /// What a leader's rejection means to the peer that asked: ask again after a pause
-/// ([`Asked::Busy`]) when the leader was busy with its own request or ranked us by an old
-/// declaration; otherwise not again in this window (following another leader, full, not
-/// searching, invalid).
+/// ([`Asked::Busy`]) when the leader was busy with its own request, ranked us by an old
+/// declaration, or follows another leader (which may disband or die: its followers search
+/// again, and a peer that gave up on the earliest of them for the window could never join it,
+/// requests going only to earlier peers); otherwise not again in this window (full, not
+/// searching, another round, invalid). Clients, which never lead, are never asked.
 pub(crate) fn on_reject(reason: RejectReason) -> Asked {
     match reason {
-        RejectReason::Busy | RejectReason::Stale => Asked::Busy,
+        RejectReason::Busy | RejectReason::Stale | RejectReason::NotLeading => Asked::Busy,
         other => Asked::Refused(format!("{other:?}")),
     }
 }

@@ -124,6 +124,53 @@ fn join_requests_are_answered_by_rank_mode_and_state() {
     );
 }
 
+/// The earliest peer was following a leader when we asked it; that leader died, and it searches
+/// again. Giving up on it for the window split the survivors: it could not ask us (we rank
+/// behind it), we would not ask it, and each began with whoever else it had at window end.
+#[test]
+fn a_peer_that_was_following_is_asked_again_after_a_pause() {
+    let me = info(AveragingMode::Node);
+    let earliest = info(AveragingMode::Node);
+    let mut s = Search::new(params(4, 2), me.clone(), 1000, vec![], 0, 5000);
+    assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
+    let entries = vec![decl(&me, 1000), decl(&earliest, 900)];
+    let a = s.handle(10, Event::Read(Some(entries.clone())));
+    assert_eq!(
+        a,
+        vec![Action::Ask {
+            leader: decl(&earliest, 900)
+        }]
+    );
+    let a = s.handle(
+        20,
+        Event::Asked {
+            leader: earliest.peer_id.clone(),
+            outcome: on_reject(RejectReason::NotLeading),
+        },
+    );
+    // Backed off: the last read offers nobody else, so it reads again...
+    assert!(!a.iter().any(|x| matches!(x, Action::Ask { .. })), "{a:?}");
+    let mut t = 20;
+    let mut asked = false;
+    while t < 1000 && !asked {
+        t += 50;
+        for action in s.handle(t, Event::Tick) {
+            if action == Action::Read {
+                let a = s.handle(t, Event::Read(Some(entries.clone())));
+                asked = a.contains(&Action::Ask {
+                    leader: decl(&earliest, 900),
+                });
+            }
+        }
+    }
+    // ...and asks the earliest peer again once the pause is over.
+    assert!(asked, "never asked again");
+    assert!(
+        t >= 20 + 150,
+        "asked again at {t} ms, before the pause ended"
+    );
+}
+
 #[test]
 fn a_leader_begins_once_every_declared_peer_joined_after_the_grace() {
     let me = info(AveragingMode::Node);
