@@ -67,6 +67,13 @@ pub enum Event {
         waiting_seconds: f64,
         /// Seconds of averaging (matchmaking and all-reduce).
         averaging_seconds: f64,
+        /// Bytes this peer sent in the step's averaging round (its group's all-reduces; 0
+        /// without one).
+        #[serde(default)]
+        bytes_sent: u64,
+        /// Bytes it received in that round.
+        #[serde(default)]
+        bytes_received: u64,
         /// Peers it averaged with (itself included), when it did.
         #[serde(skip_serializing_if = "Option::is_none")]
         group_size: Option<usize>,

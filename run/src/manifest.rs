@@ -31,6 +31,48 @@ pub const REPUBLISH_EVERY: Duration = Duration::from_secs(600);
 /// Largest signed manifest accepted, in bytes (the DHT bounds values at 16 KiB).
 const MAX_MANIFEST_BYTES: usize = 12 * 1024;
 
+/// How a run averages its (pseudo-)gradients, as `--codec` names it: a tensor codec (`none`,
+/// `f16`, `u8`, `u4`, ...) or low rank, `powersgd:RANK` (PowerSGD; the rounds that carry the
+/// state then use the exact codec).
+///
+/// ```
+/// use starling_run::manifest::GradientCodec;
+/// assert_eq!("powersgd:4".parse::<GradientCodec>()?, GradientCodec::PowerSgd { rank: 4 });
+/// assert!("powersgd:0".parse::<GradientCodec>().is_err());
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientCodec {
+    /// Every round through this tensor codec.
+    Codec(Codec),
+    /// Gradient rounds in low rank at this rank (1..=`MAX_RANK`); state rounds exact.
+    PowerSgd {
+        /// The approximation's rank.
+        rank: usize,
+    },
+}
+
+impl FromStr for GradientCodec {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        if let Some(rank) = s.strip_prefix("powersgd:") {
+            let rank: usize = rank
+                .parse()
+                .map_err(|_| anyhow!("powersgd:RANK needs a whole number, not {rank:?}"))?;
+            let max = starling_compression::lowrank::MAX_RANK;
+            ensure!(
+                (1..=max).contains(&rank),
+                "the PowerSGD rank must be within 1..={max}, not {rank}"
+            );
+            return Ok(GradientCodec::PowerSgd { rank });
+        }
+        Ok(GradientCodec::Codec(Codec::from_str(s).map_err(|e| {
+            anyhow!("{e} (or powersgd:RANK for low-rank gradients)")
+        })?))
+    }
+}
+
 /// The DHT key a run's manifest is published under.
 ///
 /// ```
@@ -227,7 +269,8 @@ impl RunManifest {
         positive_at_most("--lr", self.optimizer.lr, 10.0)?;
         in_range("--weight-decay", self.optimizer.weight_decay, 0.0, 1.0)?;
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
-        Codec::from_str(&self.codec).map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
+        GradientCodec::from_str(&self.codec)
+            .map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
         starling_averager::Aggregation::from_str(&self.aggregation)
             .map_err(|e| anyhow!("--aggregation {:?}: {e}", self.aggregation))?;
         if let ModeSpec::Diloco {

@@ -20,7 +20,9 @@ use starling_training::{
 
 use crate::data::Dataset;
 use crate::event::{split, Event, Reporter};
-use crate::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
+use crate::manifest::{
+    self, GradientCodec, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest,
+};
 use crate::model::{Built, Eval, Net, Sampler};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
@@ -100,10 +102,17 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         ModeSpec::Diloco { inner_steps, .. } => Mode::LocalSgd { inner_steps },
     };
     let mut cfg = CollaborativeConfig::new(m.name.clone(), m.target_batch_size, mode);
-    cfg.averager.codec = m
+    match m
         .codec
-        .parse::<Codec>()
-        .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?;
+        .parse::<GradientCodec>()
+        .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?
+    {
+        GradientCodec::Codec(codec) => cfg.averager.codec = codec,
+        GradientCodec::PowerSgd { rank } => {
+            cfg.averager.codec = Codec::None;
+            cfg.low_rank = Some(rank);
+        }
+    }
     cfg.averager.aggregation = m
         .aggregation
         .parse()
@@ -482,6 +491,8 @@ impl Trainer {
             samples: report.samples,
             waiting_seconds: report.timings.waiting.as_secs_f64(),
             averaging_seconds: report.timings.averaging.as_secs_f64(),
+            bytes_sent: report.round.as_ref().map_or(0, |r| r.bytes_sent),
+            bytes_received: report.round.as_ref().map_or(0, |r| r.bytes_received),
             group_size: report.group_size,
             averaging_error: report.averaging_error.clone(),
             errors: report.errors.clone(),

@@ -115,6 +115,14 @@ pub struct CollaborativeConfig {
     /// rounds), so that the group is ready when the gradients are and a step does not wait for
     /// the DHT's round trips (hivemind's pre-scheduled matchmaking). On by default.
     pub scheduled_matchmaking: bool,
+    /// Average (pseudo-)gradients in low rank (PowerSGD) at this rank: every weight matrix
+    /// (an N-D tensor as its first dimension by the rest) travels as two thin factors, and
+    /// biases and matrices too small to gain travel as they are, all exact; every member
+    /// ends with the same bits (see `starling_averager::Averager::step_low_rank`). Always
+    /// with error feedback (the approximation's residual). The codec then applies only to the
+    /// rounds that carry the state. Needs group averaging with the mean aggregation. `None`
+    /// (the default) averages gradients whole.
+    pub low_rank: Option<usize>,
 }
 
 impl CollaborativeConfig {
@@ -141,6 +149,7 @@ impl CollaborativeConfig {
             error_feedback: true,
             delayed_update: false,
             scheduled_matchmaking: true,
+            low_rank: None,
         }
     }
 }

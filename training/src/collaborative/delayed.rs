@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starling_averager::{AveragerError, Residuals, RoundReport};
+use starling_compression::lowrank::PowerSgd;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
@@ -47,6 +48,8 @@ pub(super) struct Finished {
     state: Option<(Vec<f32>, Vec<Vec<f32>>)>,
     /// The error-feedback residuals the round took along.
     residuals: Option<Residuals>,
+    /// The PowerSGD state the round took along.
+    low_rank: Option<PowerSgd>,
     result: Result<RoundReport, AveragerError>,
     took: Duration,
 }
@@ -87,6 +90,12 @@ impl CollaborativeOptimizer {
         // that carries the state averages without feedback, like the synchronous one.
         let mut residuals =
             (self.cfg.error_feedback && !with_state).then(|| std::mem::take(&mut self.residuals));
+        let mut low_rank = if with_state {
+            None
+        } else {
+            // (Built by the caller if a dropped round took it.)
+            self.low_rank.take()
+        };
         let averager = Arc::clone(&self.averager);
         let task = tokio::spawn(
             async move {
@@ -100,6 +109,7 @@ impl CollaborativeOptimizer {
                     None => {
                         average_gradients(
                             &averager,
+                            low_rank.as_mut(),
                             residuals.as_mut(),
                             &mut grads,
                             weight,
@@ -112,6 +122,7 @@ impl CollaborativeOptimizer {
                     grads,
                     state,
                     residuals,
+                    low_rank,
                     result,
                     took: began.elapsed(),
                 }
@@ -163,6 +174,9 @@ impl CollaborativeOptimizer {
         };
         if let Some(r) = finished.residuals {
             self.residuals = r;
+        }
+        if let Some(l) = finished.low_rank {
+            self.low_rank = Some(l);
         }
         let carried_state = finished.state.is_some();
         let averaged = finished.result.is_ok();

@@ -58,6 +58,18 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use starling_averager::gossip::{GossipAverager, GossipReport};
 use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
+use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
+
+/// The PowerSGD state of a low-rank run (`spec` set), built afresh if a dropped round took it.
+fn low_rank<'a>(
+    state: &'a mut Option<PowerSgd>,
+    spec: &Option<LowRankSpec>,
+) -> Result<Option<&'a mut PowerSgd>, TrainingError> {
+    if let (None, Some(spec)) = (&state, spec) {
+        *state = Some(spec.build()?);
+    }
+    Ok(state.as_mut())
+}
 use starling_node::{Node, NodeError};
 
 use crate::metrics::{LossPoint, TrainingBoard, TrainingMetrics};
@@ -75,7 +87,7 @@ mod schedule;
 mod state;
 
 pub use config::{Averaging, CollaborativeConfig, Mode, StepReport, StepTimings, TrainingError};
-use rounds::{average_gradients, note_gossip, note_round, same_len, swarm_peers};
+use rounds::{average_gradients, note_gossip, note_round, same_len, swarm_peers, LowRankSpec};
 
 /// Why a step used only local values when the progress records show no other peer.
 const ALONE: &str = "no other peer in the run (by its progress records): stepped alone";
@@ -107,6 +119,11 @@ pub struct CollaborativeOptimizer {
     accumulated: Vec<f32>,
     /// Error feedback for the (pseudo-)gradients, when `error_feedback` is on.
     residuals: Residuals,
+    /// Low-rank averaging (`CollaborativeConfig::low_rank`): how to build its state, and the
+    /// state (away with a delayed update's round while it runs; built again if that round is
+    /// dropped).
+    low_rank_spec: Option<LowRankSpec>,
+    low_rank: Option<PowerSgd>,
     /// Samples accumulated in the current epoch (or local-SGD phase).
     samples: u64,
     /// Local steps in the current local-SGD phase.
@@ -175,6 +192,23 @@ impl CollaborativeOptimizer {
             let grace = cfg.averager.matchmaking_time / 2;
             cfg.averager.start_grace.get_or_insert(grace);
         }
+        let low_rank = match cfg.low_rank {
+            None => None,
+            Some(_) if !matches!(cfg.averaging, Averaging::Group) => {
+                return Err(TrainingError::Config(
+                    "low-rank averaging runs in groups, not through gossip".into(),
+                ))
+            }
+            Some(_) if !cfg.averager.aggregation.is_mean() => {
+                return Err(TrainingError::Config(format!(
+                    "low-rank averaging needs the mean aggregation, not {}",
+                    cfg.averager.aggregation
+                )))
+            }
+            Some(rank) => Some(LowRankSpec::of(rank, params, &cfg.run)),
+        };
+        let low_rank_spec = low_rank;
+        let low_rank = low_rank_spec.as_ref().map(LowRankSpec::build).transpose()?;
         let averager = Arc::new(Averager::new(node.clone(), cfg.averager.clone()).await?);
         let gossip = match (&cfg.averaging, cfg.mode) {
             (Averaging::Group, _) => None,
@@ -212,6 +246,8 @@ impl CollaborativeOptimizer {
             epoch: 0,
             accumulated: vec![0.0; len],
             residuals: Residuals::new(),
+            low_rank_spec,
+            low_rank,
             samples: 0,
             inner: 0,
             rate: 0.0,
@@ -562,6 +598,7 @@ impl CollaborativeOptimizer {
         let with_state = self.state_due();
         let weight = self.samples as f32;
         if self.cfg.delayed_update && !alone {
+            low_rank(&mut self.low_rank, &self.low_rank_spec)?;
             let mut grads = std::mem::take(&mut self.spare);
             grads.resize(self.len, 0.0);
             grads.copy_from_slice(params.grads());
@@ -607,6 +644,7 @@ impl CollaborativeOptimizer {
             } else {
                 average_gradients(
                     &self.averager,
+                    low_rank(&mut self.low_rank, &self.low_rank_spec)?,
                     self.cfg.error_feedback.then_some(&mut self.residuals),
                     params.grads_mut(),
                     weight,
@@ -693,6 +731,7 @@ impl CollaborativeOptimizer {
         } else {
             let averaged = average_gradients(
                 &self.averager,
+                low_rank(&mut self.low_rank, &self.low_rank_spec)?,
                 self.cfg.error_feedback.then_some(&mut self.residuals),
                 &mut delta[..],
                 weight,

@@ -83,9 +83,15 @@ impl CollaborativeOptimizer {
             return;
         }
         self.averager.expect_peers(swarm_peers(Some(swarm)));
-        let sizes = self.round_sizes(self.state_due());
+        let with_state = self.state_due();
         let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
-        if self.averager.prepare(&sizes, deadline) {
+        let prepared = match self.low_rank.as_ref().filter(|_| !with_state) {
+            Some(state) => self.averager.prepare_low_rank(state, deadline),
+            None => self
+                .averager
+                .prepare(&self.round_sizes(with_state), deadline),
+        };
+        if prepared {
             tracing::trace!(
                 epoch = self.epoch,
                 eta_ms = eta * 1e3,
