@@ -24,7 +24,7 @@ use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport
 use schema::{wire_label, Schema};
 use starling_node::lock::lock;
 
-mod lowrank;
+mod compressed;
 mod schema;
 pub(crate) use schema::group_schema_hash;
 

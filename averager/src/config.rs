@@ -62,6 +62,11 @@ pub struct AveragerConfig {
     pub repair_min_time: Duration,
     /// Codec for the tensors on the wire (see `starling_compression::Codec`).
     pub codec: Codec,
+    /// Runs the codec's output through the lossless zstd stage at this level, per frame,
+    /// where it makes the frame smaller: it pays on sparse data (DCT top-k coefficients,
+    /// [`crate::Averager::step_sparse`], turn it on themselves) and costs time on dense
+    /// gradients. `None` (the default) sends frames as the codec made them.
+    pub zstd_level: Option<i32>,
     /// How reducers combine the contributions to their spans: the weighted mean (the default)
     /// or a robust aggregator that lying peers cannot move far (see [`crate::Aggregation`]).
     /// Part of the schema: peers with different aggregations never group.
@@ -172,6 +177,7 @@ impl AveragerConfig {
             reducer_timeout: Duration::from_secs(10),
             repair_min_time: Duration::from_secs(1),
             codec: Codec::None,
+            zstd_level: None,
             aggregation: crate::Aggregation::Mean,
             chunk_bytes: 1 << 20,
             bandwidth: None,

@@ -318,10 +318,14 @@ impl<'a> SpanChunks<'a> {
         codec: starling_compression::Codec,
         data: &'a [f32],
         chunk_bytes: usize,
+        zstd_level: Option<i32>,
     ) -> Result<Self, AveragerError> {
         let err = |e: starling_compression::Error| AveragerError::Protocol(e.to_string());
         // The raw path writes f32 in memory order: little-endian hosts only.
-        if codec == starling_compression::Codec::None && cfg!(target_endian = "little") {
+        if codec == starling_compression::Codec::None
+            && zstd_level.is_none()
+            && cfg!(target_endian = "little")
+        {
             let per_chunk = starling_compression::elements_per_chunk(codec, chunk_bytes)
                 .map_err(err)?
                 .max(1);
@@ -331,7 +335,10 @@ impl<'a> SpanChunks<'a> {
                 next: 0,
             });
         }
-        let opts = starling_compression::EncodeOptions::default();
+        let opts = starling_compression::EncodeOptions {
+            zstd_level,
+            ..Default::default()
+        };
         Ok(SpanChunks::Encoded {
             chunks: starling_compression::split_chunks(codec, data, chunk_bytes, &opts)
                 .map_err(err)?,

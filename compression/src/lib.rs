@@ -44,6 +44,7 @@ pub mod bench;
 mod chunk;
 mod codec;
 mod codecs;
+pub mod dct;
 mod error;
 mod feedback;
 pub mod format;

@@ -518,7 +518,8 @@ async fn write_results(
                     for _ in 0..times {
                         sent += write_control(&mut wr, &head).await?;
                         // A part fits one chunk (parts are cut by the chunk size, or smaller).
-                        let mut chunks = SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes)?;
+                        let mut chunks =
+                            SpanChunks::new(cfg.codec, &delta, cfg.chunk_bytes, cfg.zstd_level)?;
                         let mut first = true;
                         while let Some(chunk) = chunks.next_chunk() {
                             let chunk = chunk?;

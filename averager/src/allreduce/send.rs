@@ -255,8 +255,13 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
 ) -> Result<usize, SendFail> {
     let cfg = round.config();
     let mut sent = 0;
-    let mut chunks = SpanChunks::new(cfg.codec, part, chunk_bytes_for(cfg, part.len()))
-        .map_err(|e| SendFail::other(e.to_string()))?;
+    let mut chunks = SpanChunks::new(
+        cfg.codec,
+        part,
+        chunk_bytes_for(cfg, part.len()),
+        cfg.zstd_level,
+    )
+    .map_err(|e| SendFail::other(e.to_string()))?;
     let mut index = 0;
     let rogue = rogue::of(cfg).filter(|_| phase1);
     while let Some(chunk) = chunks.next_chunk() {

@@ -394,7 +394,7 @@ async fn write_vector(
 ) -> Result<usize, String> {
     let cfg = &shared.config;
     let mut chunks =
-        SpanChunks::new(cfg.codec, data, cfg.chunk_bytes).map_err(|e| e.to_string())?;
+        SpanChunks::new(cfg.codec, data, cfg.chunk_bytes, None).map_err(|e| e.to_string())?;
     let mut sent = 0;
     while let Some(chunk) = chunks.next_chunk() {
         let chunk = chunk.map_err(|e| e.to_string())?;

@@ -1,8 +1,11 @@
-//! Low-rank rounds ([`Averager::step_low_rank`]): PowerSGD's two averages (`P`, then `Q`)
-//! run as two all-reduces in one group, so every member ends with the same approximation.
+//! Compressed gradient rounds that keep every member's bits the same: low rank
+//! ([`Averager::step_low_rank`], PowerSGD's two averages `P` then `Q` as two all-reduces in
+//! one group) and DCT top-k ([`Averager::step_sparse`], one exact all-reduce of sparse
+//! coefficients through the frames' zstd stage).
 
 use std::sync::Arc;
 
+use starling_compression::dct::DctTopK;
 use starling_compression::lowrank::PowerSgd;
 use starling_compression::Codec;
 use starling_node::PeerId;
@@ -67,6 +70,142 @@ impl Averager {
         self.prepare_schema(low_rank_schema(state), deadline)
     }
 
+    /// Averages a gradient buffer as DCT top-k coefficients (see
+    /// `starling_compression::dct`): each chunk of `state.chunk()` values is transformed, its
+    /// `state.k()` largest coefficients go out (the rest waits in `state`'s residual for the
+    /// next round), and the group averages the sparse coefficient vectors exactly, through
+    /// the frames' zstd stage, which drops the zeros: reducers merge the contributions (the
+    /// union of their coefficients, weighted) and send back whatever is smaller, the sparse
+    /// or the dense form. Every member of the group ends with the same bits in `grads`.
+    ///
+    /// Peers average together only with the same chunk, `k` and value mode. `grads` changes
+    /// only if every span was averaged; otherwise the report lists the buffer as kept local
+    /// and `state` is as before. Needs the mean aggregation.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager, mut grads: Vec<f32>) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::{Duration, Instant};
+    /// use starling_compression::dct::{DctTopK, DctValues};
+    /// let mut state = DctTopK::new(grads.len(), 64, 2, DctValues::F16)?;
+    /// let deadline = Instant::now() + Duration::from_secs(30);
+    /// let report = averager.step_sparse(&mut grads, 1.0, deadline, &mut state).await?;
+    /// println!("{} bytes out for {} gradient values", report.bytes_sent, grads.len());
+    /// # Ok(()) }
+    /// ```
+    pub async fn step_sparse(
+        &self,
+        grads: &mut [f32],
+        weight: f32,
+        deadline: std::time::Instant,
+        state: &mut DctTopK,
+    ) -> Result<RoundReport, AveragerError> {
+        let inner = self.sparse_inner(grads, weight, Instant::from_std(deadline), state);
+        let result = self.guarded(inner).await;
+        if result.is_err() {
+            state.abort();
+        }
+        result
+    }
+
+    /// [`Averager::prepare`] for the next [`Averager::step_sparse`] with `state`.
+    pub fn prepare_sparse(&self, state: &DctTopK, deadline: std::time::Instant) -> bool {
+        if state.is_empty() || !self.config.aggregation.is_mean() {
+            return false;
+        }
+        self.prepare_schema(sparse_schema(state), deadline)
+    }
+
+    async fn sparse_inner(
+        &self,
+        grads: &mut [f32],
+        weight: f32,
+        deadline: Instant,
+        state: &mut DctTopK,
+    ) -> Result<RoundReport, AveragerError> {
+        let cfg = &self.config;
+        let weight = self.check_step(weight, deadline)?;
+        self.check_compressed(grads.len(), state.len())?;
+        self.pool
+            .set_limit(4 * grads.len() * std::mem::size_of::<f32>());
+        let mut flat = self.pool.take_dirty(grads.len());
+        state.begin(grads, &mut flat).map_err(compression_error)?;
+        let (group, matchmaking_time, prepared) =
+            self.form_group(&sparse_schema(state), deadline).await?;
+        // Exact, so that every member holds the same mean; zstd drops the zeros.
+        let exact = Arc::new(AveragerConfig {
+            codec: Codec::None,
+            zstd_level: Some(1),
+            ..(**cfg).clone()
+        });
+        let env = RoundEnv {
+            config: exact,
+            transport: self.transport.clone(),
+            router: self.router.clone(),
+            pool: self.pool.clone(),
+            bandwidth: self.bandwidth.current(),
+            feedback: false,
+        };
+        let ar_start = Instant::now();
+        let mut mine = vec![0.0f32; grads.len()];
+        mine.copy_from_slice(&flat);
+        let mut round = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
+        let allreduce_time = ar_start.elapsed();
+        self.after_round(&group, &mut round);
+        for (range, values) in &round.patches {
+            mine[range.clone()].copy_from_slice(values);
+        }
+        let me = group.members[group.my_index.get()].peer;
+        let outcome = match complete(&round) {
+            Ok(contributors) if cfg.mode != AveragingMode::Aux => {
+                state.finish(&mine, grads).map_err(compression_error)?;
+                SpanOutcome::Averaged { contributors }
+            }
+            Ok(contributors) => {
+                state.abort();
+                SpanOutcome::Averaged { contributors }
+            }
+            Err(reason) => {
+                state.abort();
+                SpanOutcome::KeptLocal { reason }
+            }
+        };
+        Ok(RoundReport {
+            round_id: group.round_id,
+            group: round.group.clone(),
+            my_index: group.my_index.get(),
+            spans: vec![SpanReport {
+                reducer: me,
+                range: 0..grads.len(),
+                outcome,
+            }],
+            failed_peers: round.failed_peers.clone(),
+            bytes_sent: round.bytes_sent,
+            bytes_received: round.bytes_received,
+            fast_lane_transfers: round.fast_lanes,
+            warm_lane_transfers: round.warm_lanes,
+            matchmaking_time,
+            prepared,
+            allreduce_time,
+            measured_upload: round.measured_bandwidth,
+        })
+    }
+
+    /// What a compressed step needs: the mean aggregation, and a buffer of the state's size.
+    fn check_compressed(&self, grads: usize, state: usize) -> Result<(), AveragerError> {
+        if !self.config.aggregation.is_mean() {
+            return Err(AveragerError::Config(format!(
+                "compressed gradient rounds need the mean aggregation, not {}",
+                self.config.aggregation
+            )));
+        }
+        if grads != state || state == 0 {
+            return Err(AveragerError::Schema(format!(
+                "a gradient buffer of {grads} elements for a compression state of {state}"
+            )));
+        }
+        Ok(())
+    }
+
     async fn low_rank_inner(
         &self,
         grads: &mut [f32],
@@ -76,19 +215,7 @@ impl Averager {
     ) -> Result<RoundReport, AveragerError> {
         let cfg = &self.config;
         let weight = self.check_step(weight, deadline)?;
-        if !cfg.aggregation.is_mean() {
-            return Err(AveragerError::Config(format!(
-                "low-rank averaging needs the mean aggregation, not {}",
-                cfg.aggregation
-            )));
-        }
-        if grads.len() != state.len() || state.is_empty() {
-            return Err(AveragerError::Schema(format!(
-                "a gradient buffer of {} elements for a PowerSGD layout of {}",
-                grads.len(),
-                state.len()
-            )));
-        }
+        self.check_compressed(grads.len(), state.len())?;
         let (one_len, two_len) = (state.phase_one_len(), state.phase_two_len());
         self.pool
             .set_limit(4 * (one_len + two_len).max(1) * std::mem::size_of::<f32>());
@@ -193,6 +320,20 @@ fn low_rank_schema(state: &PowerSgd) -> Schema {
     Schema::of(
         &[state.len(), state.phase_one_len(), state.phase_two_len()],
         &format!("powersgd:{}", state.rank()),
+    )
+}
+
+/// The schema of a DCT top-k step: the buffer, the chunking and the values (peers with
+/// another must not group with this one).
+fn sparse_schema(state: &DctTopK) -> Schema {
+    Schema::of(
+        &[state.len()],
+        &format!(
+            "dct-topk:{}:{}:{:?}",
+            state.chunk(),
+            state.k(),
+            state.values()
+        ),
     )
 }
 

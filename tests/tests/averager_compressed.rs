@@ -1,9 +1,12 @@
-//! Low-rank (PowerSGD) averaging between peers: the two all-reduces of a round run in one group
-//! and leave every member with the same bits, the approximation a plain reference computes.
+//! Compressed gradient rounds between peers. Low rank (PowerSGD): the two all-reduces of a
+//! round run in one group and leave every member with the same bits, the approximation a plain
+//! reference computes. DCT top-k: the sparse coefficients are averaged exactly, and every member
+//! holds the inverse transform of their mean.
 
 use std::time::{Duration, Instant};
 
 use starling_averager::{AveragerConfig, AveragerError, Fault, SpanOutcome};
+use starling_compression::dct::{DctTopK, DctValues};
 use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
 use starling_node::NodeConfig;
 use starling_tests::{bounded, init_tracing, normal_vec, AveragingSwarm};
@@ -234,6 +237,73 @@ async fn survivors_of_a_peer_killed_mid_round_agree_or_keep_their_gradient() {
                 "survivors {p} and {} differ",
                 averaged[0]
             );
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_hold_the_inverse_transform_of_the_mean_sparse_coefficients() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg("dct", 4))
+            .await
+            .unwrap();
+        for values in [DctValues::F16, DctValues::Sign] {
+            let mut states: Vec<DctTopK> = (0..4)
+                .map(|_| DctTopK::new(LEN, 64, 4, values).unwrap())
+                .collect();
+            let mut shadow = states.clone();
+            for round in 0..2u64 {
+                let mut grads: Vec<Vec<f32>> =
+                    (0..4).map(|p| normal_vec(LEN, 90 + 10 * round + p)).collect();
+                // The reference: each peer's kept coefficients, their mean in f64, inverted.
+                let coefficients: Vec<Vec<f32>> = shadow
+                    .iter_mut()
+                    .zip(&grads)
+                    .map(|(s, g)| {
+                        let mut c = vec![0.0; LEN];
+                        s.begin(g, &mut c).unwrap();
+                        c
+                    })
+                    .collect();
+                let mean: Vec<f32> = (0..LEN)
+                    .map(|i| {
+                        (coefficients.iter().map(|c| f64::from(c[i])).sum::<f64>() / 4.0) as f32
+                    })
+                    .collect();
+                let mut want = vec![0.0; LEN];
+                for s in &mut shadow {
+                    s.finish(&mean, &mut want).unwrap();
+                }
+                let deadline = Instant::now() + Duration::from_secs(40);
+                let reports = futures::future::join_all(
+                    swarm
+                        .averagers()
+                        .iter()
+                        .zip(&mut grads)
+                        .zip(&mut states)
+                        .map(|((a, g), s)| a.step_sparse(g, 1.0, deadline, s)),
+                )
+                .await;
+                let dense = (LEN * 4 * 3 / 4 * 2) as u64;
+                for (p, r) in reports.iter().enumerate() {
+                    let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+                    assert!(matches!(&r.spans[0].outcome, SpanOutcome::Averaged { contributors } if contributors.len() == 4));
+                    // A sixteenth of the coefficients out, up to four sixteenths back.
+                    assert!(r.bytes_sent * 3 < dense, "{values:?} round {round} peer {p}: {} bytes of {dense}", r.bytes_sent);
+                    eprintln!("{values:?} round {round} peer {p}: {} bytes sent, dense {dense}", r.bytes_sent);
+                }
+                for p in 1..4 {
+                    assert!(grads[p] == grads[0], "{values:?} round {round}: peer {p} differs");
+                }
+                let e = rel(&grads[0], &want);
+                assert!(e < 1e-5, "{values:?} round {round}: {e} from the reference");
+                for (s, r) in states.iter().zip(&shadow) {
+                    assert!(rel(s.residual(), r.residual()) < 1e-6, "the residuals agree");
+                }
+            }
         }
         swarm.shutdown().await;
     })
