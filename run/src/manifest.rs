@@ -32,13 +32,19 @@ pub const REPUBLISH_EVERY: Duration = Duration::from_secs(600);
 const MAX_MANIFEST_BYTES: usize = 12 * 1024;
 
 /// How a run averages its (pseudo-)gradients, as `--codec` names it: a tensor codec (`none`,
-/// `f16`, `u8`, `u4`, ...) or low rank, `powersgd:RANK` (PowerSGD; the rounds that carry the
-/// state then use the exact codec).
+/// `f16`, `u8`, `u4`, ...), low rank, `powersgd:RANK` (PowerSGD), or DCT top-k,
+/// `dct-topk:CHUNK:K[:sign]` (K of every CHUNK coefficients, f16 values or their signs). The
+/// rounds that carry the state use the exact codec with the last two.
 ///
 /// ```
 /// use starling_run::manifest::GradientCodec;
 /// assert_eq!("powersgd:4".parse::<GradientCodec>()?, GradientCodec::PowerSgd { rank: 4 });
+/// assert_eq!(
+///     "dct-topk:64:2:sign".parse::<GradientCodec>()?,
+///     GradientCodec::DctTopK { chunk: 64, k: 2, sign: true }
+/// );
 /// assert!("powersgd:0".parse::<GradientCodec>().is_err());
+/// assert!("dct-topk:64:65".parse::<GradientCodec>().is_err());
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +56,29 @@ pub enum GradientCodec {
         /// The approximation's rank.
         rank: usize,
     },
+    /// Gradient rounds as DCT top-k coefficients; state rounds exact.
+    DctTopK {
+        /// Values per chunk (2..=4096).
+        chunk: usize,
+        /// Coefficients kept per chunk (1..=chunk).
+        k: usize,
+        /// Signs times one scale instead of f16 values.
+        sign: bool,
+    },
+}
+
+impl GradientCodec {
+    /// The averager's codec and the collaborative optimizer's gradient compression.
+    pub fn split(self) -> (Codec, starling_training::GradientCompression) {
+        use starling_training::GradientCompression as G;
+        match self {
+            GradientCodec::Codec(c) => (c, G::Codec),
+            GradientCodec::PowerSgd { rank } => (Codec::None, G::PowerSgd { rank }),
+            GradientCodec::DctTopK { chunk, k, sign } => {
+                (Codec::None, G::DctTopK { chunk, k, sign })
+            }
+        }
+    }
 }
 
 impl FromStr for GradientCodec {
@@ -67,8 +96,37 @@ impl FromStr for GradientCodec {
             );
             return Ok(GradientCodec::PowerSgd { rank });
         }
+        if let Some(rest) = s.strip_prefix("dct-topk:") {
+            let usage = || anyhow!("dct-topk:CHUNK:K[:sign] needs whole numbers, not {rest:?}");
+            let mut parts = rest.split(':');
+            let chunk: usize = parts
+                .next()
+                .and_then(|p| p.parse().ok())
+                .ok_or_else(usage)?;
+            let k: usize = parts
+                .next()
+                .and_then(|p| p.parse().ok())
+                .ok_or_else(usage)?;
+            let sign = match parts.next() {
+                None => false,
+                Some("sign") => true,
+                Some(other) => {
+                    bail!("dct-topk: {other:?} is not a value mode (sign, or nothing for f16)")
+                }
+            };
+            ensure!(
+                parts.next().is_none(),
+                "dct-topk:CHUNK:K[:sign], not dct-topk:{rest}"
+            );
+            let max = starling_compression::dct::MAX_CHUNK;
+            ensure!(
+                (2..=max).contains(&chunk) && (1..=chunk).contains(&k),
+                "dct-topk needs 2 <= CHUNK <= {max} and 1 <= K <= CHUNK, not {chunk} and {k}"
+            );
+            return Ok(GradientCodec::DctTopK { chunk, k, sign });
+        }
         Ok(GradientCodec::Codec(Codec::from_str(s).map_err(|e| {
-            anyhow!("{e} (or powersgd:RANK for low-rank gradients)")
+            anyhow!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign] for compressed gradients)")
         })?))
     }
 }

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
-use starling_compression::Codec;
 use starling_node::Node;
 use starling_training::state::{StateTarget, StateView};
 use starling_training::{
@@ -102,17 +101,11 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         ModeSpec::Diloco { inner_steps, .. } => Mode::LocalSgd { inner_steps },
     };
     let mut cfg = CollaborativeConfig::new(m.name.clone(), m.target_batch_size, mode);
-    match m
+    (cfg.averager.codec, cfg.compression) = m
         .codec
         .parse::<GradientCodec>()
         .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?
-    {
-        GradientCodec::Codec(codec) => cfg.averager.codec = codec,
-        GradientCodec::PowerSgd { rank } => {
-            cfg.averager.codec = Codec::None;
-            cfg.low_rank = Some(rank);
-        }
-    }
+        .split();
     cfg.averager.aggregation = m
         .aggregation
         .parse()

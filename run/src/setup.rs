@@ -45,8 +45,9 @@ pub struct Hyper {
     pub outer_lr: Option<f64>,
     /// DiLoCo: outer Nesterov momentum (default 0.9).
     pub outer_momentum: Option<f64>,
-    /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none), or powersgd:RANK
-    /// (low-rank gradients: PowerSGD at that rank).
+    /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
+    /// gradient rounds: powersgd:RANK (low rank), dct-topk:CHUNK:K[:sign] (K of every CHUNK
+    /// DCT coefficients).
     pub codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
     /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
-use starling_training::{CollaborativeOptimizer, Mode, Optimizer, ParamSet, Sgd, SgdConfig};
+use starling_training::{
+    CollaborativeOptimizer, GradientCompression, Mode, Optimizer, ParamSet, Sgd, SgdConfig,
+};
 
 #[path = "support/digits.rs"]
 mod digits;
@@ -453,9 +455,25 @@ async fn table_row(
             };
             let mut cfg = collab_cfg(run, mode);
             cfg.target_batch_size = (PEERS * BATCH) as u64;
-            match codec.strip_prefix("powersgd:") {
-                Some(rank) => cfg.low_rank = Some(rank.parse().unwrap()),
-                None => cfg.averager.codec = codec.parse().unwrap(),
+            let numbers =
+                |s: &str| -> Vec<usize> { s.split(':').map(|n| n.parse().unwrap()).collect() };
+            if let Some(rank) = codec.strip_prefix("powersgd:") {
+                cfg.compression = GradientCompression::PowerSgd {
+                    rank: numbers(rank)[0],
+                };
+            } else if let Some(rest) = codec.strip_prefix("dct-topk:") {
+                let (rest, sign) = match rest.strip_suffix(":sign") {
+                    Some(r) => (r, true),
+                    None => (rest, false),
+                };
+                let n = numbers(rest);
+                cfg.compression = GradientCompression::DctTopK {
+                    chunk: n[0],
+                    k: n[1],
+                    sign,
+                };
+            } else {
+                cfg.averager.codec = codec.parse().unwrap();
             }
             cfg.error_feedback = error_feedback;
             cfg.state_averaging_every = None;
@@ -547,19 +565,21 @@ async fn diloco_matches_gradient_mode_with_ten_times_fewer_rounds() {
     .await;
 }
 
-/// Low-rank averaging (PowerSGD, rank 2 of the 10 x 64 weight matrix; the bias travels
-/// whole) in both modes: every peer ends with the same bits and every round has all four
-/// peers. In gradient mode (80 rounds) the model learns as well as with the exact codec in the
-/// same run on under half the bytes (the payload is 4x smaller; on a model this small the
-/// frame headers and hellos of two all-reduces are the rest). DiLoCo's 8 rounds leave error
+/// Compressed gradient rounds: low rank (PowerSGD, rank 2 of the 10 x 64 weight matrix; the
+/// bias travels whole) in both modes, and DCT top-k (8 of every 64 coefficients) in gradient
+/// mode. Every peer ends with the same bits and every round has all four peers. In gradient
+/// mode (80 rounds) the model learns as well as with the exact codec in the same run on under
+/// half the bytes (the payload is 4x or more smaller; on a model this small the frame headers
+/// and hellos are the rest). DiLoCo's 8 rounds leave error
 /// feedback less time to deliver what rank 2 leaves out: it learns, less well than exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn low_rank_rounds_keep_peers_identical_and_learn_on_a_fraction_of_the_bytes() {
+async fn compressed_rounds_keep_peers_identical_and_learn_on_a_fraction_of_the_bytes() {
     init_tracing();
     bounded(Duration::from_secs(400), async {
         let batches = 80;
         let exact = table_row(Mode::Gradients, "none", false, batches, "lowrank-exact").await;
         let low = table_row(Mode::Gradients, "powersgd:2", true, batches, "lowrank-grads").await;
+        let dct = table_row(Mode::Gradients, "dct-topk:64:8", true, batches, "dct-grads").await;
         let diloco = table_row(
             Mode::LocalSgd { inner_steps: 10 },
             "powersgd:2",
@@ -576,19 +596,21 @@ async fn low_rank_rounds_keep_peers_identical_and_learn_on_a_fraction_of_the_byt
             "lowrank-diloco-exact",
         )
         .await;
-        eprintln!("exact {exact:?}\nlow rank {low:?}\nDiLoCo exact {diloco_exact:?}\nDiLoCo low rank {diloco:?}");
-        for (name, row) in [("gradients", &low), ("DiLoCo", &diloco)] {
+        eprintln!("exact {exact:?}\nlow rank {low:?}\nDCT top-k {dct:?}\nDiLoCo exact {diloco_exact:?}\nDiLoCo low rank {diloco:?}");
+        for (name, row) in [("gradients", &low), ("DCT", &dct), ("DiLoCo", &diloco)] {
             assert!(row.identical, "{name}: peers differ");
             assert_eq!(row.partial, 0, "{name}: rounds without every peer");
         }
         assert_eq!(low.rounds, batches);
-        assert!(low.bytes * 2 <= exact.bytes, "{} vs {} bytes", low.bytes, exact.bytes);
-        assert!(
-            low.accuracy >= exact.accuracy - 0.03,
-            "low rank {} vs exact {}",
-            low.accuracy,
-            exact.accuracy
-        );
+        for (name, row) in [("low rank", &low), ("DCT", &dct)] {
+            assert!(row.bytes * 2 <= exact.bytes, "{name}: {} vs {} bytes", row.bytes, exact.bytes);
+            assert!(
+                row.accuracy >= exact.accuracy - 0.03,
+                "{name}: {} vs exact {}",
+                row.accuracy,
+                exact.accuracy
+            );
+        }
         assert!(diloco.accuracy > 0.6, "DiLoCo in low rank learned ({})", diloco.accuracy);
         assert!(diloco.bytes * 2 <= diloco_exact.bytes);
     })
@@ -620,11 +642,15 @@ async fn modes_and_codecs_table() {
             ("powersgd:1", true),
             ("powersgd:2", true),
             ("powersgd:4", true),
+            ("dct-topk:64:8", true),
+            ("dct-topk:64:2", true),
+            ("dct-topk:64:2:sign", true),
         ] {
             case += 1;
             let run = format!("table-{case}");
             let row = table_row(mode, codec, feedback, COMPARED_BATCHES, &run).await;
-            let fb = if codec == "none" || codec.starts_with("powersgd") {
+            let fb = if codec == "none" || codec.starts_with("powersgd") || codec.starts_with("dct")
+            {
                 "-"
             } else if feedback {
                 "on"

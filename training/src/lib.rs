@@ -60,8 +60,8 @@ pub mod sync;
 pub use candle::{BindError, VarBinding};
 pub use checkpoint::{CheckpointError, CheckpointMeta};
 pub use collaborative::{
-    Averaging, CollaborativeConfig, CollaborativeOptimizer, Mode, StepReport, StepTimings,
-    TrainingError,
+    Averaging, CollaborativeConfig, CollaborativeOptimizer, GradientCompression, Mode, StepReport,
+    StepTimings, TrainingError,
 };
 pub use metrics::{LossPoint, TrainingBoard, MAX_BOARD_RUN_LEN};
 pub use optim::{

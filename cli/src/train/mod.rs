@@ -123,8 +123,9 @@ pub struct HyperArgs {
     /// DiLoCo: outer Nesterov momentum (default 0.9).
     #[arg(long)]
     pub(crate) outer_momentum: Option<f64>,
-    /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none), or powersgd:RANK
-    /// (low-rank gradients: PowerSGD at that rank).
+    /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
+    /// gradient rounds: powersgd:RANK (low rank), dct-topk:CHUNK:K[:sign] (K of every CHUNK
+    /// DCT coefficients).
     #[arg(long)]
     pub(crate) codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,

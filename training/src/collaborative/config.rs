@@ -115,14 +115,9 @@ pub struct CollaborativeConfig {
     /// rounds), so that the group is ready when the gradients are and a step does not wait for
     /// the DHT's round trips (hivemind's pre-scheduled matchmaking). On by default.
     pub scheduled_matchmaking: bool,
-    /// Average (pseudo-)gradients in low rank (PowerSGD) at this rank: every weight matrix
-    /// (an N-D tensor as its first dimension by the rest) travels as two thin factors, and
-    /// biases and matrices too small to gain travel as they are, all exact; every member
-    /// ends with the same bits (see `starling_averager::Averager::step_low_rank`). Always
-    /// with error feedback (the approximation's residual). The codec then applies only to the
-    /// rounds that carry the state. Needs group averaging with the mean aggregation. `None`
-    /// (the default) averages gradients whole.
-    pub low_rank: Option<usize>,
+    /// How (pseudo-)gradient rounds compress: through the averager's codec (the default), in
+    /// low rank (PowerSGD) or as DCT top-k coefficients; see [`GradientCompression`].
+    pub compression: GradientCompression,
 }
 
 impl CollaborativeConfig {
@@ -149,9 +144,45 @@ impl CollaborativeConfig {
             error_feedback: true,
             delayed_update: false,
             scheduled_matchmaking: true,
-            low_rank: None,
+            compression: GradientCompression::Codec,
         }
     }
+}
+
+/// How the collaborative optimizer's (pseudo-)gradient rounds compress. Rounds that carry the
+/// parameters and optimizer state always go through the averager's codec.
+///
+/// ```
+/// use starling_training::{CollaborativeConfig, GradientCompression, Mode};
+/// let mut cfg = CollaborativeConfig::new("run", 256, Mode::Gradients);
+/// cfg.compression = GradientCompression::PowerSgd { rank: 4 };
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradientCompression {
+    /// Through the averager's codec (`AveragerConfig::codec`), with error feedback when
+    /// `CollaborativeConfig::error_feedback` is on and the codec is lossy.
+    #[default]
+    Codec,
+    /// Low rank (PowerSGD) at this rank: every weight matrix (an N-D tensor as its first
+    /// dimension by the rest) travels as two thin factors, biases and matrices too small to
+    /// gain as they are, all exact; every member ends with the same bits (see
+    /// `starling_averager::Averager::step_low_rank`). Always with error feedback.
+    PowerSgd {
+        /// The approximation's rank (1..=256).
+        rank: usize,
+    },
+    /// DCT top-k: the buffer in chunks of `chunk` values, each transformed (orthonormal
+    /// DCT-II), its `k` largest coefficients sent (f16 values, or their signs times one scale),
+    /// averaged exactly and sparse (see `starling_averager::Averager::step_sparse`); every
+    /// member ends with the same bits. Always with error feedback.
+    DctTopK {
+        /// Values per chunk (2..=4096).
+        chunk: usize,
+        /// Coefficients kept per chunk (1..=chunk).
+        k: usize,
+        /// Send signs times one scale instead of f16 values.
+        sign: bool,
+    },
 }
 
 /// What one call to [`CollaborativeOptimizer::step`] did.

@@ -24,11 +24,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starling_averager::{AveragerError, Residuals, RoundReport};
-use starling_compression::lowrank::PowerSgd;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use super::{average_gradients, note_round, CollaborativeOptimizer, StepReport, TrainingError};
+use super::{
+    average_gradients, note_round, CollaborativeOptimizer, Compressor, StepReport, TrainingError,
+};
 use crate::params::ParamSet;
 
 /// A round in flight.
@@ -48,8 +49,8 @@ pub(super) struct Finished {
     state: Option<(Vec<f32>, Vec<Vec<f32>>)>,
     /// The error-feedback residuals the round took along.
     residuals: Option<Residuals>,
-    /// The PowerSGD state the round took along.
-    low_rank: Option<PowerSgd>,
+    /// The compressor the round took along.
+    compressor: Option<Compressor>,
     result: Result<RoundReport, AveragerError>,
     took: Duration,
 }
@@ -90,11 +91,11 @@ impl CollaborativeOptimizer {
         // that carries the state averages without feedback, like the synchronous one.
         let mut residuals =
             (self.cfg.error_feedback && !with_state).then(|| std::mem::take(&mut self.residuals));
-        let mut low_rank = if with_state {
+        let mut compressor = if with_state {
             None
         } else {
             // (Built by the caller if a dropped round took it.)
-            self.low_rank.take()
+            self.compressor.take()
         };
         let averager = Arc::clone(&self.averager);
         let task = tokio::spawn(
@@ -109,7 +110,7 @@ impl CollaborativeOptimizer {
                     None => {
                         average_gradients(
                             &averager,
-                            low_rank.as_mut(),
+                            compressor.as_mut(),
                             residuals.as_mut(),
                             &mut grads,
                             weight,
@@ -122,7 +123,7 @@ impl CollaborativeOptimizer {
                     grads,
                     state,
                     residuals,
-                    low_rank,
+                    compressor,
                     result,
                     took: began.elapsed(),
                 }
@@ -175,8 +176,8 @@ impl CollaborativeOptimizer {
         if let Some(r) = finished.residuals {
             self.residuals = r;
         }
-        if let Some(l) = finished.low_rank {
-            self.low_rank = Some(l);
+        if let Some(c) = finished.compressor {
+            self.compressor = Some(c);
         }
         let carried_state = finished.state.is_some();
         let averaged = finished.result.is_ok();

@@ -58,13 +58,15 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use starling_averager::gossip::{GossipAverager, GossipReport};
 use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
+use starling_compression::dct::{DctTopK, DctValues};
 use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
 
-/// The PowerSGD state of a low-rank run (`spec` set), built afresh if a dropped round took it.
-fn low_rank<'a>(
-    state: &'a mut Option<PowerSgd>,
-    spec: &Option<LowRankSpec>,
-) -> Result<Option<&'a mut PowerSgd>, TrainingError> {
+/// The compressor of a run that compresses its gradient rounds (`spec` set), built afresh if a
+/// dropped round took it.
+fn compressor<'a>(
+    state: &'a mut Option<Compressor>,
+    spec: &Option<CompressorSpec>,
+) -> Result<Option<&'a mut Compressor>, TrainingError> {
     if let (None, Some(spec)) = (&state, spec) {
         *state = Some(spec.build()?);
     }
@@ -86,8 +88,13 @@ mod rounds;
 mod schedule;
 mod state;
 
-pub use config::{Averaging, CollaborativeConfig, Mode, StepReport, StepTimings, TrainingError};
-use rounds::{average_gradients, note_gossip, note_round, same_len, swarm_peers, LowRankSpec};
+pub use config::{
+    Averaging, CollaborativeConfig, GradientCompression, Mode, StepReport, StepTimings,
+    TrainingError,
+};
+use rounds::{
+    average_gradients, note_gossip, note_round, same_len, swarm_peers, Compressor, CompressorSpec,
+};
 
 /// Why a step used only local values when the progress records show no other peer.
 const ALONE: &str = "no other peer in the run (by its progress records): stepped alone";
@@ -119,11 +126,11 @@ pub struct CollaborativeOptimizer {
     accumulated: Vec<f32>,
     /// Error feedback for the (pseudo-)gradients, when `error_feedback` is on.
     residuals: Residuals,
-    /// Low-rank averaging (`CollaborativeConfig::low_rank`): how to build its state, and the
-    /// state (away with a delayed update's round while it runs; built again if that round is
-    /// dropped).
-    low_rank_spec: Option<LowRankSpec>,
-    low_rank: Option<PowerSgd>,
+    /// Compressed gradient rounds (`CollaborativeConfig::compression`): how to build the
+    /// compressor, and the compressor (away with a delayed update's round while it runs;
+    /// built again if that round is dropped).
+    compressor_spec: Option<CompressorSpec>,
+    compressor: Option<Compressor>,
     /// Samples accumulated in the current epoch (or local-SGD phase).
     samples: u64,
     /// Local steps in the current local-SGD phase.
@@ -192,23 +199,24 @@ impl CollaborativeOptimizer {
             let grace = cfg.averager.matchmaking_time / 2;
             cfg.averager.start_grace.get_or_insert(grace);
         }
-        let low_rank = match cfg.low_rank {
-            None => None,
-            Some(_) if !matches!(cfg.averaging, Averaging::Group) => {
+        if cfg.compression != GradientCompression::Codec {
+            if !matches!(cfg.averaging, Averaging::Group) {
                 return Err(TrainingError::Config(
-                    "low-rank averaging runs in groups, not through gossip".into(),
-                ))
+                    "compressed gradient rounds run in groups, not through gossip".into(),
+                ));
             }
-            Some(_) if !cfg.averager.aggregation.is_mean() => {
+            if !cfg.averager.aggregation.is_mean() {
                 return Err(TrainingError::Config(format!(
-                    "low-rank averaging needs the mean aggregation, not {}",
+                    "compressed gradient rounds need the mean aggregation, not {}",
                     cfg.averager.aggregation
-                )))
+                )));
             }
-            Some(rank) => Some(LowRankSpec::of(rank, params, &cfg.run)),
-        };
-        let low_rank_spec = low_rank;
-        let low_rank = low_rank_spec.as_ref().map(LowRankSpec::build).transpose()?;
+        }
+        let compressor_spec = CompressorSpec::of(cfg.compression, params, &cfg.run)?;
+        let compressor = compressor_spec
+            .as_ref()
+            .map(CompressorSpec::build)
+            .transpose()?;
         let averager = Arc::new(Averager::new(node.clone(), cfg.averager.clone()).await?);
         let gossip = match (&cfg.averaging, cfg.mode) {
             (Averaging::Group, _) => None,
@@ -246,8 +254,8 @@ impl CollaborativeOptimizer {
             epoch: 0,
             accumulated: vec![0.0; len],
             residuals: Residuals::new(),
-            low_rank_spec,
-            low_rank,
+            compressor_spec,
+            compressor,
             samples: 0,
             inner: 0,
             rate: 0.0,
@@ -598,7 +606,7 @@ impl CollaborativeOptimizer {
         let with_state = self.state_due();
         let weight = self.samples as f32;
         if self.cfg.delayed_update && !alone {
-            low_rank(&mut self.low_rank, &self.low_rank_spec)?;
+            compressor(&mut self.compressor, &self.compressor_spec)?;
             let mut grads = std::mem::take(&mut self.spare);
             grads.resize(self.len, 0.0);
             grads.copy_from_slice(params.grads());
@@ -644,7 +652,7 @@ impl CollaborativeOptimizer {
             } else {
                 average_gradients(
                     &self.averager,
-                    low_rank(&mut self.low_rank, &self.low_rank_spec)?,
+                    compressor(&mut self.compressor, &self.compressor_spec)?,
                     self.cfg.error_feedback.then_some(&mut self.residuals),
                     params.grads_mut(),
                     weight,
@@ -731,7 +739,7 @@ impl CollaborativeOptimizer {
         } else {
             let averaged = average_gradients(
                 &self.averager,
-                low_rank(&mut self.low_rank, &self.low_rank_spec)?,
+                compressor(&mut self.compressor, &self.compressor_spec)?,
                 self.cfg.error_feedback.then_some(&mut self.residuals),
                 &mut delta[..],
                 weight,

@@ -10,19 +10,31 @@ pub(super) fn swarm_peers(swarm: Option<&SwarmProgress>) -> Option<usize> {
     swarm.filter(|s| s.peers > 0).map(|s| s.peers.max(2))
 }
 
-/// Averages one (pseudo-)gradient buffer with the group: in low rank when `low_rank` is given
-/// (its own error feedback), else with error feedback when `residuals` is given (the averager
+/// The state a compressed (pseudo-)gradient round keeps between rounds.
+#[derive(Debug)]
+pub(super) enum Compressor {
+    PowerSgd(PowerSgd),
+    Dct(DctTopK),
+}
+
+/// Averages one (pseudo-)gradient buffer with the group: through `compressor` when given (its
+/// own error feedback), else with error feedback when `residuals` is given (the averager
 /// applies it only with a lossy codec).
 pub(super) async fn average_gradients(
     averager: &Averager,
-    low_rank: Option<&mut PowerSgd>,
+    compressor: Option<&mut Compressor>,
     residuals: Option<&mut Residuals>,
     grads: &mut [f32],
     weight: f32,
     deadline: Instant,
 ) -> Result<RoundReport, AveragerError> {
-    match (low_rank, residuals) {
-        (Some(state), _) => averager.step_low_rank(grads, weight, deadline, state).await,
+    match (compressor, residuals) {
+        (Some(Compressor::PowerSgd(state)), _) => {
+            averager.step_low_rank(grads, weight, deadline, state).await
+        }
+        (Some(Compressor::Dct(state)), _) => {
+            averager.step_sparse(grads, weight, deadline, state).await
+        }
         (None, Some(r)) => {
             averager
                 .step_with_feedback(&mut [grads], weight, deadline, r)
@@ -32,46 +44,91 @@ pub(super) async fn average_gradients(
     }
 }
 
-/// How to build the PowerSGD state of a run's parameters (again, when a delayed update's round
-/// that held it was dropped, or the state was replaced by a sync).
+/// How to build a run's [`Compressor`] (again, when a delayed update's round that held it was
+/// dropped, or the state was replaced by a sync).
 #[derive(Debug, Clone)]
-pub(super) struct LowRankSpec {
-    rank: usize,
-    len: usize,
-    layout: Vec<LowRankMatrix>,
-    seed: u64,
+pub(super) enum CompressorSpec {
+    PowerSgd {
+        rank: usize,
+        len: usize,
+        layout: Vec<LowRankMatrix>,
+        seed: u64,
+    },
+    Dct {
+        len: usize,
+        chunk: usize,
+        k: usize,
+        values: DctValues,
+    },
 }
 
-impl LowRankSpec {
-    /// PowerSGD at `rank` for `params`: every tensor of two or more dimensions is a matrix (its
-    /// first dimension by the rest). `Q` starts from a seed drawn from the run's name, so that
-    /// every peer of the run starts from the same one.
-    pub fn of(rank: usize, params: &ParamSet, run: &str) -> Self {
-        let layout = params
-            .iter()
-            .filter(|(_, t)| t.shape().len() >= 2)
-            .map(|(_, t)| LowRankMatrix {
-                offset: t.range().start,
-                rows: t.shape()[0],
-                cols: t.shape()[1..].iter().product(),
-            })
-            .collect();
-        // FNV-1a of the run's name: the same on every platform.
-        let seed = run.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
-        LowRankSpec {
-            rank,
-            len: params.len(),
-            layout,
-            seed,
-        }
+impl CompressorSpec {
+    /// The spec of `compression` for `params` (`None` for the codec's rounds), checked by
+    /// building it once. PowerSGD: every tensor of two or more dimensions is a matrix (its
+    /// first dimension by the rest), and `Q` starts from a seed drawn from the run's name, so
+    /// that every peer of the run starts from the same one.
+    pub fn of(
+        compression: GradientCompression,
+        params: &ParamSet,
+        run: &str,
+    ) -> Result<Option<Self>, TrainingError> {
+        let spec = match compression {
+            GradientCompression::Codec => return Ok(None),
+            GradientCompression::PowerSgd { rank } => {
+                let layout = params
+                    .iter()
+                    .filter(|(_, t)| t.shape().len() >= 2)
+                    .map(|(_, t)| LowRankMatrix {
+                        offset: t.range().start,
+                        rows: t.shape()[0],
+                        cols: t.shape()[1..].iter().product(),
+                    })
+                    .collect();
+                // FNV-1a of the run's name: the same on every platform.
+                let seed = run.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+                });
+                CompressorSpec::PowerSgd {
+                    rank,
+                    len: params.len(),
+                    layout,
+                    seed,
+                }
+            }
+            GradientCompression::DctTopK { chunk, k, sign } => CompressorSpec::Dct {
+                len: params.len(),
+                chunk,
+                k,
+                values: if sign {
+                    DctValues::Sign
+                } else {
+                    DctValues::F16
+                },
+            },
+        };
+        spec.build()?;
+        Ok(Some(spec))
     }
 
-    /// A fresh state: `Q` from the seed, no residual.
-    pub fn build(&self) -> Result<PowerSgd, TrainingError> {
-        PowerSgd::new(self.rank, self.len, &self.layout, self.seed)
-            .map_err(|e| TrainingError::Config(format!("low-rank averaging: {e}")))
+    /// A fresh state (PowerSGD's `Q` from the seed; no residual).
+    pub fn build(&self) -> Result<Compressor, TrainingError> {
+        let err = |e: starling_compression::Error| {
+            TrainingError::Config(format!("gradient compression: {e}"))
+        };
+        Ok(match self {
+            CompressorSpec::PowerSgd {
+                rank,
+                len,
+                layout,
+                seed,
+            } => Compressor::PowerSgd(PowerSgd::new(*rank, *len, layout, *seed).map_err(err)?),
+            CompressorSpec::Dct {
+                len,
+                chunk,
+                k,
+                values,
+            } => Compressor::Dct(DctTopK::new(*len, *chunk, *k, *values).map_err(err)?),
+        })
     }
 }
 

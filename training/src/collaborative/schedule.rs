@@ -85,8 +85,9 @@ impl CollaborativeOptimizer {
         self.averager.expect_peers(swarm_peers(Some(swarm)));
         let with_state = self.state_due();
         let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
-        let prepared = match self.low_rank.as_ref().filter(|_| !with_state) {
-            Some(state) => self.averager.prepare_low_rank(state, deadline),
+        let prepared = match self.compressor.as_ref().filter(|_| !with_state) {
+            Some(Compressor::PowerSgd(state)) => self.averager.prepare_low_rank(state, deadline),
+            Some(Compressor::Dct(state)) => self.averager.prepare_sparse(state, deadline),
             None => self
                 .averager
                 .prepare(&self.round_sizes(with_state), deadline),

@@ -78,7 +78,7 @@ impl CollaborativeOptimizer {
         // What earlier rounds owed belongs to the state this peer left behind.
         self.residuals.reset();
         // Built afresh at the next round (`Q` from the seed, no residual).
-        self.low_rank = None;
+        self.compressor = None;
         self.samples = 0;
         self.inner = 0;
         self.swarm = None;
