@@ -1,5 +1,8 @@
 //! The codec benchmark behind `starling bench compression [--size N]`: encode and decode throughput, wire size and
-//! error of every codec on random normal data, one report per codec.
+//! error of every codec on random normal data, one report per codec; then the gradient compressors (PowerSGD at
+//! ranks 1, 4 and 16, DCT top-k at two densities and with sign values) on a square matrix of about the same size,
+//! once low rank plus noise and once heavy-tailed (Student-t, gradient-like), one round each without error
+//! feedback's help.
 
 use std::time::Instant;
 
@@ -54,9 +57,162 @@ pub fn run_benchmark(size: usize, iterations: usize) -> Vec<CodecBenchReport> {
         .collect();
     runs.push(("none+zstd".to_owned(), Codec::None, zstd));
     runs.push(("u8+zstd".to_owned(), Codec::Uniform8Bit, zstd));
-    runs.into_iter()
+    let mut reports: Vec<CodecBenchReport> = runs
+        .into_iter()
         .map(|(name, codec, opts)| bench_one(name, codec, &opts, &x, iterations))
-        .collect()
+        .collect();
+    reports.extend(gradient_compressors(size, iterations));
+    reports
+}
+
+/// The gradient compressors on a `side x side` matrix (`side²` about `size`, at least 16):
+/// low rank (8) plus 10% noise, then Student-t (3 degrees of freedom). One round of one peer:
+/// what goes on the wire (f32 factors for PowerSGD's two vectors; the zstd frame of the sparse
+/// coefficients for DCT top-k), "encode" the work before sending (PowerSGD: both projections
+/// and the orthonormalization), "decode" the work after (the reconstruction, the inverse DCT).
+/// `decode_add_mb_per_s` is 0: the reducers add plain vectors.
+pub fn gradient_compressors(size: usize, iterations: usize) -> Vec<CodecBenchReport> {
+    let side = ((size as f64).sqrt() as usize).max(16);
+    let n = side * side;
+    let low_rank = {
+        let u = synthetic::normal(side * 8, 0x10);
+        let v = synthetic::normal(side * 8, 0x11);
+        let noise = synthetic::normal(n, 0x12);
+        let mut m = vec![0f32; n];
+        for i in 0..side {
+            for j in 0..side {
+                let s: f32 = (0..8).map(|k| u[k * side + i] * v[k * side + j]).sum();
+                m[i * side + j] = s / 8f32.sqrt() + 0.1 * noise[i * side + j];
+            }
+        }
+        m
+    };
+    let heavy = synthetic::student_t(n, 3, 0x13);
+    let mut out = Vec::new();
+    for (input, x) in [("low-rank+noise", &low_rank), ("student-t", &heavy)] {
+        for rank in [1, 4, 16] {
+            out.push(bench_powersgd(input, side, rank, x, iterations));
+        }
+        for (k, values) in [
+            (8, crate::dct::DctValues::F16),
+            (2, crate::dct::DctValues::F16),
+            (2, crate::dct::DctValues::Sign),
+        ] {
+            out.push(bench_dct(input, k, values, x, iterations));
+        }
+    }
+    out
+}
+
+fn empty_report(codec: String, size: usize) -> CodecBenchReport {
+    CodecBenchReport {
+        codec,
+        size,
+        encode_mb_per_s: 0.0,
+        decode_mb_per_s: 0.0,
+        decode_add_mb_per_s: 0.0,
+        wire_bytes: 0,
+        compression_ratio: 0.0,
+        relative_error: 0.0,
+        note: None,
+    }
+}
+
+fn bench_powersgd(
+    input: &str,
+    side: usize,
+    rank: usize,
+    x: &[f32],
+    iterations: usize,
+) -> CodecBenchReport {
+    use crate::lowrank::{LowRankMatrix, PowerSgd};
+    let mut report = empty_report(format!("powersgd:{rank} ({input}, {side}x{side})"), x.len());
+    let layout = [LowRankMatrix {
+        offset: 0,
+        rows: side,
+        cols: side,
+    }];
+    let outcome = (|| -> crate::Result<()> {
+        let mut state = PowerSgd::new(rank, x.len(), &layout, 1)?;
+        let mut one = vec![0f32; state.phase_one_len()];
+        let mut two = vec![0f32; state.phase_two_len()];
+        let mut y = vec![0f32; x.len()];
+        let encode = |state: &mut PowerSgd, one: &mut [f32], two: &mut [f32]| {
+            state.begin(x, one)?;
+            state.middle(one, two)
+        };
+        let encode_s = median_secs(iterations, || {
+            encode(&mut state, &mut one, &mut two)?;
+            state.abort();
+            Ok(())
+        })?;
+        encode(&mut state, &mut one, &mut two)?;
+        let start = Instant::now();
+        state.finish(&one, &two, &mut y)?;
+        let decode_s = start.elapsed().as_secs_f64().max(1e-9);
+        let mb = (x.len() * 4) as f64 / 1e6;
+        report.encode_mb_per_s = mb / encode_s;
+        report.decode_mb_per_s = mb / decode_s;
+        report.wire_bytes = 2 * crate::HEADER_LEN + 4 * state.elements_per_round();
+        report.relative_error = relative_error(x, &y);
+        Ok(())
+    })();
+    finish_report(report, outcome, x.len())
+}
+
+fn bench_dct(
+    input: &str,
+    k: usize,
+    values: crate::dct::DctValues,
+    x: &[f32],
+    iterations: usize,
+) -> CodecBenchReport {
+    use crate::dct::{DctTopK, DctValues};
+    let sign = if values == DctValues::Sign {
+        ":sign"
+    } else {
+        ""
+    };
+    let mut report = empty_report(format!("dct-topk:64:{k}{sign} ({input})"), x.len());
+    let outcome = (|| -> crate::Result<()> {
+        let mut state = DctTopK::new(x.len(), 64, k, values)?;
+        let mut c = vec![0f32; x.len()];
+        let mut y = vec![0f32; x.len()];
+        let zstd = EncodeOptions::default().with_zstd(1);
+        let mut frame = Vec::new();
+        let encode_s = median_secs(iterations, || {
+            state.begin(x, &mut c)?;
+            encode_into(Codec::None, &c, &zstd, &mut frame)?;
+            state.abort();
+            Ok(())
+        })?;
+        state.begin(x, &mut c)?;
+        let start = Instant::now();
+        state.finish(&c, &mut y)?;
+        let decode_s = start.elapsed().as_secs_f64().max(1e-9);
+        let mb = (x.len() * 4) as f64 / 1e6;
+        report.encode_mb_per_s = mb / encode_s;
+        report.decode_mb_per_s = mb / decode_s;
+        report.wire_bytes = frame.len();
+        report.relative_error = relative_error(x, &y);
+        Ok(())
+    })();
+    finish_report(report, outcome, x.len())
+}
+
+fn finish_report(
+    mut report: CodecBenchReport,
+    outcome: crate::Result<()>,
+    len: usize,
+) -> CodecBenchReport {
+    match outcome {
+        Ok(()) => {
+            report.compression_ratio = (len * 4) as f64 / report.wire_bytes.max(1) as f64;
+            report.note = Some("one round of one peer, without error feedback".into());
+        }
+        Err(e) => report.note = Some(format!("failed: {e}")),
+    }
+    report
 }
 
 fn bench_one(

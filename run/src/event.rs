@@ -74,6 +74,9 @@ pub enum Event {
         /// Bytes it received in that round.
         #[serde(default)]
         bytes_received: u64,
+        /// Whether that round also averaged the parameters and optimizer state.
+        #[serde(default)]
+        state_averaged: bool,
         /// Peers it averaged with (itself included), when it did.
         #[serde(skip_serializing_if = "Option::is_none")]
         group_size: Option<usize>,
