@@ -27,8 +27,8 @@ use half::f16;
 
 use crate::error::{Error, Result};
 
-/// Largest chunk accepted (its basis is `chunk²` floats).
-pub const MAX_CHUNK: usize = 4096;
+/// Largest chunk accepted (its basis is `chunk²` floats: 4 MiB at most).
+pub const MAX_CHUNK: usize = 1024;
 
 /// How the kept coefficients' values are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

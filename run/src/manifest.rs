@@ -58,7 +58,7 @@ pub enum GradientCodec {
     },
     /// Gradient rounds as DCT top-k coefficients; state rounds exact.
     DctTopK {
-        /// Values per chunk (2..=4096).
+        /// Values per chunk (2..=1024).
         chunk: usize,
         /// Coefficients kept per chunk (1..=chunk).
         k: usize,

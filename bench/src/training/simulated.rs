@@ -194,7 +194,14 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let node = Node::start(node_cfg).await?;
     let n = common.params;
     let mut params = ParamSet::new();
-    params.add("w", &[n], &synthetic::normal(n, 99))?;
+    // A matrix of rows of 1000 when the size allows (what low-rank compression works on), as a
+    // model's weights are; else one vector.
+    let shape = if n >= 1_000_000 && n % 1000 == 0 {
+        vec![n / 1000, 1000]
+    } else {
+        vec![n]
+    };
+    params.add("w", &shape, &synthetic::normal(n, 99))?;
     let grads: Vec<f32> = synthetic::normal(n, 1000 + args.place.index as u64)
         .into_iter()
         .map(|g| g * 1e-3)
@@ -202,7 +209,11 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let opt = Sgd::new(SgdConfig::new(1e-2), n)?;
     let mut cfg = CollaborativeConfig::new("bench-training-sim", sim.target, Mode::Gradients);
     cfg.averager.target_group_size = common.peers;
-    cfg.averager.codec = common.codec.parse().context("codec")?;
+    (cfg.averager.codec, cfg.compression) = common
+        .codec
+        .parse::<starling_run::manifest::GradientCodec>()
+        .context("codec")?
+        .split();
     cfg.delayed_update = sim.delayed_update;
     let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg).await?;
     print_line(&Line::Ready)?;

@@ -176,7 +176,7 @@ pub enum GradientCompression {
     /// averaged exactly and sparse (see `starling_averager::Averager::step_sparse`); every
     /// member ends with the same bits. Always with error feedback.
     DctTopK {
-        /// Values per chunk (2..=4096).
+        /// Values per chunk (2..=1024).
         chunk: usize,
         /// Coefficients kept per chunk (1..=chunk).
         k: usize,
