@@ -339,3 +339,21 @@ proptest! {
         prop_assert_eq!(bits(&whole), bits(&parts));
     }
 }
+
+/// A second moment below zero (what averaging the optimizer state with a lossy codec can leave:
+/// u4 decodes values near zero to a bin mean of either sign) must not make a parameter NaN.
+/// Found by a 4-peer `starling train --codec u4` run, whose every state round after epoch 50
+/// failed on NaN parameters.
+#[test]
+fn adamw_survives_a_negative_second_moment() {
+    let mut opt = AdamW::new(AdamWConfig::new(1e-3), 4).unwrap();
+    let mut p = [0.5f32, -0.5, 0.25, 1.0];
+    opt.step(&mut p, &[0.1, 0.2, -0.3, 0.0]).unwrap();
+    for (name, state) in opt.state_mut() {
+        if name == "exp_avg_sq" {
+            state.copy_from_slice(&[-1e-6, -1e-12, 1e-8, -3e-9]);
+        }
+    }
+    opt.step(&mut p, &[0.0, 1e-7, 0.0, 0.0]).unwrap();
+    assert!(p.iter().all(|v| v.is_finite()), "{p:?}");
+}

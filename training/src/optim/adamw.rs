@@ -193,7 +193,10 @@ impl Optimizer for AdamW {
         for ((p, &g), (m, v)) in params.iter_mut().zip(grads).zip(moments) {
             let decayed = *p * decay;
             *m = beta1 * *m + one_minus_beta1 * g;
-            *v = beta2 * *v + one_minus_beta2 * g * g;
+            // Never below zero: a state averaged with a lossy codec (or loaded from elsewhere)
+            // can hold small negative second moments, whose square root would make the
+            // parameter NaN. (For any state Adam itself produces this changes no bit.)
+            *v = (beta2 * *v + one_minus_beta2 * g * g).max(0.0);
             let denom = v.sqrt() / bc2_sqrt + eps;
             *p = decayed - step_size * *m / denom;
         }
