@@ -8,19 +8,22 @@
 # namespaces on exit, also on failure.
 #
 # Usage: sudo scripts/bench_training_netns.sh [--bin PATH] [--peers 4] [--rate 100mbit]
-#          [-- extra arguments for bench training, e.g. --delayed-update --steps 20]
+#          [--params 1000000] [-- extra arguments for bench training, e.g. --delayed-update
+#          --steps 20 --codec powersgd:4]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bin=target/release/starling
 peers=4
 rate=100mbit
+params=1000000
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) bin="$2"; shift 2 ;;
     --peers) peers="$2"; shift 2 ;;
     --rate) rate="$2"; shift 2 ;;
+    --params) params="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -37,4 +40,4 @@ for a in "${extra[@]}"; do
   [ "$a" = "--sample-ms" ] && sample_ms=""
 done
 ip netns exec "${hosts[0]}" "$bin" bench training --peers "$peers" --netns "$ns_list" \
-  --params 1000000 ${sample_ms:+--sample-ms "$sample_ms"} "${extra[@]}" | tail -n1
+  --params "$params" ${sample_ms:+--sample-ms "$sample_ms"} "${extra[@]}" | tail -n1

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::Mutex;
 
-use crate::averager::{codec, seconds};
+use crate::averager::seconds;
 use crate::errors::{averager_error, node_error, NodeClosedError, StarlingError, TimeoutError};
 use crate::node::PyNode;
 use crate::runtime::wait;
@@ -120,7 +120,11 @@ impl Collab {
             ));
         }
         let mut cfg = CollaborativeConfig::new(run, self.target_batch_size, mode);
-        cfg.averager.codec = codec(&self.codec)?;
+        (cfg.averager.codec, cfg.compression) = self
+            .codec
+            .parse::<starling_run::manifest::GradientCodec>()
+            .map_err(|e| PyValueError::new_err(format!("codec {:?}: {e}", self.codec)))?
+            .split();
         cfg.averager.aggregation = self.aggregation.parse::<Aggregation>().map_err(|e| {
             PyValueError::new_err(format!("aggregation {:?}: {e}", self.aggregation))
         })?;

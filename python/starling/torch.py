@@ -120,7 +120,10 @@ class Optimizer:
         mode: ``"gradients"`` (average the global batch's gradients, one shared step) or
             ``"diloco"`` (``inner_steps`` local steps, then average the parameter deltas and
             take an outer Nesterov step with ``outer_lr``/``outer_momentum``).
-        codec: the averaging codec (``none`` keeps peers bit-identical; ``f16``, ``u8``, ...).
+        codec: the averaging codec (``none`` keeps peers bit-identical; ``f16``, ``u8``, ...),
+            or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK``
+            (low-rank matrices) or ``dct-topk:CHUNK:K[:sign]`` (K of every CHUNK DCT
+            coefficients).
         aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip``.
         matchmaking_time, averaging_timeout: seconds.
         target_group_size: peers per averaging group.

@@ -128,3 +128,9 @@ def test_bad_parameters_and_optimizers_are_refused(swarm):
     with pytest.raises(ValueError, match="mode"):
         st.Optimizer(node=node, run_id="r", params=net.parameters(), mode="async",
                      batch_size_per_step=1, target_batch_size=1)
+    with pytest.raises(ValueError, match="rank"):
+        st.Optimizer(node=node, run_id="r", params=net.parameters(), codec="powersgd:0",
+                     batch_size_per_step=1, target_batch_size=1)
+    with pytest.raises(ValueError, match="CHUNK"):
+        st.Optimizer(node=node, run_id="r", params=net.parameters(), codec="dct-topk:64:65",
+                     batch_size_per_step=1, target_batch_size=1)
