@@ -196,7 +196,7 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let mut params = ParamSet::new();
     // A matrix of rows of 1000 when the size allows (what low-rank compression works on), as a
     // model's weights are; else one vector.
-    let shape = if n >= 1_000_000 && n % 1000 == 0 {
+    let shape = if n >= 1_000_000 && n.is_multiple_of(1000) {
         vec![n / 1000, 1000]
     } else {
         vec![n]
