@@ -245,8 +245,68 @@ impl Averager {
         deadline: std::time::Instant,
         residuals: Option<&mut Residuals>,
     ) -> Result<RoundReport, AveragerError> {
-        let inner = self.step_inner(tensors, weight, Instant::from_std(deadline), residuals);
+        let inner = self.step_inner(
+            self.config.clone(),
+            tensors,
+            weight,
+            Instant::from_std(deadline),
+            residuals,
+        );
         self.guarded(inner).await
+    }
+
+    /// [`Averager::step`] with the exact codec `none`, whatever codec the configuration
+    /// names: for values a lossy codec must not touch, such as the parameters and optimizer
+    /// state a training run averages now and then (a second moment quantized to around zero,
+    /// or below it, makes Adam's steps explode). Every member then holds the same bits.
+    /// Peers group for it only with peers averaging the same sizes exactly.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager, mut params: Vec<f32>, mut exp_avg_sq: Vec<f32>) -> Result<(), starling_averager::AveragerError> {
+    /// use std::time::{Duration, Instant};
+    /// let deadline = Instant::now() + Duration::from_secs(30);
+    /// averager.step_exact(&mut [&mut params[..], &mut exp_avg_sq[..]], 1.0, deadline).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn step_exact(
+        &self,
+        tensors: &mut [&mut [f32]],
+        weight: f32,
+        deadline: std::time::Instant,
+    ) -> Result<RoundReport, AveragerError> {
+        let inner = self.step_inner(
+            self.exact_config(),
+            tensors,
+            weight,
+            Instant::from_std(deadline),
+            None,
+        );
+        self.guarded(inner).await
+    }
+
+    /// [`Averager::prepare`] for a [`Averager::step_exact`] of tensors of `sizes`.
+    pub fn prepare_exact(&self, sizes: &[usize], deadline: std::time::Instant) -> bool {
+        if sizes.iter().sum::<usize>() == 0 {
+            return false;
+        }
+        self.prepare_schema(
+            Schema::of(sizes, &wire_label(&self.exact_config())),
+            deadline,
+        )
+    }
+
+    /// This averager's configuration with the exact codec and no zstd stage.
+    fn exact_config(&self) -> Arc<AveragerConfig> {
+        if self.config.codec == starling_compression::Codec::None
+            && self.config.zstd_level.is_none()
+        {
+            return self.config.clone();
+        }
+        Arc::new(AveragerConfig {
+            codec: starling_compression::Codec::None,
+            zstd_level: None,
+            ..(*self.config).clone()
+        })
     }
 
     /// Runs one step's work (`inner`, not started yet): one step at a time, ended at once
@@ -342,12 +402,12 @@ impl Averager {
 
     async fn step_inner(
         &self,
+        cfg: Arc<AveragerConfig>,
         tensors: &mut [&mut [f32]],
         weight: f32,
         deadline: Instant,
         residuals: Option<&mut Residuals>,
     ) -> Result<RoundReport, AveragerError> {
-        let cfg = &self.config;
         let weight = self.check_step(weight, deadline)?;
         let mut flat = self.flatten(tensors)?;
         let sizes: Vec<usize> = tensors.iter().map(|t| t.len()).collect();
@@ -360,7 +420,7 @@ impl Averager {
             f.add_residual_to(&mut flat)
                 .map_err(|e| AveragerError::Schema(e.to_string()))?;
         }
-        let schema = Schema::of(&sizes, &wire_label(cfg));
+        let schema = Schema::of(&sizes, &wire_label(&cfg));
         let (group, matchmaking_time, was_prepared) = self.form_group(&schema, deadline).await?;
 
         let ar_start = Instant::now();

@@ -105,7 +105,7 @@ impl CollaborativeOptimizer {
                     Some((values, optimizer)) => {
                         let mut buffers: Vec<&mut [f32]> = vec![&mut grads[..], &mut values[..]];
                         buffers.extend(optimizer.iter_mut().map(|b| &mut b[..]));
-                        averager.step(&mut buffers, weight, deadline).await
+                        averager.step_exact(&mut buffers, weight, deadline).await
                     }
                     None => {
                         average_gradients(

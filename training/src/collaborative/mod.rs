@@ -642,11 +642,17 @@ impl CollaborativeOptimizer {
             let averaged = if with_state {
                 // Weighted by samples like the gradients (any weights give every member the
                 // same values). No error feedback: the residual is the gradients' own and
-                // carries over to the next gradient round unchanged.
+                // carries over to the next gradient round unchanged. Exact whatever the codec:
+                // a lossy codec's deltas leave members apart (what this round is for), and
+                // quantizing Adam's second moment to around zero made its steps explode (the
+                // 4-peer u4 run of #28 diverged).
                 let (values, grads) = params.buffers_mut();
                 let mut buffers: Vec<&mut [f32]> = vec![grads, values];
                 buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-                let averaged = self.averager.step(&mut buffers, weight, deadline).await;
+                let averaged = self
+                    .averager
+                    .step_exact(&mut buffers, weight, deadline)
+                    .await;
                 report.state_averaged = averaged.is_ok();
                 averaged
             } else {

@@ -88,6 +88,9 @@ impl CollaborativeOptimizer {
         let prepared = match self.compressor.as_ref().filter(|_| !with_state) {
             Some(Compressor::PowerSgd(state)) => self.averager.prepare_low_rank(state, deadline),
             Some(Compressor::Dct(state)) => self.averager.prepare_sparse(state, deadline),
+            None if with_state => self
+                .averager
+                .prepare_exact(&self.round_sizes(with_state), deadline),
             None => self
                 .averager
                 .prepare(&self.round_sizes(with_state), deadline),
