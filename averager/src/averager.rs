@@ -674,6 +674,7 @@ impl Averager {
             transport: self.transport.clone(),
             previous: lock(&self.last_group).clone(),
             declared_until: self.declared_until.clone(),
+            expected: (expected > 0).then_some(expected),
         };
         (group_key, mm)
     }

@@ -42,6 +42,8 @@ pub(crate) struct Matchmaker {
     pub previous: Vec<PeerId>,
     /// The latest expiration this peer gave a declaration (unix ms; shared across rounds).
     pub declared_until: Arc<std::sync::atomic::AtomicU64>,
+    /// The peers expected to search (`Averager::expect_peers`), if the caller said.
+    pub expected: Option<usize>,
 }
 
 /// Why asking a leader to take us did not end in a group.
@@ -161,8 +163,9 @@ fn short(peer: &[u8]) -> String {
 }
 
 /// The settings of [`proto::Search`] from the averager's.
-fn params(cfg: &AveragerConfig) -> Params {
+fn params(cfg: &AveragerConfig, swarm: Option<usize>) -> Params {
     Params {
+        swarm,
         target_group_size: cfg.target_group_size,
         min_group_size: cfg.min_group_size,
         start_grace_ms: cfg.effective_start_grace().as_millis() as Ms,
@@ -188,7 +191,14 @@ async fn run_window(
     let clock = move || origin.elapsed().as_millis() as Ms;
     let previous = mm.previous.iter().map(|p| p.to_bytes()).collect();
     let end = window_end.saturating_duration_since(origin).as_millis() as Ms;
-    let mut search = Search::new(params(cfg), me.clone(), window_end_ms, previous, 0, end);
+    let mut search = Search::new(
+        params(cfg, mm.expected),
+        me.clone(),
+        window_end_ms,
+        previous,
+        0,
+        end,
+    );
     // Join requests by the id the state machine knows them by: waiting for their answer, or
     // accepted (followers, answered again at begin or disband).
     let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();

@@ -16,7 +16,7 @@
 //!
 //! A leader begins when its group is full; when every peer declared under the key has joined
 //! (after [`Params::start_grace_ms`], or at once when every member of its previous group is
-//! here or gone); after the grace, when the declared peers that have not joined are all gone
+//! here or gone and that group held every peer expected, [`Params::swarm`]); after the grace, when the declared peers that have not joined are all gone
 //! (cannot be reached: a peer that died leaves its declaration behind until its window ends); or
 //! when its window ends with at least [`Params::min_group_size`].
 
@@ -46,6 +46,10 @@ pub(crate) struct Params {
     pub refresh_ms: Ms,
     /// How long a leader that answered `Busy` (or disbanded) is left alone.
     pub busy_backoff_ms: Ms,
+    /// The peers the caller expects to search (`Averager::expect_peers`), if it said: a
+    /// previous group smaller than that is not "everyone", and re-forming it at once would
+    /// keep the swarm split in the same parts round after round.
+    pub swarm: Option<usize>,
 }
 
 /// Where this peer stands.
@@ -520,6 +524,7 @@ impl Search {
                 // whole previous group is here or gone.
                 (true, true) => return self.begin(out),
                 (true, false) => match self.missing_from_last_group() {
+                    _ if !self.previous_was_everyone() => return,
                     Some(previous) if previous.is_empty() => return self.begin(out),
                     Some(previous) => Action::CheckGone {
                         connected: previous,
@@ -566,6 +571,14 @@ impl Search {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// Whether the previous group held every peer expected to search (always, without a
+    /// hint): only then may it begin again before the grace without the others.
+    fn previous_was_everyone(&self) -> bool {
+        self.params
+            .swarm
+            .is_none_or(|n| self.previous.len() + 1 >= n.min(self.params.target_group_size))
     }
 
     /// The members of the previous group (`None` before the first) that have not joined.

@@ -203,6 +203,8 @@ impl Sim {
             start_grace_ms: 500,
             refresh_ms: 200,
             busy_backoff_ms: 150,
+            // What the training layer passes: every peer of the scenario.
+            swarm: Some(self.peers.len()),
         }
     }
 
