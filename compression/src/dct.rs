@@ -275,11 +275,7 @@ fn basis(n: usize) -> Vec<f32> {
 /// `out = B x` (the forward transform of one chunk).
 fn transform(b: &[f32], n: usize, x: &[f32], out: &mut [f32]) {
     for (f, o) in out.iter_mut().enumerate().take(n) {
-        *o = b[f * n..(f + 1) * n]
-            .iter()
-            .zip(x)
-            .map(|(a, b)| a * b)
-            .sum();
+        *o = crate::lowrank::dot(&b[f * n..(f + 1) * n], &x[..n]);
     }
 }
 

@@ -451,21 +451,26 @@ pub fn orthonormalize(p: &mut [f32], rows: usize, rank: usize) {
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// `a · b` in f32 with eight partial sums (shared with the DCT).
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums: vectorizes, and the order is fixed, so every peer computes the same
     // bits from the same inputs.
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for k in 0..chunks {
+    let (xs, ys) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = xs
+        .remainder()
+        .iter()
+        .zip(ys.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in xs.zip(ys) {
         for l in 0..8 {
-            acc[l] += a[k * 8 + l] * b[k * 8 + l];
+            acc[l] += x[l] * y[l];
         }
     }
-    let mut s: f32 = acc.iter().sum();
-    for k in chunks * 8..a.len() {
-        s += a[k] * b[k];
-    }
-    s
+    acc.iter().sum::<f32>() + tail
 }
 
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
