@@ -330,6 +330,67 @@ async fn local_sgd_averages_every_h_steps_and_keeps_phase_starts_identical() {
     .await;
 }
 
+/// DiLoCo: a peer whose phase start left the others' (here by hand, as a round in a smaller
+/// group or a failed one leaves it: each then applies the same averaged step to its own start)
+/// is brought back by the next round that carries the state (every 4 outer steps here): after
+/// it, every peer's phase start is the same bits again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_sgd_state_rounds_bring_a_drifted_phase_start_back() {
+    init_tracing();
+    const H: u64 = 5;
+    const OUTER: usize = 6;
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let cluster = LocalCluster::start(PEERS, NodeConfig::default())
+            .await
+            .unwrap();
+        let nodes = cluster.nodes.clone();
+        let train = &train;
+        let runs = nodes.iter().enumerate().map(|(p, node)| async move {
+            let mut params = model();
+            let inner = Sgd::new(SgdConfig::new(0.1), params.len()).unwrap();
+            let mut cfg = collab_cfg("digits-diloco-state", Mode::LocalSgd { inner_steps: H });
+            cfg.state_averaging_every = Some(4);
+            let mut collab =
+                CollaborativeOptimizer::new(node.clone(), Box::new(inner), &params, cfg)
+                    .await
+                    .unwrap();
+            let mut starts = Vec::new();
+            for step in 0..(H as usize * OUTER) {
+                let values = params.params().to_vec();
+                let idx = batch(train, p, step / BATCHES_PER_EPOCH, step % BATCHES_PER_EPOCH);
+                gradient(&values, train, &idx, params.grads_mut());
+                let r = collab.step(&mut params, BATCH as u64).await.unwrap();
+                if r.stepped {
+                    assert_eq!(r.group_size, Some(PEERS), "{:?}", r.averaging_error);
+                    assert_eq!(r.state_averaged, r.epoch == 4, "epoch {}", r.epoch);
+                    if p == 1 && r.epoch == 1 {
+                        params.params_mut()[0] += 0.5;
+                        collab.resume(r.epoch, &params);
+                    }
+                    starts.push(params.params().to_vec());
+                }
+            }
+            starts
+        });
+        let results = futures::future::join_all(runs).await;
+        cluster.shutdown().await;
+        for (p, starts) in results.iter().enumerate() {
+            assert_eq!(starts.len(), OUTER);
+            for (e, start) in starts.iter().enumerate() {
+                let drifted = p == 1 && (0..3).contains(&e);
+                assert_eq!(
+                    start == &results[0][e],
+                    !drifted,
+                    "peer {p} after outer step {}",
+                    e + 1
+                );
+            }
+        }
+    })
+    .await;
+}
+
 /// One peer four times slower than the others (it sleeps 4x longer per batch): the swarm steps
 /// when the *aggregate* reaches the global batch, so the fast peers contribute more samples per
 /// step instead of waiting for the slow one, which still contributes and stays in every epoch.

@@ -88,9 +88,10 @@ pub struct CollaborativeConfig {
     pub projected_batch: bool,
     /// DiLoCo's outer optimizer (local-SGD mode).
     pub outer: SgdConfig,
-    /// Gradient mode: every this many epochs, the gradient round also averages the parameters
-    /// and the optimizer state (in the same round, weighted by samples like the gradients, with
-    /// the exact codec whatever `averager.codec` says), so
+    /// Every this many epochs, the gradient round also averages the parameters and the
+    /// optimizer state (in the same round, weighted by samples like the gradients, with the
+    /// exact codec whatever `averager.codec` says; in local SGD with group averaging, the
+    /// phase start and the outer optimizer's state), so
     /// that groups smaller than the swarm, or rounds that failed or averaged only part of the
     /// gradients, do not let peers drift apart for good. `None` never does.
     pub state_averaging_every: Option<u64>,

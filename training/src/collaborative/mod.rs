@@ -725,6 +725,7 @@ impl CollaborativeOptimizer {
         self.averager.expect_peers(swarm_peers(swarm.as_ref()));
         report.behind = swarm.as_ref().is_some_and(|s| s.is_behind(self.epoch));
         report.swarm = swarm;
+        let with_state = self.state_due();
         let Some((outer, anchor)) = self.outer.as_mut() else {
             return Ok(report);
         };
@@ -742,6 +743,20 @@ impl CollaborativeOptimizer {
             let mut both: [&mut [f32]; 2] = [&mut anchor[..], &mut delta[..]];
             let averaged = gossip.step(&mut both, weight, deadline).await;
             note_gossip(&mut report, averaged)?;
+        } else if with_state {
+            // Every `state_averaging_every` outer steps the phase start and the outer
+            // optimizer's state ride along, exact: otherwise a peer whose earlier round ran in
+            // a smaller group (a joiner's first ones) or failed keeps its own phase start for
+            // good, applying the same averaged step to it (4 DiLoCo peers on the glyphs ended
+            // with three different models).
+            let mut buffers: Vec<&mut [f32]> = vec![&mut delta[..], &mut anchor[..]];
+            buffers.extend(outer.state_mut().into_iter().map(|(_, b)| b));
+            let averaged = self
+                .averager
+                .step_exact(&mut buffers, weight, deadline)
+                .await;
+            report.state_averaged = averaged.is_ok();
+            note_round(&mut report, averaged)?;
         } else {
             let averaged = average_gradients(
                 &self.averager,
