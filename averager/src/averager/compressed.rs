@@ -4,6 +4,7 @@
 //! coefficients through the frames' zstd stage).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use starling_compression::dct::DctTopK;
 use starling_compression::lowrank::PowerSgd;
@@ -122,72 +123,39 @@ impl Averager {
         deadline: Instant,
         state: &mut DctTopK,
     ) -> Result<RoundReport, AveragerError> {
-        let cfg = &self.config;
         let weight = self.check_step(weight, deadline)?;
         self.check_compressed(grads.len(), state.len())?;
         self.pool
             .set_limit(4 * grads.len() * std::mem::size_of::<f32>());
-        let mut flat = self.pool.take_dirty(grads.len());
-        state.begin(grads, &mut flat).map_err(compression_error)?;
+        let mut mine = vec![0.0f32; grads.len()];
+        state.begin(grads, &mut mine).map_err(compression_error)?;
         let (group, matchmaking_time, prepared) =
             self.form_group(&sparse_schema(state), deadline).await?;
         // Exact, so that every member holds the same mean; zstd drops the zeros.
         let exact = Arc::new(AveragerConfig {
             codec: Codec::None,
             zstd_level: Some(1),
-            ..(**cfg).clone()
+            ..(*self.config).clone()
         });
-        let env = RoundEnv {
-            config: exact,
-            transport: self.transport.clone(),
-            router: self.router.clone(),
-            pool: self.pool.clone(),
-            bandwidth: self.bandwidth.current(),
-            feedback: false,
-        };
         let ar_start = Instant::now();
-        let mut mine = vec![0.0f32; grads.len()];
-        mine.copy_from_slice(&flat);
-        let mut round = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
+        let (averaged, mut round) = self
+            .exact_round(&exact, &group, mine, f64::from(weight), deadline)
+            .await;
         let allreduce_time = ar_start.elapsed();
         self.after_round(&group, &mut round);
-        for (range, values) in &round.patches {
-            mine[range.clone()].copy_from_slice(values);
-        }
-        let me = group.members[group.my_index.get()].peer;
-        let outcome = match complete(&round) {
-            Ok(contributors) if cfg.mode != AveragingMode::Aux => {
-                state.finish(&mine, grads).map_err(compression_error)?;
-                SpanOutcome::Averaged { contributors }
-            }
-            Ok(contributors) => {
-                state.abort();
-                SpanOutcome::Averaged { contributors }
-            }
-            Err(reason) => {
-                state.abort();
-                SpanOutcome::KeptLocal { reason }
-            }
-        };
-        Ok(RoundReport {
-            round_id: group.round_id,
-            group: round.group.clone(),
-            my_index: group.my_index.get(),
-            spans: vec![SpanReport {
-                reducer: me,
-                range: 0..grads.len(),
-                outcome,
-            }],
-            failed_peers: round.failed_peers.clone(),
-            bytes_sent: round.bytes_sent,
-            bytes_received: round.bytes_received,
-            fast_lane_transfers: round.fast_lanes,
-            warm_lane_transfers: round.warm_lanes,
-            matchmaking_time,
-            prepared,
-            allreduce_time,
-            measured_upload: round.measured_bandwidth,
-        })
+        let outcome = self.settle(
+            &[&round],
+            state,
+            |s| s.finish(&averaged, grads),
+            DctTopK::abort,
+        )?;
+        Ok(compressed_report(
+            &group,
+            &[&round],
+            grads.len(),
+            outcome,
+            (matchmaking_time, prepared, allreduce_time),
+        ))
     }
 
     /// What a compressed step needs: the mean aggregation, and a buffer of the state's size.
@@ -213,7 +181,6 @@ impl Averager {
         deadline: Instant,
         state: &mut PowerSgd,
     ) -> Result<RoundReport, AveragerError> {
-        let cfg = &self.config;
         let weight = self.check_step(weight, deadline)?;
         self.check_compressed(grads.len(), state.len())?;
         let (one_len, two_len) = (state.phase_one_len(), state.phase_two_len());
@@ -228,28 +195,16 @@ impl Averager {
         // `P` and `Q` are small and must be the same bits everywhere: the exact codec.
         let exact = Arc::new(AveragerConfig {
             codec: Codec::None,
-            ..(**cfg).clone()
+            ..(*self.config).clone()
         });
-        let env = || RoundEnv {
-            config: exact.clone(),
-            transport: self.transport.clone(),
-            router: self.router.clone(),
-            pool: self.pool.clone(),
-            bandwidth: self.bandwidth.current(),
-            feedback: false,
-        };
         let ar_start = Instant::now();
         let w = f64::from(weight);
-        let mut flat = self.pool.take_dirty(one_len);
-        flat.copy_from_slice(&mine_one);
-        let mut one = run_allreduce(env(), &group, flat, w, deadline).await;
+        let (mut averaged_one, mut one) = self
+            .exact_round(&exact, &group, mine_one, w, deadline)
+            .await;
         // Its repair server ends by itself; the second all-reduce's is the one kept.
         let _phase_one_repairs = one.repair_server.take();
         self.after_round(&group, &mut one);
-        let mut averaged_one = mine_one;
-        for (range, values) in &one.patches {
-            averaged_one[range.clone()].copy_from_slice(values);
-        }
         // Members whose first all-reduce fell short still run the second with what they
         // hold, so that the others' does not wait on them; only their own result is dropped.
         let mut mine_two = vec![0.0f32; two_len];
@@ -260,57 +215,116 @@ impl Averager {
             round_id: group.round_id ^ PHASE_TWO,
             ..group.clone()
         };
-        let mut flat = self.pool.take_dirty(two_len);
-        flat.copy_from_slice(&mine_two);
-        let mut two = run_allreduce(env(), &second, flat, w, deadline).await;
+        let (averaged_two, mut two) = self
+            .exact_round(&exact, &second, mine_two, w, deadline)
+            .await;
         self.after_round(&second, &mut two);
         let allreduce_time = ar_start.elapsed();
-        let mut averaged_two = mine_two;
-        for (range, values) in &two.patches {
-            averaged_two[range.clone()].copy_from_slice(values);
+        let outcome = self.settle(
+            &[&one, &two],
+            state,
+            |s| s.finish(&averaged_one, &averaged_two, grads),
+            PowerSgd::abort,
+        )?;
+        Ok(compressed_report(
+            &group,
+            &[&one, &two],
+            grads.len(),
+            outcome,
+            (matchmaking_time, prepared, allreduce_time),
+        ))
+    }
+
+    /// One all-reduce of `mine` in `group` with `config` (no error feedback): the vector as
+    /// averaged (this peer's own values where a span was not) and the round's outcome.
+    async fn exact_round(
+        &self,
+        config: &Arc<AveragerConfig>,
+        group: &Group,
+        mine: Vec<f32>,
+        weight: f64,
+        deadline: Instant,
+    ) -> (Vec<f32>, Outcome) {
+        let env = RoundEnv {
+            config: config.clone(),
+            transport: self.transport.clone(),
+            router: self.router.clone(),
+            pool: self.pool.clone(),
+            bandwidth: self.bandwidth.current(),
+            feedback: false,
+        };
+        let mut flat = self.pool.take_dirty(mine.len());
+        flat.copy_from_slice(&mine);
+        let round = run_allreduce(env, group, flat, weight, deadline).await;
+        let mut averaged = mine;
+        for (range, values) in &round.patches {
+            averaged[range.clone()].copy_from_slice(values);
         }
-        let whole = 0..grads.len();
-        let me = group.members[group.my_index.get()].peer;
-        let outcome = match (complete(&one), complete(&two)) {
-            (Ok(a), Ok(b)) => {
-                let contributors: Vec<PeerId> = a.into_iter().filter(|p| b.contains(p)).collect();
-                if cfg.mode != AveragingMode::Aux {
-                    state
-                        .finish(&averaged_one, &averaged_two, grads)
-                        .map_err(compression_error)?;
+        (averaged, round)
+    }
+
+    /// What a compressed step's all-reduces mean for this peer: if every span of every one
+    /// was averaged, `finish` writes the result (an `Aux` peer, which contributed nothing,
+    /// `abort`s instead) and the buffer counts as averaged by the peers in all of them;
+    /// otherwise `abort` and the buffer is kept local.
+    fn settle<S>(
+        &self,
+        rounds: &[&Outcome],
+        state: &mut S,
+        finish: impl FnOnce(&mut S) -> starling_compression::Result<()>,
+        abort: impl FnOnce(&mut S),
+    ) -> Result<SpanOutcome, AveragerError> {
+        Ok(match complete(rounds) {
+            Ok(contributors) => {
+                if self.config.mode == AveragingMode::Aux {
+                    abort(state);
                 } else {
-                    state.abort();
+                    finish(state).map_err(compression_error)?;
                 }
                 SpanOutcome::Averaged { contributors }
             }
-            (Err(reason), _) | (_, Err(reason)) => {
-                state.abort();
+            Err(reason) => {
+                abort(state);
                 SpanOutcome::KeptLocal { reason }
             }
-        };
-        let mut failed_peers = one.failed_peers.clone();
-        failed_peers.extend(two.failed_peers.iter().copied());
-        failed_peers.sort();
-        failed_peers.dedup();
-        Ok(RoundReport {
-            round_id: group.round_id,
-            group: one.group.clone(),
-            my_index: group.my_index.get(),
-            spans: vec![SpanReport {
-                reducer: me,
-                range: whole,
-                outcome,
-            }],
-            failed_peers,
-            bytes_sent: one.bytes_sent + two.bytes_sent,
-            bytes_received: one.bytes_received + two.bytes_received,
-            fast_lane_transfers: one.fast_lanes + two.fast_lanes,
-            warm_lane_transfers: one.warm_lanes + two.warm_lanes,
-            matchmaking_time,
-            prepared,
-            allreduce_time,
-            measured_upload: two.measured_bandwidth.or(one.measured_bandwidth),
         })
+    }
+}
+
+/// The report of a compressed step over a buffer of `len` values, whose all-reduces are
+/// `rounds` (in order) and whose fate is `outcome`; `timings` are the matchmaking time,
+/// whether it was prepared, and the all-reduces' time.
+fn compressed_report(
+    group: &Group,
+    rounds: &[&Outcome],
+    len: usize,
+    outcome: SpanOutcome,
+    (matchmaking_time, prepared, allreduce_time): (Duration, bool, Duration),
+) -> RoundReport {
+    let mut failed_peers: Vec<PeerId> = rounds
+        .iter()
+        .flat_map(|r| r.failed_peers.iter().copied())
+        .collect();
+    failed_peers.sort();
+    failed_peers.dedup();
+    RoundReport {
+        round_id: group.round_id,
+        group: rounds[0].group.clone(),
+        my_index: group.my_index.get(),
+        spans: vec![SpanReport {
+            reducer: group.members[group.my_index.get()].peer,
+            range: 0..len,
+            outcome,
+        }],
+        failed_peers,
+        bytes_sent: rounds.iter().map(|r| r.bytes_sent).sum(),
+        bytes_received: rounds.iter().map(|r| r.bytes_received).sum(),
+        fast_lane_transfers: rounds.iter().map(|r| r.fast_lanes).sum(),
+        warm_lane_transfers: rounds.iter().map(|r| r.warm_lanes).sum(),
+        matchmaking_time,
+        prepared,
+        allreduce_time,
+        measured_upload: rounds.iter().rev().find_map(|r| r.measured_bandwidth),
     }
 }
 
@@ -337,27 +351,28 @@ fn sparse_schema(state: &DctTopK) -> Schema {
     )
 }
 
-/// The peers in every span of an all-reduce, if every span was averaged; else why not.
-fn complete(outcome: &Outcome) -> Result<Vec<PeerId>, String> {
-    if outcome.spans.is_empty() {
-        return Err("nothing was averaged".into());
-    }
+/// The peers in every span of every one of `rounds`, if every span was averaged; else why
+/// not.
+fn complete(rounds: &[&Outcome]) -> Result<Vec<PeerId>, String> {
     let mut common: Option<Vec<PeerId>> = None;
-    for span in &outcome.spans {
-        match &span.outcome {
-            SpanOutcome::KeptLocal { reason } => {
-                return Err(format!(
-                    "span {:?} of a low-rank all-reduce was kept local: {reason}",
-                    span.range
-                ))
-            }
-            other => {
-                let here = other.contributors().unwrap_or_default();
-                common = Some(match common {
-                    None => here.to_vec(),
-                    Some(c) => c.into_iter().filter(|p| here.contains(p)).collect(),
-                });
-            }
+    for round in rounds {
+        if round.spans.is_empty() {
+            return Err("nothing was averaged".into());
+        }
+        for span in &round.spans {
+            let here = match &span.outcome {
+                SpanOutcome::KeptLocal { reason } => {
+                    return Err(format!(
+                        "span {:?} of a compressed round's all-reduce was kept local: {reason}",
+                        span.range
+                    ))
+                }
+                other => other.contributors().unwrap_or_default(),
+            };
+            common = Some(match common {
+                None => here.to_vec(),
+                Some(c) => c.into_iter().filter(|p| here.contains(p)).collect(),
+            });
         }
     }
     Ok(common.unwrap_or_default())
