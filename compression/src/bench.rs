@@ -223,17 +223,7 @@ fn bench_one(
     iterations: usize,
 ) -> CodecBenchReport {
     let mb = (x.len() * 4) as f64 / 1e6;
-    let mut report = CodecBenchReport {
-        codec: name,
-        size: x.len(),
-        encode_mb_per_s: 0.0,
-        decode_mb_per_s: 0.0,
-        decode_add_mb_per_s: 0.0,
-        wire_bytes: 0,
-        compression_ratio: 0.0,
-        relative_error: 0.0,
-        note: None,
-    };
+    let mut report = empty_report(name, x.len());
     let mut frame = Vec::new();
     let mut out = vec![0f32; x.len()];
     let mut decoder = Decoder::new(DecodeOptions::default());

@@ -25,7 +25,8 @@
 
 use half::f16;
 
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
+use crate::stats::check_finite;
 
 /// Largest chunk accepted (its basis is `chunk²` floats: 4 MiB at most).
 pub const MAX_CHUNK: usize = 1024;
@@ -133,12 +134,7 @@ impl DctTopK {
     pub fn begin(&mut self, grads: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("gradient buffer", grads.len(), self.len)?;
         check_len("coefficient buffer", out.len(), self.len)?;
-        if let Some(index) = grads.iter().position(|v| !v.is_finite()) {
-            return Err(Error::NonFiniteInput {
-                index,
-                value: grads[index],
-            });
-        }
+        check_finite(grads, 0)?;
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
         pending.resize(self.len, 0.0);
@@ -212,12 +208,7 @@ impl DctTopK {
         }
         check_len("averaged coefficients", averaged.len(), self.len)?;
         check_len("gradient buffer", grads.len(), self.len)?;
-        if let Some(index) = averaged.iter().position(|v| !v.is_finite()) {
-            return Err(Error::NonFiniteInput {
-                index,
-                value: averaged[index],
-            });
-        }
+        check_finite(averaged, 0)?;
         for (start, n) in self.chunks() {
             let range = start..start + n;
             let b = if n == self.chunk {
@@ -242,17 +233,6 @@ impl DctTopK {
         let (len, chunk) = (self.len, self.chunk);
         (0..len.div_ceil(chunk)).map(move |c| (c * chunk, chunk.min(len - c * chunk)))
     }
-}
-
-fn check_len(field: &'static str, got: usize, want: usize) -> Result<()> {
-    if got != want {
-        return Err(Error::LengthMismatch {
-            field,
-            expected: want as u64,
-            actual: got as u64,
-        });
-    }
-    Ok(())
 }
 
 /// The orthonormal DCT-II basis of size `n`, row `f` = frequency `f` (computed in f64).

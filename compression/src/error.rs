@@ -141,3 +141,15 @@ pub enum Error {
         total: u64,
     },
 }
+
+/// [`Error::LengthMismatch`] for `field` unless `got == want`: a caller's buffer of the wrong size.
+pub(crate) fn check_len(field: &'static str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::LengthMismatch {
+            field,
+            expected: want as u64,
+            actual: got as u64,
+        });
+    }
+    Ok(())
+}

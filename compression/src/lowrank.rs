@@ -49,7 +49,8 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
+use crate::stats::check_finite;
 
 /// One matrix inside a flat buffer: `rows * cols` elements from `offset`, row-major. An N-D
 /// tensor is passed reshaped to (first dimension, product of the rest).
@@ -208,9 +209,9 @@ impl PowerSgd {
     /// ([`phase_one_len`](Self::phase_one_len) elements). Refuses NaN/Inf gradients and wrong
     /// sizes; changes no state but the round in progress.
     pub fn begin(&mut self, grads: &[f32], out: &mut [f32]) -> Result<()> {
-        self.check_len("gradient buffer", grads.len(), self.len)?;
-        self.check_len("phase-one buffer", out.len(), self.phase_one_len())?;
-        finite(grads)?;
+        check_len("gradient buffer", grads.len(), self.len)?;
+        check_len("phase-one buffer", out.len(), self.phase_one_len())?;
+        check_finite(grads, 0)?;
         self.corrected.clear();
         self.corrected.extend_from_slice(grads);
         for m in &self.matrices {
@@ -250,13 +251,13 @@ impl PowerSgd {
     /// elements).
     pub fn middle(&mut self, averaged_one: &mut [f32], out: &mut [f32]) -> Result<()> {
         self.check_round()?;
-        self.check_len(
+        check_len(
             "averaged phase-one buffer",
             averaged_one.len(),
             self.phase_one_len(),
         )?;
-        self.check_len("phase-two buffer", out.len(), self.phase_two_len())?;
-        finite(averaged_one)?;
+        check_len("phase-two buffer", out.len(), self.phase_two_len())?;
+        check_finite(averaged_one, 0)?;
         let mut at = 0;
         let mut q_at = 0;
         for m in &self.matrices {
@@ -288,18 +289,18 @@ impl PowerSgd {
         grads: &mut [f32],
     ) -> Result<()> {
         self.check_round()?;
-        self.check_len(
+        check_len(
             "averaged phase-one buffer",
             averaged_one.len(),
             self.phase_one_len(),
         )?;
-        self.check_len(
+        check_len(
             "averaged phase-two buffer",
             averaged_two.len(),
             self.phase_two_len(),
         )?;
-        self.check_len("gradient buffer", grads.len(), self.len)?;
-        finite(averaged_two)?;
+        check_len("gradient buffer", grads.len(), self.len)?;
+        check_finite(averaged_two, 0)?;
         let mut at = 0;
         let mut q_at = 0;
         for m in &self.matrices {
@@ -346,28 +347,6 @@ impl PowerSgd {
             ));
         }
         Ok(())
-    }
-
-    fn check_len(&self, field: &'static str, got: usize, want: usize) -> Result<()> {
-        if got != want {
-            return Err(Error::LengthMismatch {
-                field,
-                expected: want as u64,
-                actual: got as u64,
-            });
-        }
-        Ok(())
-    }
-}
-
-/// Refuses NaN and infinities (a poisoned gradient must not reach the group or the residual).
-fn finite(values: &[f32]) -> Result<()> {
-    match values.iter().position(|v| !v.is_finite()) {
-        Some(index) => Err(Error::NonFiniteInput {
-            index,
-            value: values[index],
-        }),
-        None => Ok(()),
     }
 }
 
