@@ -120,11 +120,9 @@ impl Collab {
             ));
         }
         let mut cfg = CollaborativeConfig::new(run, self.target_batch_size, mode);
-        (cfg.averager.codec, cfg.compression) = self
-            .codec
-            .parse::<starling_run::manifest::GradientCodec>()
-            .map_err(|e| PyValueError::new_err(format!("codec {:?}: {e}", self.codec)))?
-            .split();
+        (cfg.averager.codec, cfg.compression) =
+            starling_training::GradientCompression::parse_codec(&self.codec)
+                .map_err(|e| PyValueError::new_err(format!("codec {:?}: {e}", self.codec)))?;
         cfg.averager.aggregation = self.aggregation.parse::<Aggregation>().map_err(|e| {
             PyValueError::new_err(format!("aggregation {:?}: {e}", self.aggregation))
         })?;

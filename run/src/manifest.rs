@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
-use starling_compression::Codec;
 use starling_dht::{now_ms, owner::verify_document, Entry, OwnerKey, VerifyingKey};
 use starling_node::{peer_id_of_owner, Node, PeerId};
 
@@ -30,106 +29,6 @@ pub const PUBLISH_TTL: Duration = Duration::from_secs(3600);
 pub const REPUBLISH_EVERY: Duration = Duration::from_secs(600);
 /// Largest signed manifest accepted, in bytes (the DHT bounds values at 16 KiB).
 const MAX_MANIFEST_BYTES: usize = 12 * 1024;
-
-/// How a run averages its (pseudo-)gradients, as `--codec` names it: a tensor codec (`none`,
-/// `f16`, `u8`, `u4`, ...), low rank, `powersgd:RANK` (PowerSGD), or DCT top-k,
-/// `dct-topk:CHUNK:K[:sign]` (K of every CHUNK coefficients, f16 values or their signs). The
-/// rounds that carry the state use the exact codec with the last two.
-///
-/// ```
-/// use starling_run::manifest::GradientCodec;
-/// assert_eq!("powersgd:4".parse::<GradientCodec>()?, GradientCodec::PowerSgd { rank: 4 });
-/// assert_eq!(
-///     "dct-topk:64:2:sign".parse::<GradientCodec>()?,
-///     GradientCodec::DctTopK { chunk: 64, k: 2, sign: true }
-/// );
-/// assert!("powersgd:0".parse::<GradientCodec>().is_err());
-/// assert!("dct-topk:64:65".parse::<GradientCodec>().is_err());
-/// # Ok::<(), anyhow::Error>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradientCodec {
-    /// Every round through this tensor codec.
-    Codec(Codec),
-    /// Gradient rounds in low rank at this rank (1..=`MAX_RANK`); state rounds exact.
-    PowerSgd {
-        /// The approximation's rank.
-        rank: usize,
-    },
-    /// Gradient rounds as DCT top-k coefficients; state rounds exact.
-    DctTopK {
-        /// Values per chunk (2..=1024).
-        chunk: usize,
-        /// Coefficients kept per chunk (1..=chunk).
-        k: usize,
-        /// Signs times one scale instead of f16 values.
-        sign: bool,
-    },
-}
-
-impl GradientCodec {
-    /// The averager's codec and the collaborative optimizer's gradient compression.
-    pub fn split(self) -> (Codec, starling_training::GradientCompression) {
-        use starling_training::GradientCompression as G;
-        match self {
-            GradientCodec::Codec(c) => (c, G::Codec),
-            GradientCodec::PowerSgd { rank } => (Codec::None, G::PowerSgd { rank }),
-            GradientCodec::DctTopK { chunk, k, sign } => {
-                (Codec::None, G::DctTopK { chunk, k, sign })
-            }
-        }
-    }
-}
-
-impl FromStr for GradientCodec {
-    type Err = anyhow::Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        if let Some(rank) = s.strip_prefix("powersgd:") {
-            let rank: usize = rank
-                .parse()
-                .map_err(|_| anyhow!("powersgd:RANK needs a whole number, not {rank:?}"))?;
-            let max = starling_compression::lowrank::MAX_RANK;
-            ensure!(
-                (1..=max).contains(&rank),
-                "the PowerSGD rank must be within 1..={max}, not {rank}"
-            );
-            return Ok(GradientCodec::PowerSgd { rank });
-        }
-        if let Some(rest) = s.strip_prefix("dct-topk:") {
-            let usage = || anyhow!("dct-topk:CHUNK:K[:sign] needs whole numbers, not {rest:?}");
-            let mut parts = rest.split(':');
-            let chunk: usize = parts
-                .next()
-                .and_then(|p| p.parse().ok())
-                .ok_or_else(usage)?;
-            let k: usize = parts
-                .next()
-                .and_then(|p| p.parse().ok())
-                .ok_or_else(usage)?;
-            let sign = match parts.next() {
-                None => false,
-                Some("sign") => true,
-                Some(other) => {
-                    bail!("dct-topk: {other:?} is not a value mode (sign, or nothing for f16)")
-                }
-            };
-            ensure!(
-                parts.next().is_none(),
-                "dct-topk:CHUNK:K[:sign], not dct-topk:{rest}"
-            );
-            let max = starling_compression::dct::MAX_CHUNK;
-            ensure!(
-                (2..=max).contains(&chunk) && (1..=chunk).contains(&k),
-                "dct-topk needs 2 <= CHUNK <= {max} and 1 <= K <= CHUNK, not {chunk} and {k}"
-            );
-            return Ok(GradientCodec::DctTopK { chunk, k, sign });
-        }
-        Ok(GradientCodec::Codec(Codec::from_str(s).map_err(|e| {
-            anyhow!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign] for compressed gradients)")
-        })?))
-    }
-}
 
 /// The DHT key a run's manifest is published under.
 ///
@@ -327,7 +226,7 @@ impl RunManifest {
         positive_at_most("--lr", self.optimizer.lr, 10.0)?;
         in_range("--weight-decay", self.optimizer.weight_decay, 0.0, 1.0)?;
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
-        GradientCodec::from_str(&self.codec)
+        starling_training::GradientCompression::parse_codec(&self.codec)
             .map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
         starling_averager::Aggregation::from_str(&self.aggregation)
             .map_err(|e| anyhow!("--aggregation {:?}: {e}", self.aggregation))?;

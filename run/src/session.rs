@@ -12,16 +12,14 @@ use anyhow::{anyhow, Context, Result};
 use starling_node::Node;
 use starling_training::state::{StateTarget, StateView};
 use starling_training::{
-    sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, OptimizerConfig,
-    ParamSet, SgdConfig, StateServer, StateServerConfig, StepReport, SyncConfig, SyncError,
-    VarBinding,
+    sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, GradientCompression,
+    Mode, OptimizerConfig, ParamSet, SgdConfig, StateServer, StateServerConfig, StepReport,
+    SyncConfig, SyncError, VarBinding,
 };
 
 use crate::data::Dataset;
 use crate::event::{split, Event, Reporter};
-use crate::manifest::{
-    self, GradientCodec, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest,
-};
+use crate::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
 use crate::model::{Built, Eval, Net, Sampler};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
@@ -101,11 +99,8 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         ModeSpec::Diloco { inner_steps, .. } => Mode::LocalSgd { inner_steps },
     };
     let mut cfg = CollaborativeConfig::new(m.name.clone(), m.target_batch_size, mode);
-    (cfg.averager.codec, cfg.compression) = m
-        .codec
-        .parse::<GradientCodec>()
-        .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?
-        .split();
+    (cfg.averager.codec, cfg.compression) = GradientCompression::parse_codec(&m.codec)
+        .map_err(|e| anyhow!("codec {:?}: {e}", m.codec))?;
     cfg.averager.aggregation = m
         .aggregation
         .parse()

@@ -516,26 +516,8 @@ async fn table_row(
             };
             let mut cfg = collab_cfg(run, mode);
             cfg.target_batch_size = (PEERS * BATCH) as u64;
-            let numbers =
-                |s: &str| -> Vec<usize> { s.split(':').map(|n| n.parse().unwrap()).collect() };
-            if let Some(rank) = codec.strip_prefix("powersgd:") {
-                cfg.compression = GradientCompression::PowerSgd {
-                    rank: numbers(rank)[0],
-                };
-            } else if let Some(rest) = codec.strip_prefix("dct-topk:") {
-                let (rest, sign) = match rest.strip_suffix(":sign") {
-                    Some(r) => (r, true),
-                    None => (rest, false),
-                };
-                let n = numbers(rest);
-                cfg.compression = GradientCompression::DctTopK {
-                    chunk: n[0],
-                    k: n[1],
-                    sign,
-                };
-            } else {
-                cfg.averager.codec = codec.parse().unwrap();
-            }
+            (cfg.averager.codec, cfg.compression) =
+                GradientCompression::parse_codec(codec).unwrap();
             cfg.error_feedback = error_feedback;
             cfg.state_averaging_every = None;
             let mut collab = CollaborativeOptimizer::new(node.clone(), opt, &params, cfg)

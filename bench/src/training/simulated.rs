@@ -209,11 +209,9 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let opt = Sgd::new(SgdConfig::new(1e-2), n)?;
     let mut cfg = CollaborativeConfig::new("bench-training-sim", sim.target, Mode::Gradients);
     cfg.averager.target_group_size = common.peers;
-    (cfg.averager.codec, cfg.compression) = common
-        .codec
-        .parse::<starling_run::manifest::GradientCodec>()
-        .context("codec")?
-        .split();
+    (cfg.averager.codec, cfg.compression) =
+        starling_training::GradientCompression::parse_codec(&common.codec)
+            .map_err(|e| anyhow::anyhow!("codec: {e}"))?;
     cfg.delayed_update = sim.delayed_update;
     let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg).await?;
     print_line(&Line::Ready)?;

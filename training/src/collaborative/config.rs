@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use starling_averager::gossip::{GossipConfig, GossipReport};
 use starling_averager::{AveragerConfig, AveragerError, RoundReport};
+use starling_compression::Codec;
 
 use crate::optim::{OptimError, SgdConfig};
 use crate::progress::{ProgressConfig, ProgressError, SwarmProgress};
@@ -185,6 +186,74 @@ pub enum GradientCompression {
         /// Send signs times one scale instead of f16 values.
         sign: bool,
     },
+}
+
+impl GradientCompression {
+    /// The averager codec and the gradient compression a codec name stands for, as
+    /// `starling train --codec` takes it: a tensor codec (`none`, `f16`, `u8`, `u4`, ...) that
+    /// every round goes through, or a compressor, `powersgd:RANK` (1..=256) or
+    /// `dct-topk:CHUNK:K[:sign]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK), whose rounds keep peers
+    /// bit-identical (the averager's codec is then the exact `none`, for the rounds that carry
+    /// the state). The error says what is wrong with the name.
+    ///
+    /// ```
+    /// use starling_compression::Codec;
+    /// use starling_training::GradientCompression as G;
+    /// assert_eq!(G::parse_codec("u8")?, (Codec::Uniform8Bit, G::Codec));
+    /// assert_eq!(G::parse_codec("powersgd:4")?, (Codec::None, G::PowerSgd { rank: 4 }));
+    /// assert_eq!(
+    ///     G::parse_codec("dct-topk:64:2:sign")?.1,
+    ///     G::DctTopK { chunk: 64, k: 2, sign: true }
+    /// );
+    /// assert!(G::parse_codec("powersgd:0").is_err());
+    /// assert!(G::parse_codec("dct-topk:64:65").is_err());
+    /// # Ok::<(), String>(())
+    /// ```
+    pub fn parse_codec(name: &str) -> Result<(Codec, GradientCompression), String> {
+        if let Some(rank) = name.strip_prefix("powersgd:") {
+            let rank: usize = rank
+                .parse()
+                .map_err(|_| format!("powersgd:RANK needs a whole number, not {rank:?}"))?;
+            let max = starling_compression::lowrank::MAX_RANK;
+            if !(1..=max).contains(&rank) {
+                return Err(format!(
+                    "the PowerSGD rank must be within 1..={max}, not {rank}"
+                ));
+            }
+            return Ok((Codec::None, GradientCompression::PowerSgd { rank }));
+        }
+        if let Some(rest) = name.strip_prefix("dct-topk:") {
+            let usage = || format!("dct-topk:CHUNK:K[:sign] needs whole numbers, not {rest:?}");
+            let mut parts = rest.split(':');
+            let mut number = || -> Result<usize, String> {
+                parts.next().and_then(|p| p.parse().ok()).ok_or_else(usage)
+            };
+            let (chunk, k) = (number()?, number()?);
+            let sign = match parts.next() {
+                None => false,
+                Some("sign") => true,
+                Some(other) => {
+                    return Err(format!(
+                        "dct-topk: {other:?} is not a value mode (sign, or nothing for f16)"
+                    ))
+                }
+            };
+            if parts.next().is_some() {
+                return Err(format!("dct-topk:CHUNK:K[:sign], not dct-topk:{rest}"));
+            }
+            let max = starling_compression::dct::MAX_CHUNK;
+            if !((2..=max).contains(&chunk) && (1..=chunk).contains(&k)) {
+                return Err(format!(
+                    "dct-topk needs 2 <= CHUNK <= {max} and 1 <= K <= CHUNK, not {chunk} and {k}"
+                ));
+            }
+            return Ok((Codec::None, GradientCompression::DctTopK { chunk, k, sign }));
+        }
+        let codec = name.parse::<Codec>().map_err(|e| {
+            format!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign] for compressed gradients)")
+        })?;
+        Ok((codec, GradientCompression::Codec))
+    }
 }
 
 /// What one call to [`CollaborativeOptimizer::step`] did.
