@@ -337,8 +337,15 @@ impl PyCollaborative {
     /// Downloads the run's current state (parameters, optimizer state, epoch) from peers
     /// that serve it, within `timeout` seconds. Returns the epoch, or `None` when no peer
     /// serves the run yet (a run's first peer).
-    #[pyo3(signature = (timeout = 60.0))]
-    fn load_state_from_peers(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<u64>> {
+    /// With `min_epoch`, only a state of at least that epoch is taken (donors still serving
+    /// an older one are waited for, up to `timeout`).
+    #[pyo3(signature = (timeout = 60.0, min_epoch = None))]
+    fn load_state_from_peers(
+        &self,
+        py: Python<'_>,
+        timeout: f64,
+        min_epoch: Option<u64>,
+    ) -> PyResult<Option<u64>> {
         let deadline = seconds("timeout", timeout)?;
         wait(py, async {
             let mut collab = self.collab.lock().await;
@@ -349,6 +356,9 @@ impl PyCollaborative {
             let layout = collab.state_view(&params).layout();
             let mut cfg = SyncConfig::new(self.run.clone());
             cfg.deadline = deadline;
+            if let Some(min) = min_epoch {
+                cfg.min_epoch = min;
+            }
             match sync_state(&self.node, &cfg, &layout).await {
                 Ok((synced, _report)) => {
                     collab
@@ -480,6 +490,9 @@ pub(crate) struct PyStepReport {
     behind: bool,
     /// The swarm's epoch as this peer last read it, if it read one.
     swarm_epoch: Option<u64>,
+    /// When a round met the others' round of a later epoch (this peer did not step): the epoch
+    /// that round reaches; load a state of at least this epoch.
+    others_epoch: Option<u64>,
     /// Every failure met during the call (averaging errors, progress-record errors).
     errors: Vec<String>,
     /// Seconds waiting for the swarm, averaging, and in the optimizer.
@@ -504,6 +517,7 @@ impl From<&StepReport> for PyStepReport {
             state_averaged: r.state_averaged,
             behind: r.behind,
             swarm_epoch: r.swarm.as_ref().map(|s| s.epoch),
+            others_epoch: r.others_epoch,
             errors,
             waiting: r.timings.waiting.as_secs_f64(),
             averaging: r.timings.averaging.as_secs_f64(),

@@ -264,10 +264,9 @@ class Optimizer:
         ``batch_size_per_step``); steps when the swarm has its global batch. Returns a
         :class:`starling.StepReport` (``stepped``, ``epoch``, ``group_size``, ``errors``)."""
         self._gather_grads()
-        before = self._native.epoch
         report = self._native.step(int(batch_size or self.batch_size_per_step))
         # (DiLoCo changes the parameters at every step, not only at global ones.)
-        return self._after_step(report, before, scatter=True)
+        return self._after_step(report, scatter=True)
 
     def try_step(self) -> "_native.StepReport":
         """Gradient mode, for a peer with no more batches this epoch (e.g. each peer computing
@@ -280,29 +279,31 @@ class Optimizer:
                 time.sleep(0.005)
                 report = opt.try_step()
         """
-        before = self._native.epoch
         report = self._native.try_step()
-        return self._after_step(report, before, scatter=report.stepped)
+        return self._after_step(report, scatter=report.stepped)
 
-    def _after_step(
-        self, report: "_native.StepReport", before: int, scatter: bool
-    ) -> "_native.StepReport":
+    def _after_step(self, report: "_native.StepReport", scatter: bool) -> "_native.StepReport":
         """Copies changed parameters back to CUDA tensors; and when the step found this peer
-        behind the swarm (a long pause, a lost round, or a synced state that was already an epoch
-        old) without moving its epoch, catches up by state sync, as `starling train` does."""
+        behind the swarm (a long pause, a lost round, a synced state that was already an epoch
+        old, or a round that met the others in a later epoch) without stepping, catches up by
+        state sync, as `starling train` does."""
         if self._staged and scatter:
             self._scatter_params()
-        if report.behind and self._native.epoch == before:
+        if report.behind and not report.stepped:
             try:
-                self.load_state_from_peers(timeout=self.sync_timeout)
+                floor = max(report.others_epoch or 0, self._native.epoch + 1)
+                self.load_state_from_peers(timeout=self.sync_timeout, min_epoch=floor)
             except _native.StarlingError:
                 pass  # retried at the next call; training goes on from the local values
         return report
 
-    def load_state_from_peers(self, timeout: float = 60.0) -> Optional[int]:
+    def load_state_from_peers(
+        self, timeout: float = 60.0, min_epoch: Optional[int] = None
+    ) -> Optional[int]:
         """Downloads the run's parameters, optimizer state and epoch from peers; returns the
-        epoch, or None when no peer serves the run yet."""
-        epoch = self._native.load_state_from_peers(timeout)
+        epoch, or None when no peer serves the run yet. With ``min_epoch``, only a state of at
+        least that epoch is taken (donors still serving an older one are waited for)."""
+        epoch = self._native.load_state_from_peers(timeout, min_epoch)
         if self._staged:
             self._scatter_params()
         return epoch

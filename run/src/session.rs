@@ -397,7 +397,6 @@ impl Trainer {
             steps.loss_sum += f64::from(loss);
             steps.loss_batches += 1;
             steps.last_loss = f64::from(loss);
-            let before = self.collab.epoch();
             let report = self.collab.step(&mut self.params, samples).await?;
             if diloco || report.stepped {
                 self.binding.params_to_vars(&self.params)?;
@@ -410,10 +409,12 @@ impl Trainer {
             if report.stepped {
                 self.stepped(s, m, &report, &mut steps).await?;
             }
-            // Behind the swarm (more than one epoch, or a synced state that was already an
-            // epoch old): catch up by state sync.
-            if report.behind && self.collab.epoch() == before {
-                self.sync(&s.node, m, reporter, self.collab.epoch() + 1)
+            // Behind the swarm (more than one epoch, a synced state that was already an epoch
+            // old, or a round that met the others' later epoch) and no step taken: catch up by
+            // state sync.
+            if report.behind && !report.stepped {
+                let floor = report.others_epoch.unwrap_or(0);
+                self.sync(&s.node, m, reporter, floor.max(self.collab.epoch() + 1))
                     .await;
                 self.binding.params_to_vars(&self.params)?;
             }

@@ -19,7 +19,7 @@ use starling_training::sync::{
 };
 use starling_training::{
     sync_state, AdamW, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, Mode, Optimizer,
-    ParamSet,
+    ParamSet, Sgd, SgdConfig,
 };
 use tokio::sync::Barrier;
 
@@ -668,6 +668,118 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
         }
         node.shutdown().await;
         cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// Rounds are tagged with the epoch they end: a DiLoCo peer whose state is an outer step older
+/// than the others' (a synced state the donors had already stepped past) does not average with
+/// them, which would apply the swarm's step to its older phase start and leave it apart for
+/// good. Its round ends at once saying it is behind, without a step; after a sync it rounds
+/// with the others in their epoch and holds their bits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_syncs() {
+    init_tracing();
+    const H: u64 = 3;
+    const PHASES: usize = 4;
+    const STALE: usize = DONORS;
+    bounded(Duration::from_secs(300), async {
+        let run = "diloco-behind";
+        let cluster = LocalCluster::start(DONORS + 1, NodeConfig::default())
+            .await
+            .unwrap();
+        let phase_gate = Arc::new(Barrier::new(DONORS + 1));
+        let runs = cluster.nodes.iter().enumerate().map(|(p, node)| {
+            let (node, phase_gate) = (node.clone(), phase_gate.clone());
+            async move {
+                let mut params = model();
+                let inner = Sgd::new(SgdConfig::new(0.05), params.len()).unwrap();
+                let mut cfg = CollaborativeConfig::new(
+                    run,
+                    (DONORS + 1) as u64 * BATCH * H,
+                    Mode::LocalSgd { inner_steps: H },
+                );
+                cfg.averager.target_group_size = DONORS + 1;
+                cfg.averager.matchmaking_time = Duration::from_secs(2);
+                cfg.fetch_interval = Duration::from_millis(20);
+                cfg.averaging_timeout = Duration::from_secs(20);
+                cfg.state_averaging_every = None;
+                let mut collab =
+                    CollaborativeOptimizer::new(node.clone(), Box::new(inner), &params, cfg)
+                        .await
+                        .unwrap();
+                let server = (p != STALE).then(|| {
+                    let mut server_cfg = StateServerConfig::new(run);
+                    server_cfg.chunk_elems = 512;
+                    StateServer::start(node.clone(), server_cfg).unwrap()
+                });
+                if let Some(s) = &server {
+                    collab.serve_state(s.clone(), &params).await;
+                }
+                // (phase, epoch after it, group size, behind, phase start after it)
+                let mut log = Vec::new();
+                let mut saved = None;
+                for phase in 0..PHASES {
+                    phase_gate.wait().await;
+                    let mut last = None;
+                    for _ in 0..H {
+                        gradient(&mut params, p, collab.epoch());
+                        last = Some(collab.step(&mut params, BATCH).await.unwrap());
+                    }
+                    let r = last.unwrap();
+                    log.push((
+                        phase,
+                        collab.epoch(),
+                        r.group_size,
+                        r.behind && !r.stepped,
+                        params.params().to_vec(),
+                    ));
+                    if p != STALE {
+                        continue;
+                    }
+                    match phase {
+                        // Its state after the first outer step, restored after the second:
+                        // it is now one outer step behind the others.
+                        0 => saved = Some(params.params().to_vec()),
+                        1 => {
+                            params.params_mut().copy_from_slice(saved.as_ref().unwrap());
+                            collab.resume(1, &params);
+                        }
+                        // Told it is behind: it syncs, as `starling train` does.
+                        2 if r.behind && !r.stepped => {
+                            let layout = collab.state_view(&params).layout();
+                            let mut sync = sync_cfg(run);
+                            sync.min_epoch = r.others_epoch.unwrap();
+                            let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
+                            collab.restore_from(&mut params, &synced).unwrap();
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(s) = server {
+                    s.shutdown().await;
+                }
+                log
+            }
+        });
+        let logs = futures::future::join_all(runs).await;
+        cluster.shutdown().await;
+        for (p, log) in logs.iter().enumerate() {
+            let short: Vec<_> = log.iter().map(|l| (l.0, l.1, l.2, l.3)).collect();
+            eprintln!("peer {p}: {short:?}");
+        }
+        let stale = &logs[STALE];
+        // Phase 2: the others step in a group of 3; the stale peer, in epoch 1, does not step.
+        assert_eq!((stale[2].1, stale[2].3), (1, true), "{:?}", stale[2].2);
+        for (p, log) in logs.iter().enumerate().filter(|(p, _)| *p != STALE) {
+            assert_eq!((log[2].1, log[2].2), (3, Some(DONORS)), "donor {p}");
+            assert_eq!(log[3].2, Some(DONORS + 1), "donor {p}: all four in phase 3");
+        }
+        // Phase 3: after its sync, the same epoch, group and bits as the donors.
+        assert_eq!((stale[3].1, stale[3].2), (4, Some(DONORS + 1)));
+        for log in &logs[..DONORS] {
+            assert!(log[3].4 == stale[3].4, "the same phase start after phase 3");
+        }
     })
     .await;
 }

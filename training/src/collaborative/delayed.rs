@@ -28,7 +28,8 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use super::{
-    average_gradients, note_round, CollaborativeOptimizer, Compressor, StepReport, TrainingError,
+    average_gradients, behind_of, note_round, CollaborativeOptimizer, Compressor, StepReport,
+    TrainingError,
 };
 use crate::params::ParamSet;
 
@@ -181,9 +182,18 @@ impl CollaborativeOptimizer {
         }
         let carried_state = finished.state.is_some();
         let averaged = finished.result.is_ok();
+        let ahead = behind_of(&finished.result);
         note_round(&mut report, finished.result)?;
         self.learn_matchmaking(&report);
         report.timings.averaging = finished.took;
+        if let Some(theirs) = ahead {
+            // The others had taken this step already: not applied (the parameters stay those
+            // the round started from); the caller syncs.
+            self.spare = finished.grads;
+            self.epoch = pending.epoch_after - 1;
+            self.note_behind(&mut report, theirs);
+            return Ok(Some(report));
+        }
         let applied_at = Instant::now();
         if let Some((values, optimizer)) = finished.state {
             // Spans the round did not cover hold this peer's own values: nothing changed them.

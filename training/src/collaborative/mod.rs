@@ -93,7 +93,8 @@ pub use config::{
     TrainingError,
 };
 use rounds::{
-    average_gradients, note_gossip, note_round, same_len, swarm_peers, Compressor, CompressorSpec,
+    average_gradients, behind_of, note_gossip, note_round, same_len, swarm_peers, Compressor,
+    CompressorSpec,
 };
 
 /// Why a step used only local values when the progress records show no other peer.
@@ -157,6 +158,11 @@ pub struct CollaborativeOptimizer {
     /// After a state sync, until this peer's first step: how many times the swarm was found
     /// an epoch ahead of the synced state (see `take_swarm_epoch`).
     fresh_sync: Option<u32>,
+    /// A round met the others' round of a later epoch (rounds are tagged with the epoch they
+    /// end) and this peer did not step: the epoch their round reaches. The caller is told
+    /// (`behind`) and syncs, which clears it. A caller that does not sync takes that epoch at its next round
+    /// and trains on from its own values (apart until the next state round).
+    behind_of: Option<u64>,
     /// Failures met during the current call, moved into its [`StepReport`].
     errors: Vec<String>,
     /// This run's metrics, and the node's (journals, board).
@@ -268,6 +274,7 @@ impl CollaborativeOptimizer {
             swarm: None,
             last_read: None,
             fresh_sync: None,
+            behind_of: None,
             errors: Vec::new(),
             metrics,
             node_metrics,
@@ -297,6 +304,7 @@ impl CollaborativeOptimizer {
     pub fn resume(&mut self, epoch: u64, params: &ParamSet) {
         self.cancel_pending();
         self.epoch = epoch;
+        self.behind_of = None;
         self.accumulated.fill(0.0);
         self.samples = 0;
         self.inner = 0;
@@ -503,6 +511,7 @@ impl CollaborativeOptimizer {
             samples: self.samples,
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
             behind: false,
+            others_epoch: None,
             round: None,
             gossip: None,
             timings: StepTimings::default(),
@@ -536,6 +545,11 @@ impl CollaborativeOptimizer {
         // round publishes when its round ends): nothing to read unless this peer alone has the
         // batch.
         let mut applied = self.apply_if_finished(params).await?;
+        if applied.as_ref().is_some_and(|r| r.behind) {
+            // The round just ended found the others an epoch on: the caller syncs first.
+            return Ok(applied.unwrap_or_else(|| self.idle_report()));
+        }
+        self.catch_up();
         if self.pending.is_some() && self.samples < self.cfg.target_batch_size {
             return Ok(applied.unwrap_or_else(|| self.idle_report()));
         }
@@ -579,6 +593,9 @@ impl CollaborativeOptimizer {
         }
         // Rounds apply in order: the one in flight (delayed update) before this one starts.
         if let Some(r) = self.apply_pending(params).await? {
+            if r.behind {
+                return Ok(r);
+            }
             applied = Some(r);
         }
         // The local mean gradient, averaged with the group's weighted by samples: the global
@@ -592,6 +609,9 @@ impl CollaborativeOptimizer {
         // Every live peer searches about now: a group of them need not wait out the window.
         self.averager
             .expect_peers(swarm_peers(report.swarm.as_ref()));
+        // Peers in another epoch never group (one a round behind would average gradients of
+        // other parameters): it learns at its search that it is behind.
+        self.averager.set_round_tag(self.epoch);
         let began = Instant::now();
         report.timings.waiting = self.epoch_start.map_or(Duration::ZERO, |t| began - t);
         let deadline = began + self.cfg.averaging_timeout;
@@ -666,8 +686,15 @@ impl CollaborativeOptimizer {
                 )
                 .await
             };
+            let ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
             self.learn_matchmaking(&report);
+            if let Some(theirs) = ahead {
+                // The others are past this epoch: applying its gradients here would leave
+                // this peer's parameters apart from theirs. No step; the caller syncs.
+                self.note_behind(&mut report, theirs);
+                return Ok(report);
+            }
         }
         let averaged_at = Instant::now();
         report.timings.averaging = averaged_at - began;
@@ -725,6 +752,8 @@ impl CollaborativeOptimizer {
         self.averager.expect_peers(swarm_peers(swarm.as_ref()));
         report.behind = swarm.as_ref().is_some_and(|s| s.is_behind(self.epoch));
         report.swarm = swarm;
+        self.catch_up();
+        self.averager.set_round_tag(self.epoch);
         let with_state = self.state_due();
         let Some((outer, anchor)) = self.outer.as_mut() else {
             return Ok(report);
@@ -737,6 +766,7 @@ impl CollaborativeOptimizer {
             .for_each(|(d, (a, p))| *d = a - p);
         let deadline = Instant::now() + self.cfg.averaging_timeout;
         let weight = self.samples.max(1) as f32;
+        let mut ahead = None;
         if let Some(gossip) = &self.gossip {
             // The phase start and the pseudo-gradient mix together, so the outer step below
             // starts from values that move towards the swarm's.
@@ -756,6 +786,7 @@ impl CollaborativeOptimizer {
                 .step_exact(&mut buffers, weight, deadline)
                 .await;
             report.state_averaged = averaged.is_ok();
+            ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
         } else {
             let averaged = average_gradients(
@@ -767,7 +798,14 @@ impl CollaborativeOptimizer {
                 deadline,
             )
             .await;
+            ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
+        }
+        if let Some(theirs) = ahead {
+            // The others took this outer step already: no step here (the phase's local
+            // steps stay in the parameters); the caller syncs.
+            self.note_behind(&mut report, theirs);
+            return Ok(report);
         }
         // The outer step moves the phase's start along the (averaged) pseudo-gradient; every
         // member continues from there (the same bits with the exact codec).

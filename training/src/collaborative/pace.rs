@@ -214,6 +214,42 @@ impl CollaborativeOptimizer {
         true
     }
 
+    /// A round met the others' round of epoch `theirs`: the step was not taken, and the caller
+    /// is told to sync (`behind`) to the epoch that round reaches; until it does, the next
+    /// round takes that epoch (`catch_up`).
+    pub(super) fn note_behind(&mut self, report: &mut StepReport, theirs: u64) {
+        tracing::debug!(
+            epoch = self.epoch,
+            theirs,
+            "a round found the others in a later epoch: not stepping"
+        );
+        let reached = theirs + 1;
+        self.behind_of = Some(reached);
+        self.swarm = None;
+        report.behind = true;
+        report.others_epoch = Some(reached);
+        report.stepped = false;
+        report.epoch = self.epoch;
+    }
+
+    /// Before a round: a peer that a round found behind and that did not sync since takes the
+    /// others' epoch (it trains on from its own values, apart from theirs until the next
+    /// state round), so that it can group with them again.
+    pub(super) fn catch_up(&mut self) {
+        let Some(theirs) = self.behind_of.take() else {
+            return;
+        };
+        if self.outer.is_some() {
+            // Local SGD: the epoch counts outer steps; the inner optimizer's steps are its own.
+            if theirs > self.epoch {
+                self.epoch = theirs;
+                self.metrics.epoch.set(self.epoch as i64);
+            }
+        } else {
+            self.adopt_epoch(theirs);
+        }
+    }
+
     /// Takes the swarm's epoch `to` (and the optimizer's step count with it, for AdamW's bias
     /// correction).
     pub(super) fn adopt_epoch(&mut self, to: u64) {

@@ -178,6 +178,15 @@ pub(super) fn same_len(expected: usize, params: &ParamSet) -> Result<(), Trainin
     })
 }
 
+/// The later round tag (epoch) another peer searched with, when a round ended because this
+/// peer is behind.
+pub(super) fn behind_of(averaged: &Result<RoundReport, AveragerError>) -> Option<u64> {
+    match averaged {
+        Err(AveragerError::Behind { theirs, .. }) => Some(*theirs),
+        _ => None,
+    }
+}
+
 /// Records an averaging round's outcome in `report`: a round that did not form or covered only
 /// part of the buffers leaves the local values in place and says why; only this peer's node
 /// stopping is an error.

@@ -83,6 +83,7 @@ impl CollaborativeOptimizer {
             return;
         }
         self.averager.expect_peers(swarm_peers(Some(swarm)));
+        self.averager.set_round_tag(self.epoch);
         let with_state = self.state_due();
         let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
         let prepared = match self.compressor.as_ref().filter(|_| !with_state) {

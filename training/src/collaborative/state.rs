@@ -74,6 +74,7 @@ impl CollaborativeOptimizer {
         // A delayed update's round in flight belonged to the state just replaced.
         self.cancel_pending();
         self.epoch = epoch;
+        self.behind_of = None;
         self.accumulated.fill(0.0);
         // What earlier rounds owed belongs to the state this peer left behind.
         self.residuals.reset();

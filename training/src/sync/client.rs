@@ -138,7 +138,7 @@ async fn one_round(
     carried: Option<Kept>,
     report: &mut SyncReport,
 ) -> Result<Round, SyncError> {
-    let (choice, mut addrs) = find_donors(node, cfg, layout).await?;
+    let (choice, mut addrs) = find_donors(node, cfg, layout, deadline).await?;
     let mut donors: Vec<Donor> = choice
         .donors
         .iter()
@@ -212,11 +212,14 @@ async fn one_round(
 }
 
 /// Reads the announcements and picks the manifest (see [`choose_manifest`]); returns it and
-/// the donors' addresses.
+/// the donors' addresses. While the donors of this model announce only epochs older than
+/// `min_epoch` (they are still stepping towards it), reads again every `round_pause` until
+/// `deadline`.
 async fn find_donors(
     node: &Node,
     cfg: &SyncConfig,
     layout: &StateLayout,
+    deadline: Instant,
 ) -> Result<
     (
         ManifestChoice<PeerId>,
@@ -226,24 +229,36 @@ async fn find_donors(
 > {
     let key = state_key(&cfg.run);
     let t = cfg.request_timeout;
-    let entries = timeout(t, node.get::<StateAnnouncement>(&key))
-        .await
-        .map_err(|_| SyncError::Timeout(t))??;
     let me = node.peer_id();
-    let announcements: Vec<(PeerId, StateAnnouncement)> = entries
-        .into_iter()
-        .filter_map(|(subkey, a, _)| {
-            let owner = starling_dht::required_owner(&key, &subkey).ok()??;
-            let peer = starling_node::peer_id_of_owner(&owner)?;
-            (peer != me).then_some((peer, a))
-        })
-        .collect();
-    let choice = choose_manifest(
-        &announcements,
-        layout.schema_hash(),
-        cfg.min_epoch,
-        cfg.min_agreeing_donors,
-    );
+    let (choice, announcements) = loop {
+        let entries = timeout(t, node.get::<StateAnnouncement>(&key))
+            .await
+            .map_err(|_| SyncError::Timeout(t))??;
+        let announcements: Vec<(PeerId, StateAnnouncement)> = entries
+            .into_iter()
+            .filter_map(|(subkey, a, _)| {
+                let owner = starling_dht::required_owner(&key, &subkey).ok()??;
+                let peer = starling_node::peer_id_of_owner(&owner)?;
+                (peer != me).then_some((peer, a))
+            })
+            .collect();
+        let choice = choose_manifest(
+            &announcements,
+            layout.schema_hash(),
+            cfg.min_epoch,
+            cfg.min_agreeing_donors,
+        );
+        let newest = announcements
+            .iter()
+            .filter(|(_, a)| a.schema_hash == layout.schema_hash())
+            .map(|(_, a)| a.epoch)
+            .max();
+        let stepping = newest.is_some_and(|e| e < cfg.min_epoch);
+        if choice.is_some() || !stepping || Instant::now() + cfg.round_pause >= deadline {
+            break (choice, announcements);
+        }
+        tokio::time::sleep(cfg.round_pause).await;
+    };
     let Some(choice) = choice else {
         let seen: Vec<(u64, u64, String)> = announcements
             .iter()

@@ -223,7 +223,9 @@ const MAX_CHUNK_ELEMS: usize = 16 << 20;
 pub struct SyncConfig {
     /// The run (announcements are read from `{run}.state`).
     pub run: String,
-    /// Only states at this epoch or later are taken.
+    /// Only states at this epoch or later are taken. While the donors of this model announce
+    /// only older ones (they are still stepping towards it), the announcements are read again
+    /// every `round_pause`, up to `deadline`.
     pub min_epoch: u64,
     /// Donors that must announce the same manifest before it is taken.
     pub min_agreeing_donors: usize,
