@@ -23,8 +23,9 @@ How it works. The parameters and gradients live in two flat float32 buffers owne
 and ``.grad`` become views into the buffers, so ``backward()`` writes gradients straight into
 what the averager sends, and the step writes parameters straight into the model: no copies.
 **CUDA tensors are staged** through the host buffers: ``step`` copies the gradients to host
-memory before averaging and the parameters back to the device after (plain pageable copies;
-``staging`` says which applies). The optimizer math is Starling's flat AdamW or SGD, defined as
+memory before averaging and the parameters back to the device after; the host buffers are
+page-locked in place (``cudaHostRegister``) so that each copy is one DMA transfer (pageable
+copies where that fails; ``staging`` says which applies). The optimizer math is Starling's flat AdamW or SGD, defined as
 PyTorch's and written so that the same inputs give the same bits on every peer: with codec
 ``none`` every peer holds bit-identical parameters after every global step. A
 ``torch.optim`` optimizer passed in only supplies hyper-parameters (it never steps).
@@ -38,6 +39,29 @@ import numpy as np
 import torch
 
 from . import _native
+
+
+def _pin(buffer: torch.Tensor) -> bool:
+    """Page-locks a CPU tensor's memory in place (``cudaHostRegister``), so that copies between
+    it and CUDA tensors are direct DMA transfers that may run asynchronously. False (and the
+    buffer stays pageable) when CUDA is unavailable or the call fails."""
+    if not torch.cuda.is_available() or buffer.numel() == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(
+            buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0
+        )
+    except (RuntimeError, AttributeError):
+        return False
+    return int(getattr(err, "value", err)) == 0
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    """Undoes :func:`_pin`."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    except (RuntimeError, AttributeError):
+        pass
 
 __all__ = ["Optimizer"]
 
@@ -211,9 +235,17 @@ class Optimizer:
                 else:
                     self._staged.append(p)
                 self._views.append((p, vp, vg))
-        self.staging = (
-            "host copies for CUDA tensors" if self._staged else "none: CPU tensors share Starling's buffers"
-        )
+        # CUDA tensors: the host buffers are page-locked in place (cudaHostRegister), so that
+        # the copies each way are single DMA transfers; where that fails, pageable copies.
+        self._pinned: List[torch.Tensor] = []
+        if self._staged:
+            self._pinned = [b for b in (self._flat_params, self._flat_grads) if _pin(b)]
+        if not self._staged:
+            self.staging = "none: CPU tensors share Starling's buffers"
+        elif len(self._pinned) == 2:
+            self.staging = "pinned host buffers (cudaHostRegister) for CUDA tensors"
+        else:
+            self.staging = "pageable host copies for CUDA tensors (pinning the buffers failed)"
         if load_state_from_peers:
             self.load_state_from_peers(timeout=sync_timeout)
         self._native.serve_state()
@@ -248,16 +280,24 @@ class Optimizer:
             if g is None:
                 vg.zero_()
             elif g.data_ptr() != vg.data_ptr():
-                vg.copy_(g.detach().to("cpu"))
+                # (From a CUDA tensor straight into the host buffer: one transfer, asynchronous
+                # when the buffer is pinned, awaited below before anything reads it.)
+                vg.copy_(g.detach(), non_blocking=bool(self._pinned))
                 if p.device.type == "cpu":
                     p.grad = vg
+        if self._pinned:
+            torch.cuda.synchronize()
 
     def _scatter_params(self) -> None:
-        """Copies the parameters back to CUDA tensors (CPU ones already are the buffer)."""
+        """Copies the parameters back to CUDA tensors (CPU ones already are the buffer). From
+        pinned buffers the copies run asynchronously and are awaited once, at the end: the host
+        buffer must not change under them."""
         with torch.no_grad():
             for p, vp, _ in self._views:
                 if p.device.type != "cpu":
-                    p.copy_(vp, non_blocking=False)
+                    p.copy_(vp, non_blocking=bool(self._pinned))
+        if self._pinned:
+            torch.cuda.synchronize()
 
     def step(self, batch_size: Optional[int] = None) -> "_native.StepReport":
         """Takes the current gradients (the mean over ``batch_size`` samples, default
@@ -337,6 +377,14 @@ class Optimizer:
     def shutdown(self) -> None:
         """Leaves the run (the node keeps running). Idempotent."""
         self._native.shutdown()
+        while self._pinned:
+            _unpin(self._pinned.pop())
+
+    def __del__(self) -> None:
+        # Page-locked memory must be released while the buffers still exist (they do: this
+        # object holds them until it is gone).
+        for b in getattr(self, "_pinned", []):
+            _unpin(b)
 
     def __enter__(self) -> "Optimizer":
         return self

@@ -541,3 +541,59 @@ async fn a_latest_get_does_not_wait_out_the_query_for_a_stalled_peer() {
     })
     .await;
 }
+
+/// A peer that left (its node gone) is dropped from the routing table at the first dial that
+/// fails, so a survivor alone in the swarm reads and writes its own records at once instead of
+/// dialling the dead peer again in every query. (libp2p-kad keeps a peer's last address after
+/// failed dials; a QUIC dial to a peer that is gone fails only after the 5 s handshake timeout,
+/// so every DHT call of a straggler whose swarm had left took 5 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_left_is_forgotten_and_a_survivor_alone_reads_its_own_records() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let listen = |n: NodeConfig| {
+            n.listen_on("/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap())
+                .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        };
+        let gone = Node::start(listen(cfg())).await.unwrap();
+        let mut survivor_cfg = listen(cfg());
+        for a in gone.listen_addrs().await.unwrap() {
+            survivor_cfg = survivor_cfg.bootstrap_from(a);
+        }
+        let survivor = Node::start(survivor_cfg).await.unwrap();
+        survivor.bootstrap().await.unwrap();
+        let key = "left.progress";
+        survivor
+            .store(key, "mine", &7u64, now_ms() + 300_000)
+            .await
+            .unwrap();
+        assert_eq!(survivor.status().await.unwrap().routing_table, 1);
+        gone.shutdown().await;
+        // Reads go on answering with the local record while the dead peer is dialled, and the
+        // failed dial takes it out of the table.
+        let until = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let got: Vec<(String, u64, u64)> = survivor.get(key).await.unwrap();
+            assert_eq!(got.len(), 1, "{got:?}");
+            assert_eq!(got[0].1, 7);
+            if survivor.status().await.unwrap().routing_table == 0 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "the peer that left is still in the routing table"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Alone now: a store has nobody to ask and keeps its record locally.
+        let stored = survivor.store(key, "mine", &8u64, now_ms() + 300_000).await;
+        assert!(
+            matches!(stored, Ok(_) | Err(NodeError::QuorumFailed { .. })),
+            "{stored:?}"
+        );
+        let got: Vec<(String, u64, u64)> = survivor.get(key).await.unwrap();
+        assert_eq!(got[0].1, 8);
+        survivor.shutdown().await;
+    })
+    .await;
+}

@@ -15,7 +15,7 @@ use libp2p::kad::{Record, RecordKey};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{
     dial_opts::{DialOpts, PeerCondition},
-    ConnectionId, SwarmEvent,
+    ConnectionId, DialError, SwarmEvent,
 };
 use libp2p::{autonat, identify, Multiaddr, PeerId, StreamProtocol, Swarm};
 use starling_dht::{now_ms, DictionaryRecord, Validator};
@@ -95,7 +95,12 @@ impl Actor {
             listen_addrs,
             peer_ips: HashMap::new(),
             pending_dials: HashMap::new(),
-            queries: Queries::new(validator, cfg.put_quorum, cfg.request_timeout / 2),
+            queries: Queries::new(
+                validator,
+                cfg.put_quorum,
+                cfg.request_timeout / 2,
+                cfg.request_timeout / 4,
+            ),
             nat: Nat::new(cfg, nat_events.sender()),
             kad_protocol: StreamProtocol::try_from_owned(cfg.kad_protocol.clone())
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
@@ -270,6 +275,25 @@ impl Actor {
         }
     }
 
+    /// A dial to `peer` failed on every address it tried, and no connection to it is left:
+    /// takes it out of Kademlia's routing table. libp2p-kad itself only drops the failed
+    /// addresses but the last, and keeps the peer (so that a local outage does not flush the
+    /// table) until a newer peer wants its bucket slot. In a swarm whose other peers have
+    /// left, none ever does: every lookup then dials the dead peers again and cannot end
+    /// before the slowest dial fails, which for a QUIC address is the 5 s handshake timeout
+    /// (UDP has no "connection refused"), so every DHT read and write of a lone peer took
+    /// about 5 s. A peer that is alive comes back with its addresses through identify on its
+    /// next connection, in either direction.
+    fn forget_unreachable(&mut self, peer: PeerId, error: &DialError) {
+        if !matches!(error, DialError::Transport(_)) || self.swarm.is_connected(&peer) {
+            return;
+        }
+        if kad(&mut self.swarm).remove_peer(&peer).is_some() {
+            tracing::debug!(%peer, "unreachable: removed from the routing table");
+            self.update_gauges();
+        }
+    }
+
     /// Sets the node's gauges from the swarm's state (on connection changes and every sweep).
     fn update_gauges(&mut self) {
         let status = self.status();
@@ -341,9 +365,12 @@ impl Actor {
             }
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
+                peer_id,
                 error,
-                ..
             } => {
+                if let Some(peer) = peer_id {
+                    self.forget_unreachable(peer, &error);
+                }
                 if let Some((addr, reply)) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(NodeError::Dial {
                         addr: addr.to_string(),

@@ -534,7 +534,9 @@ impl Node {
 
     /// Looks `key` up across the swarm for its **latest** value: merges what every responding
     /// peer (and the local store) holds, and answers when the query completes, that is once
-    /// the closest peers to the key have answered (or `request_timeout`). Records that fail
+    /// the closest peers to the key have answered (or `request_timeout`), or with what it has
+    /// merged by a quarter of `request_timeout` if that holds a live entry (a dead peer among
+    /// the closest, whose dial hangs, does not hold the answer up). Records that fail
     /// validation are dropped; expired entries never appear. The merged record is then written
     /// back to the closest peer that answered without it, so later lookups end sooner.
     ///

@@ -3,9 +3,12 @@
 //! The swarm task starts a query on `kad::Behaviour` and parks the caller's reply here, keyed by
 //! the query id; Kademlia events then fill in and finish it. A GET for the latest value merges
 //! every record found (after validation) into one dictionary, answers once the query's last
-//! step arrives, and writes the merged record back to the closest peer that lacked it (a
-//! cache, so the next lookup stops sooner); a GET for the first value answers, and ends the
-//! query, at the first valid record with a live entry. A PUT runs in two steps: a lookup of the
+//! step arrives or, when it already holds a live entry (the local store's counts), once its
+//! budget (a quarter of the request timeout) is spent, and writes the merged record back to
+//! the closest peer that lacked it (a cache, so the next lookup stops sooner); so a peer among
+//! the closest that died and whose dial hangs delays a read by the budget instead of the whole
+//! query timeout. A GET for the first value answers, and ends the query, at the first valid
+//! record with a live entry. A PUT runs in two steps: a lookup of the
 //! closest peers, cut short at its budget (half the request timeout) with the closest that
 //! answered by then, then the write to them, answered at the quorum; so one slow peer among
 //! the closest delays a store by the budget instead of failing it. Bootstraps answer when no
@@ -68,6 +71,8 @@ pub(super) struct Queries {
     deadlines: FuturesUnordered<Deadline>,
     /// How long a PUT's lookup may take before the write goes to the closest peers found.
     lookup_budget: Duration,
+    /// How long a latest GET that already holds a live entry waits for the rest of its query.
+    get_budget: Duration,
     /// PUTs in their second step, with the key (for the error message) and the caller's reply.
     puts: HashMap<QueryId, (String, Reply<PutReport>)>,
     gets: HashMap<QueryId, PendingGet>,
@@ -80,12 +85,19 @@ pub(super) struct Queries {
 }
 
 impl Queries {
-    /// `lookup_budget`: how long a PUT's lookup of the closest peers may run.
-    pub(super) fn new(validator: Validator, put_quorum: usize, lookup_budget: Duration) -> Self {
+    /// `lookup_budget`: how long a PUT's lookup of the closest peers may run; `get_budget`:
+    /// how long a latest GET may run once it holds a live entry.
+    pub(super) fn new(
+        validator: Validator,
+        put_quorum: usize,
+        lookup_budget: Duration,
+        get_budget: Duration,
+    ) -> Self {
         Queries {
             lookups: HashMap::new(),
             deadlines: FuturesUnordered::new(),
             lookup_budget,
+            get_budget,
             puts: HashMap::new(),
             gets: HashMap::new(),
             bootstraps: HashMap::new(),
@@ -112,7 +124,11 @@ impl Queries {
         let id = kad.get_closest_peers(record.key.to_vec());
         self.lookups
             .insert(id, PendingLookup { record, key, reply });
-        let budget = self.lookup_budget;
+        self.push_deadline(id, self.lookup_budget);
+    }
+
+    /// Query `id` is looked at again ([`Self::on_deadline`]) once `budget` is spent.
+    fn push_deadline(&mut self, id: QueryId, budget: Duration) {
         self.deadlines.push(Box::pin(async move {
             tokio::time::sleep(budget).await;
             id
@@ -128,17 +144,26 @@ impl Queries {
         }
     }
 
-    /// A PUT's lookup ran out of budget: end it, so that it reports the closest peers that
-    /// answered so far and the write goes to them. (A lookup that already ended is ignored.)
+    /// A query ran out of budget. A PUT's lookup: end it, so that it reports the closest peers
+    /// that answered so far and the write goes to them. A latest GET that holds a live entry:
+    /// end it, so that it answers with what it merged (the local store's record and the peers
+    /// that answered); one that holds none runs on to the query timeout, since nothing found
+    /// yet is worth the whole lookup. (A query that already ended is ignored.)
     pub(super) fn on_deadline(&mut self, kad: &mut Kad, id: QueryId) {
-        if self.lookups.contains_key(&id) {
-            if let Some(mut q) = kad.query_mut(&id) {
-                tracing::debug!(
-                    ?id,
-                    "DHT put: lookup over budget, writing to the closest found"
-                );
-                q.finish();
+        let what = if self.lookups.contains_key(&id) {
+            "DHT put: lookup over budget, writing to the closest found"
+        } else if let Some(pending) = self.gets.get_mut(&id) {
+            pending.merged.remove_expired(now_ms());
+            if pending.merged.is_empty() {
+                return;
             }
+            "DHT get: over budget, answering with the records found so far"
+        } else {
+            return;
+        };
+        if let Some(mut q) = kad.query_mut(&id) {
+            tracing::debug!(?id, "{what}");
+            q.finish();
         }
     }
 
@@ -183,6 +208,9 @@ impl Queries {
         reply: Reply<Option<DictionaryRecord>>,
     ) {
         let id = kad.get_record(key.clone());
+        if mode == GetMode::Latest {
+            self.push_deadline(id, self.get_budget);
+        }
         self.gets.insert(
             id,
             PendingGet {
