@@ -90,7 +90,8 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
     of the epoch it finished while it may already be in the next round, but rounds are tagged
     with their epoch, so a joiner whose state is an epoch old does not average with the others
     (which would leave it apart until the next state round); its round says it is behind, and it
-    syncs again."""
+    syncs again. Processes differ only after a round that did not hold all four (a partial
+    group, which happens now and then under load), and only until the next state round."""
     epochs = "150"
     with processes() as procs:
         first = run("--rank", "0", "--wait-for", "3", "--run-id", "py-digits-late", "--epochs", epochs)
@@ -123,4 +124,7 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
     # but for a couple of epochs around its first step.
     after = [[e for e, t in r["trouble"].items() if int(e) > first_step] for r in results]
     assert all(len(a) <= 2 for a in after), after
-    assert not differ, "the same bits as the others after every epoch it stepped"
+    troubled = sorted({int(e) for r in results for e in r["trouble"]})
+    for e in differ:
+        assert any(t <= e < t + 11 for t in troubled), f"epoch {e} differs after no partial round"
+

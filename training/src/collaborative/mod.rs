@@ -153,8 +153,10 @@ pub struct CollaborativeOptimizer {
     epoch_start: Option<Instant>,
     /// The last swarm reading and when it was taken.
     swarm: Option<(Instant, SwarmProgress)>,
-    /// The last reading actually read from the DHT (what a failed read falls back to).
+    /// The last reading actually read from the DHT (what a failed read falls back to), and
+    /// when it was read.
     last_read: Option<SwarmProgress>,
+    last_read_at: Option<Instant>,
     /// After a state sync, until this peer's first step: how many times the swarm was found
     /// an epoch ahead of the synced state (see `take_swarm_epoch`).
     fresh_sync: Option<u32>,
@@ -273,6 +275,7 @@ impl CollaborativeOptimizer {
             epoch_start: None,
             swarm: None,
             last_read: None,
+            last_read_at: None,
             fresh_sync: None,
             behind_of: None,
             errors: Vec::new(),
@@ -708,9 +711,11 @@ impl CollaborativeOptimizer {
             .as_ref()
             .filter(|r| report.averaging_error.is_none() && r.failed_peers.is_empty())
             .map_or(0, |r| r.group.len());
-        self.swarm = self
-            .progress_after_round(everyone)
-            .map(|s| (Instant::now(), s));
+        // (Dated as the last DHT read: made-up readings in a row must not put the next read off
+        // for good, or a swarm stepping faster than `fetch_interval` never sees a joiner, which
+        // then misses every round until the next state round reads the progress again.)
+        let read_at = self.last_read_at.unwrap_or_else(Instant::now);
+        self.swarm = self.progress_after_round(everyone).map(|s| (read_at, s));
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         let stepped_at = Instant::now();

@@ -139,6 +139,7 @@ impl CollaborativeOptimizer {
         let s = match self.tolerate(fetched)? {
             Some(s) => {
                 self.last_read = Some(s.clone());
+                self.last_read_at = Some(Instant::now());
                 s
             }
             None => self.fallback_progress(),
@@ -270,7 +271,8 @@ impl CollaborativeOptimizer {
     /// rates they reported. Exactly what a read would return once their post-step reports land,
     /// known without one, so the next epoch starts computing at once instead of waiting out a
     /// DHT read (about a millisecond on loopback, a round trip between hosts). The next read is
-    /// due `fetch_interval` later, as after any reading; `None` (read as usual) after a round
+    /// due `fetch_interval` after the last actual read (a peer that joined meanwhile is seen
+    /// then); `None` (read as usual) after a round
     /// that missed a live peer, or with no reading to go on.
     pub(super) fn progress_after_round(&self, group: usize) -> Option<SwarmProgress> {
         let last = self.last_read.as_ref()?;

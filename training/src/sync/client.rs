@@ -211,10 +211,15 @@ async fn one_round(
     }
 }
 
+/// How often a sync waiting for donors to reach its `min_epoch` reads their announcements
+/// again: a step can take well under `round_pause`, and a joiner that learns of the new state
+/// late is an epoch behind again.
+const ANNOUNCEMENT_POLL: Duration = Duration::from_millis(25);
+
 /// Reads the announcements and picks the manifest (see [`choose_manifest`]); returns it and
 /// the donors' addresses. While the donors of this model announce only epochs older than
-/// `min_epoch` (they are still stepping towards it), reads again every `round_pause` until
-/// `deadline`.
+/// `min_epoch` (they are still stepping towards it), reads again every [`ANNOUNCEMENT_POLL`]
+/// until `deadline`.
 async fn find_donors(
     node: &Node,
     cfg: &SyncConfig,
@@ -254,10 +259,10 @@ async fn find_donors(
             .map(|(_, a)| a.epoch)
             .max();
         let stepping = newest.is_some_and(|e| e < cfg.min_epoch);
-        if choice.is_some() || !stepping || Instant::now() + cfg.round_pause >= deadline {
+        if choice.is_some() || !stepping || Instant::now() + ANNOUNCEMENT_POLL >= deadline {
             break (choice, announcements);
         }
-        tokio::time::sleep(cfg.round_pause).await;
+        tokio::time::sleep(ANNOUNCEMENT_POLL).await;
     };
     let Some(choice) = choice else {
         let seen: Vec<(u64, u64, String)> = announcements

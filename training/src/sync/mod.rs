@@ -225,7 +225,7 @@ pub struct SyncConfig {
     pub run: String,
     /// Only states at this epoch or later are taken. While the donors of this model announce
     /// only older ones (they are still stepping towards it), the announcements are read again
-    /// every `round_pause`, up to `deadline`.
+    /// every 25 ms, up to `deadline`.
     pub min_epoch: u64,
     /// Donors that must announce the same manifest before it is taken.
     pub min_agreeing_donors: usize,
