@@ -490,8 +490,8 @@ pub(crate) struct PyStepReport {
     behind: bool,
     /// The swarm's epoch as this peer last read it, if it read one.
     swarm_epoch: Option<u64>,
-    /// When a round met the others' round of a later epoch (this peer did not step): the epoch
-    /// that round reaches; load a state of at least this epoch.
+    /// When a round met the others' round of a later epoch (this peer did not step): their
+    /// epoch; load a state of at least this epoch.
     others_epoch: Option<u64>,
     /// Every failure met during the call (averaging errors, progress-record errors).
     errors: Vec<String>,

@@ -719,8 +719,18 @@ async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_s
                 // (phase, epoch after it, group size, behind, phase start after it)
                 let mut log = Vec::new();
                 let mut saved = None;
+                let mut behind_at = None;
                 for phase in 0..PHASES {
                     phase_gate.wait().await;
+                    if let Some(floor) = behind_at.take() {
+                        // Told it is behind: it syncs, as `starling train` does (here once the
+                        // others have finished the round it missed, so that one sync does).
+                        let layout = collab.state_view(&params).layout();
+                        let mut sync = sync_cfg(run);
+                        sync.min_epoch = floor;
+                        let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
+                        collab.restore_from(&mut params, &synced).unwrap();
+                    }
                     let mut last = None;
                     for _ in 0..H {
                         gradient(&mut params, p, collab.epoch());
@@ -734,7 +744,11 @@ async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_s
                         r.behind && !r.stepped,
                         params.params().to_vec(),
                     ));
-                    if p != STALE {
+                    if let Some(s) = &server {
+                        // The state of this outer step is served before the next phase.
+                        while s.served().map(|s| s.epoch) != Some(collab.epoch()) {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
                         continue;
                     }
                     match phase {
@@ -745,14 +759,7 @@ async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_s
                             params.params_mut().copy_from_slice(saved.as_ref().unwrap());
                             collab.resume(1, &params);
                         }
-                        // Told it is behind: it syncs, as `starling train` does.
-                        2 if r.behind && !r.stepped => {
-                            let layout = collab.state_view(&params).layout();
-                            let mut sync = sync_cfg(run);
-                            sync.min_epoch = r.others_epoch.unwrap();
-                            let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
-                            collab.restore_from(&mut params, &synced).unwrap();
-                        }
+                        _ if r.behind && !r.stepped => behind_at = r.others_epoch,
                         _ => {}
                     }
                 }

@@ -281,8 +281,8 @@ pub struct StepReport {
     /// Whether this peer's epoch is behind the swarm's (it should sync state).
     pub behind: bool,
     /// When a round of this call met the others' round of a later epoch (rounds are tagged
-    /// with the epoch they end; this peer did not step): the epoch their round reaches, which
-    /// a state sync should bring at least.
+    /// with the epoch they end; this peer did not step): their epoch, which a state sync
+    /// should bring at least.
     pub others_epoch: Option<u64>,
     /// The averaging round, when one ran (group averaging).
     pub round: Option<RoundReport>,

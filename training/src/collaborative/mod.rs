@@ -161,8 +161,8 @@ pub struct CollaborativeOptimizer {
     /// an epoch ahead of the synced state (see `take_swarm_epoch`).
     fresh_sync: Option<u32>,
     /// A round met the others' round of a later epoch (rounds are tagged with the epoch they
-    /// end) and this peer did not step: the epoch their round reaches. The caller is told
-    /// (`behind`) and syncs, which clears it. A caller that does not sync takes that epoch at its next round
+    /// end) and this peer did not step: their epoch. The caller is told (`behind`) and syncs,
+    /// which clears it. A caller that does not sync takes that epoch at its next round
     /// and trains on from its own values (apart until the next state round).
     behind_of: Option<u64>,
     /// Failures met during the current call, moved into its [`StepReport`].

@@ -216,19 +216,20 @@ impl CollaborativeOptimizer {
     }
 
     /// A round met the others' round of epoch `theirs`: the step was not taken, and the caller
-    /// is told to sync (`behind`) to the epoch that round reaches; until it does, the next
-    /// round takes that epoch (`catch_up`).
+    /// is told to sync (`behind`) to at least that epoch (the others' state now: a peer that
+    /// syncs it in time joins the round they are forming; one that waited for the epoch after
+    /// would deadlock a pair, whose other peer waits for it to end that round); until it does,
+    /// the next round takes that epoch (`catch_up`).
     pub(super) fn note_behind(&mut self, report: &mut StepReport, theirs: u64) {
         tracing::debug!(
             epoch = self.epoch,
             theirs,
             "a round found the others in a later epoch: not stepping"
         );
-        let reached = theirs + 1;
-        self.behind_of = Some(reached);
+        self.behind_of = Some(theirs);
         self.swarm = None;
         report.behind = true;
-        report.others_epoch = Some(reached);
+        report.others_epoch = Some(theirs);
         report.stepped = false;
         report.epoch = self.epoch;
     }
