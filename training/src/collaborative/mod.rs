@@ -83,6 +83,7 @@ use crate::sync::StateServer;
 
 mod config;
 mod delayed;
+mod local;
 mod pace;
 mod rounds;
 mod schedule;
@@ -734,95 +735,6 @@ impl CollaborativeOptimizer {
             serving_ms = stepped_at.elapsed().as_secs_f64() * 1e3,
             "global step taken"
         );
-        report.epoch = self.epoch;
-        report.stepped = true;
-        Ok(report)
-    }
-
-    async fn local_step(
-        &mut self,
-        params: &mut ParamSet,
-        inner_steps: u64,
-    ) -> Result<StepReport, TrainingError> {
-        self.optimizer.step_set(params)?;
-        self.inner += 1;
-        let reported = self.tracker.report(self.local_progress()).await;
-        self.tolerate(reported)?;
-        let mut report = self.idle_report();
-        if self.inner < inner_steps {
-            return Ok(report);
-        }
-        // The peers that will search with this one: the live ones by their progress.
-        let swarm = self.swarm_progress().await.ok();
-        self.averager.expect_peers(swarm_peers(swarm.as_ref()));
-        report.behind = swarm.as_ref().is_some_and(|s| s.is_behind(self.epoch));
-        report.swarm = swarm;
-        self.catch_up();
-        self.averager.set_round_tag(self.epoch);
-        let with_state = self.state_due();
-        let Some((outer, anchor)) = self.outer.as_mut() else {
-            return Ok(report);
-        };
-        // The pseudo-gradient: where the phase started minus where the local steps went.
-        let delta = &mut self.accumulated;
-        delta
-            .iter_mut()
-            .zip(anchor.iter().zip(params.params()))
-            .for_each(|(d, (a, p))| *d = a - p);
-        let deadline = Instant::now() + self.cfg.averaging_timeout;
-        let weight = self.samples.max(1) as f32;
-        let mut ahead = None;
-        if let Some(gossip) = &self.gossip {
-            // The phase start and the pseudo-gradient mix together, so the outer step below
-            // starts from values that move towards the swarm's.
-            let mut both: [&mut [f32]; 2] = [&mut anchor[..], &mut delta[..]];
-            let averaged = gossip.step(&mut both, weight, deadline).await;
-            note_gossip(&mut report, averaged)?;
-        } else if with_state {
-            // Every `state_averaging_every` outer steps the phase start and the outer
-            // optimizer's state ride along, exact: otherwise a peer whose earlier round ran in
-            // a smaller group (a joiner's first ones) or failed keeps its own phase start for
-            // good, applying the same averaged step to it (4 DiLoCo peers on the glyphs ended
-            // with three different models).
-            let mut buffers: Vec<&mut [f32]> = vec![&mut delta[..], &mut anchor[..]];
-            buffers.extend(outer.state_mut().into_iter().map(|(_, b)| b));
-            let averaged = self
-                .averager
-                .step_exact(&mut buffers, weight, deadline)
-                .await;
-            report.state_averaged = averaged.is_ok();
-            ahead = behind_of(&averaged);
-            note_round(&mut report, averaged)?;
-        } else {
-            let averaged = average_gradients(
-                &self.averager,
-                compressor(&mut self.compressor, &self.compressor_spec)?,
-                self.cfg.error_feedback.then_some(&mut self.residuals),
-                &mut delta[..],
-                weight,
-                deadline,
-            )
-            .await;
-            ahead = behind_of(&averaged);
-            note_round(&mut report, averaged)?;
-        }
-        if let Some(theirs) = ahead {
-            // The others took this outer step already: no step here (the phase's local
-            // steps stay in the parameters); the caller syncs.
-            self.note_behind(&mut report, theirs);
-            return Ok(report);
-        }
-        // The outer step moves the phase's start along the (averaged) pseudo-gradient; every
-        // member continues from there (the same bits with the exact codec).
-        outer.step(anchor, delta)?;
-        params.params_mut().copy_from_slice(anchor);
-        self.epoch += 1;
-        self.inner = 0;
-        self.samples = 0;
-        self.swarm = None;
-        self.refresh_served_state(params).await;
-        let published = self.tracker.publish(self.local_progress()).await;
-        self.tolerate(published)?;
         report.epoch = self.epoch;
         report.stepped = true;
         Ok(report)
