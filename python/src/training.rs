@@ -491,8 +491,10 @@ pub(crate) struct PyStepReport {
     /// The swarm's epoch as this peer last read it, if it read one.
     swarm_epoch: Option<u64>,
     /// When a round met the others' round of a later epoch (this peer did not step): their
-    /// epoch; load a state of at least this epoch.
+    /// epoch.
     others_epoch: Option<u64>,
+    /// When `behind` without a step: the least epoch to load from peers.
+    sync_floor: u64,
     /// Every failure met during the call (averaging errors, progress-record errors).
     errors: Vec<String>,
     /// Seconds waiting for the swarm, averaging, and in the optimizer.
@@ -518,6 +520,7 @@ impl From<&StepReport> for PyStepReport {
             behind: r.behind,
             swarm_epoch: r.swarm.as_ref().map(|s| s.epoch),
             others_epoch: r.others_epoch,
+            sync_floor: r.sync_floor(),
             errors,
             waiting: r.timings.waiting.as_secs_f64(),
             averaging: r.timings.averaging.as_secs_f64(),

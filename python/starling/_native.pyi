@@ -136,6 +136,7 @@ class StepReport:
     behind: bool
     swarm_epoch: Optional[int]
     others_epoch: Optional[int]
+    sync_floor: int
     errors: List[str]
     waiting: float
     averaging: float

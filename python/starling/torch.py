@@ -331,8 +331,7 @@ class Optimizer:
             self._scatter_params()
         if report.behind and not report.stepped:
             try:
-                floor = max(report.others_epoch or 0, self._native.epoch + 1)
-                self.load_state_from_peers(timeout=self.sync_timeout, min_epoch=floor)
+                self.load_state_from_peers(timeout=self.sync_timeout, min_epoch=report.sync_floor)
             except _native.StarlingError:
                 pass  # retried at the next call; training goes on from the local values
         return report

@@ -413,9 +413,7 @@ impl Trainer {
             // old, or a round that met the others' later epoch) and no step taken: catch up by
             // state sync.
             if report.behind && !report.stepped {
-                let floor = report.others_epoch.unwrap_or(0);
-                self.sync(&s.node, m, reporter, floor.max(self.collab.epoch() + 1))
-                    .await;
+                self.sync(&s.node, m, reporter, report.sync_floor()).await;
                 self.binding.params_to_vars(&self.params)?;
             }
         }

@@ -292,6 +292,30 @@ pub struct StepReport {
     pub timings: StepTimings,
 }
 
+impl StepReport {
+    /// The least epoch a state sync should bring when this call found the peer [`behind`]
+    /// without stepping: the others' epoch when a round met it, else the epoch after this
+    /// peer's.
+    ///
+    /// ```no_run
+    /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, mut params: starling_training::ParamSet) -> Result<(), Box<dyn std::error::Error>> {
+    /// use starling_training::{sync_state, SyncConfig};
+    /// let report = opt.step(&mut params, 32).await?;
+    /// if report.behind && !report.stepped {
+    ///     let mut cfg = SyncConfig::new("my-run");
+    ///     cfg.min_epoch = report.sync_floor();
+    ///     let (synced, _) = sync_state(&node, &cfg, &opt.state_view(&params).layout()).await?;
+    ///     opt.restore_from(&mut params, &synced)?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`behind`]: StepReport::behind
+    pub fn sync_floor(&self) -> u64 {
+        self.others_epoch.unwrap_or(0).max(self.epoch + 1)
+    }
+}
+
 /// Where the time of one global step went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimings {

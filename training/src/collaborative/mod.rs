@@ -549,9 +549,9 @@ impl CollaborativeOptimizer {
         // round publishes when its round ends): nothing to read unless this peer alone has the
         // batch.
         let mut applied = self.apply_if_finished(params).await?;
-        if applied.as_ref().is_some_and(|r| r.behind) {
+        if let Some(r) = applied.take_if(|r| r.behind) {
             // The round just ended found the others an epoch on: the caller syncs first.
-            return Ok(applied.unwrap_or_else(|| self.idle_report()));
+            return Ok(r);
         }
         self.catch_up();
         if self.pending.is_some() && self.samples < self.cfg.target_batch_size {
