@@ -527,9 +527,13 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
             Barrier::new(DONORS + 1),
             Barrier::new(DONORS + 1),
         ));
+        // All four in the run before anyone trains: rounds are tagged with their epoch, so a
+        // victim whose first batch came after the others' first round would be an epoch
+        // behind from the start (and told so, not stepping), which is not what this tests.
+        let start = Arc::new(Barrier::new(DONORS + 1));
         let survivors: Vec<_> = (0..DONORS)
             .map(|p| {
-                let (node, gates) = (cluster.nodes[p].clone(), gates.clone());
+                let (node, gates, start) = (cluster.nodes[p].clone(), gates.clone(), start.clone());
                 tokio::spawn(async move {
                     let mut params = model();
                     let mut collab = CollaborativeOptimizer::new(
@@ -542,6 +546,8 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
                     .unwrap();
                     let server = StateServer::start(node, StateServerConfig::new(run)).unwrap();
                     collab.serve_state(server.clone(), &params).await;
+                    collab.announce().await.unwrap();
+                    start.wait().await;
                     let mut groups = Vec::new();
                     for _ in 0..BEFORE {
                         groups.push(epoch(&mut collab, &mut params, p).await);
@@ -581,6 +587,8 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
         let victim_server =
             StateServer::start(victim_node.clone(), StateServerConfig::new(run)).unwrap();
         collab.serve_state(victim_server.clone(), &params).await;
+        collab.announce().await.unwrap();
+        start.wait().await;
         for _ in 0..BEFORE {
             epoch(&mut collab, &mut params, VICTIM).await;
         }
