@@ -80,6 +80,18 @@ impl Aggregation {
         matches!(self, Aggregation::Mean)
     }
 
+    /// Whether each coordinate of the result depends on that coordinate of the inputs alone
+    /// (every aggregation but `centered-clip`), so a block of it can be recomputed by itself.
+    ///
+    /// ```
+    /// use starling_averager::Aggregation;
+    /// assert!(Aggregation::Median.is_coordinatewise());
+    /// assert!(!"centered-clip".parse::<Aggregation>().unwrap().is_coordinatewise());
+    /// ```
+    pub fn is_coordinatewise(&self) -> bool {
+        !matches!(self, Aggregation::CenteredClip { .. })
+    }
+
     /// Checks the parameters.
     pub fn validate(&self) -> Result<(), String> {
         match *self {

@@ -19,6 +19,7 @@ use crate::matchmaking::{find_group, Matchmaker};
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::Router;
 use crate::transport::Transport;
+use crate::verify::{watch_evidence, Banned, Signer};
 use crate::wire::MemberInfo;
 use crate::{AveragerConfig, AveragerError, AveragingMode, Residuals, RoundReport};
 use schema::{wire_label, Schema};
@@ -89,6 +90,8 @@ pub struct Averager {
     round_tag: std::sync::atomic::AtomicU64,
     tasks: Vec<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
+    /// Peers proven to have lied (see [`crate::verify`]): refused in matchmaking and rounds.
+    banned: Banned,
 }
 
 /// A search started by [`Averager::prepare`] for the step with this schema and grid cell.
@@ -131,9 +134,15 @@ impl Averager {
         let config = Arc::new(config);
         let router = Router::new(config.request_timeout);
         let span = tracing::debug_span!(parent: node.span(), "averager");
+        let banned = Banned::default();
         let tasks = {
             let _entered = span.enter();
-            router.serve(&node, config.fast_lane)?
+            let mut tasks = router.serve(&node, config.fast_lane)?;
+            if config.verify > 0.0 {
+                let watch = watch_evidence(node.clone(), config.prefix.clone(), banned.clone());
+                tasks.push(tokio::spawn(watch.in_current_span()));
+            }
+            tasks
         };
         let grid = if config.group_bits == 0 {
             0
@@ -157,7 +166,38 @@ impl Averager {
             tasks,
             runtime: tokio::runtime::Handle::current(),
             config,
+            banned,
         })
+    }
+
+    /// Peers this averager refuses because it holds checked evidence that they lied in a
+    /// round (caught by its own check, or read from the run's published evidence; see
+    /// [`crate::verify`]). Empty unless [`AveragerConfig::verify`] is on.
+    ///
+    /// ```no_run
+    /// # fn demo(averager: &starling_averager::Averager) {
+    /// for peer in averager.refused_peers() {
+    ///     println!("refusing {peer}: it returned a wrong result");
+    /// }
+    /// # }
+    /// ```
+    pub fn refused_peers(&self) -> Vec<PeerId> {
+        self.banned.list()
+    }
+
+    /// What a round run by this averager needs.
+    pub(crate) fn round_env(&self, config: Arc<AveragerConfig>, feedback: bool) -> RoundEnv {
+        RoundEnv {
+            signer: (config.verify > 0.0).then(|| Signer::of(self.transport.node())),
+            config,
+            transport: self.transport.clone(),
+            router: self.router.clone(),
+            pool: self.pool.clone(),
+            bandwidth: self.bandwidth.current(),
+            feedback,
+            transcripts: self.router.transcripts(),
+            banned: self.banned.clone(),
+        }
     }
 
     /// A hint for the next rounds: about `peers` peers (this one included) will search, for
@@ -424,14 +464,7 @@ impl Averager {
         let (group, matchmaking_time, was_prepared) = self.form_group(&schema, deadline).await?;
 
         let ar_start = Instant::now();
-        let env = RoundEnv {
-            config: cfg.clone(),
-            transport: self.transport.clone(),
-            router: self.router.clone(),
-            pool: self.pool.clone(),
-            bandwidth: self.bandwidth.current(),
-            feedback: feedback.is_some(),
-        };
+        let env = self.round_env(cfg.clone(), feedback.is_some());
         let mut outcome = run_allreduce(env, &group, flat, f64::from(weight), deadline).await;
         let allreduce_time = ar_start.elapsed();
         self.after_round(&group, &mut outcome);
@@ -466,6 +499,7 @@ impl Averager {
             prepared: was_prepared,
             allreduce_time,
             measured_upload: outcome.measured_bandwidth,
+            audit: outcome.audit,
         })
     }
 
@@ -675,6 +709,7 @@ impl Averager {
             previous: lock(&self.last_group).clone(),
             declared_until: self.declared_until.clone(),
             expected: (expected > 0).then_some(expected),
+            banned: self.banned.clone(),
         };
         (group_key, mm)
     }

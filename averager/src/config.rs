@@ -71,6 +71,13 @@ pub struct AveragerConfig {
     /// or a robust aggregator that lying peers cannot move far (see [`crate::Aggregation`]).
     /// Part of the schema: peers with different aggregations never group.
     pub aggregation: crate::Aggregation,
+    /// Reducers are checked (see [`crate::verify`]): senders and reducers sign what they send,
+    /// and after each round this peer recomputes one random block of another reducer's result
+    /// with this probability (0 to 1). A reducer caught lying is refused by every peer that
+    /// reads the evidence. 0 (the default) turns verification off. Whether it is on is part of
+    /// the schema: peers that verify never group with peers that do not. Needs a
+    /// coordinate-wise aggregation (not `centered-clip`).
+    pub verify: f64,
     /// Largest chunk on the wire, in bytes.
     pub chunk_bytes: usize,
     /// Declared bandwidth in bytes per second; `None` uses the measured value (starting from
@@ -148,6 +155,9 @@ pub enum Rogue {
     DuplicateResult,
     /// Reducer: its first delta chunk claims this element offset.
     DeltaOffset(u64),
+    /// Reducer: adds this to every value of its span's result before returning (and, when the
+    /// group verifies, sealing) it: well-formed values, a consistent lie.
+    AlterResult(i32),
 }
 
 impl AveragerConfig {
@@ -179,6 +189,7 @@ impl AveragerConfig {
             codec: Codec::None,
             zstd_level: None,
             aggregation: crate::Aggregation::Mean,
+            verify: 0.0,
             chunk_bytes: 1 << 20,
             bandwidth: None,
             initial_bandwidth: 100e6,
@@ -225,6 +236,12 @@ impl AveragerConfig {
         self.aggregation
             .validate()
             .map_err(crate::AveragerError::Config)?;
+        if !(0.0..=1.0).contains(&self.verify) {
+            return bad("verify is a probability, from 0 to 1");
+        }
+        if self.verify > 0.0 && !self.aggregation.is_coordinatewise() {
+            return bad("verify needs a coordinate-wise aggregation (mean, median, trimmed-mean): centered-clip cannot be recomputed one block at a time");
+        }
         if let Some(b) = self.bandwidth {
             if !(b.is_finite() && b > 0.0) {
                 return bad("bandwidth must be a positive number of bytes per second");

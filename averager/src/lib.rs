@@ -161,6 +161,7 @@ mod pool;
 mod report;
 mod router;
 mod transport;
+pub mod verify;
 pub mod wire;
 
 pub use aggregation::Aggregation;
@@ -172,4 +173,4 @@ pub use devices::{Hierarchical, LocalGroup};
 pub use error::AveragerError;
 pub use feedback::Residuals;
 pub use metrics::{AveragerBoard, RoundRecord};
-pub use report::{RoundReport, SpanOutcome, SpanReport};
+pub use report::{AuditOutcome, AuditReport, RoundReport, SpanOutcome, SpanReport};

@@ -96,6 +96,31 @@ pub struct RoundReport {
     /// `None` when it sent too little to say (under 2 MiB). The bandwidth a peer declares
     /// ([`crate::Averager::bandwidth`]) is the median of its recent measurements.
     pub measured_upload: Option<f64>,
+    /// When the group verifies ([`crate::AveragerConfig::verify`]) and this peer checked a
+    /// block of another reducer's result this round: whose, and what it found.
+    pub audit: Option<AuditReport>,
+}
+
+/// One check of another reducer's result (see [`crate::verify`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditReport {
+    /// The reducer checked.
+    pub reducer: PeerId,
+    /// What the check found.
+    pub outcome: AuditOutcome,
+}
+
+/// What checking a block of a reducer's result found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuditOutcome {
+    /// The block recomputed to the result the reducer signed.
+    Clean,
+    /// The reducer lied (the evidence, described): its span was not applied, it is refused
+    /// from now on, and the evidence is published.
+    Caught(String),
+    /// The reducer did not show the block, or what it showed did not check out (why): nothing
+    /// is proven, but its span was not applied.
+    Unanswered(String),
 }
 
 impl RoundReport {

@@ -16,6 +16,7 @@ use tokio::time::{timeout, Instant};
 use tracing::Instrument;
 
 use crate::transport::{young, Lane, LANE_IDLE_IN};
+use crate::verify::Transcripts;
 use crate::wire::{
     read_control, write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
     MATCHMAKING_PROTOCOL, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -76,6 +77,8 @@ pub(crate) struct Router {
     /// Wakes reduce streams waiting for their round (the reducer may learn of the round a
     /// little after the sender) when a round registers.
     registered: Arc<Notify>,
+    /// This peer's latest round transcripts, for reveals (see [`crate::verify`]).
+    transcripts: Transcripts,
 }
 
 /// What a [`Registration`] keeps registered.
@@ -111,7 +114,13 @@ impl Router {
             request_timeout,
             parked: Arc::default(),
             registered: Arc::default(),
+            transcripts: Transcripts::default(),
         }
+    }
+
+    /// Where this peer's rounds keep their transcripts for reveals.
+    pub fn transcripts(&self) -> Transcripts {
+        self.transcripts.clone()
     }
 
     /// Keeps the reducer's end of a lane whose exchange ended cleanly: the next hello that
@@ -269,6 +278,16 @@ impl Router {
         let (round_id, repair) = match hello {
             ReduceMsg::Hello { round_id, .. } => (round_id, false),
             ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
+            ReduceMsg::Reveal {
+                round_id,
+                start,
+                len,
+                block,
+            } => {
+                return self
+                    .on_reveal(peer, round_id, (start, len, block), stream)
+                    .await
+            }
             _ => return,
         };
         let give_up = Instant::now() + self.request_timeout;
@@ -304,6 +323,42 @@ impl Router {
         }
         let reply = ReduceMsg::Excluded(UNKNOWN_ROUND.into());
         let _ = timeout(self.request_timeout, write_control(&mut stream, &reply)).await;
+    }
+}
+
+impl Router {
+    /// Answers a verifier's request for a block of this peer's result in a recent round
+    /// (`what`: the part's absolute start, its length, the block).
+    async fn on_reveal(
+        &self,
+        peer: PeerId,
+        round_id: u64,
+        what: (u64, u64, u32),
+        mut stream: Lane,
+    ) {
+        let (start, len, block) = what;
+        let until = Instant::now() + self.request_timeout;
+        let shown = match (usize::try_from(start), usize::try_from(len)) {
+            (Ok(start), Ok(len)) => self
+                .transcripts
+                .wait_for(round_id, start, until)
+                .await
+                .and_then(|t| t.reveal(start, len, block as usize)),
+            _ => None,
+        };
+        let reply = match shown {
+            Some(r) => ReduceMsg::Revealed(Box::new(r)),
+            None => {
+                tracing::debug!(%peer, "asked to reveal a block this peer does not hold");
+                ReduceMsg::Excluded("no such block in a recent round".into())
+            }
+        };
+        let _ = timeout(self.request_timeout, async {
+            write_control(&mut stream, &reply).await?;
+            futures::AsyncWriteExt::close(&mut stream).await?;
+            Ok::<_, AveragerError>(())
+        })
+        .await;
     }
 }
 

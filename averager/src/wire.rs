@@ -12,6 +12,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use starling_node::{framing, StreamProtocol};
 
 use crate::config::AveragingMode;
+use crate::verify::{Reveal, Seal};
 use crate::AveragerError;
 
 /// Matchmaking: join requests, then the leader's begin or disband.
@@ -106,6 +107,9 @@ pub enum RejectReason {
     Invalid,
     /// The follower's round tag is not the leader's (see [`MemberInfo::tag`]).
     OtherRound,
+    /// The leader holds evidence that the follower broke the all-reduce (see
+    /// [`crate::verify`]) and refuses it for the rest of the run.
+    Banned,
 }
 
 /// All-reduce control messages.
@@ -164,6 +168,28 @@ pub enum ReduceMsg {
         /// Elements in the part.
         len: u64,
     },
+    /// Sender to reducer, after each data chunk when the group verifies
+    /// ([`crate::AveragerConfig::verify`]): its signed root over the chunk's values (see
+    /// [`crate::verify`]).
+    Seal(Seal),
+    /// Reducer to sender, after each part's delta chunks when the group verifies: its signed
+    /// root over the part's result.
+    ResultSeal(Seal),
+    /// Verifier to reducer, first frame of a reduce stream: show block `block` of the part
+    /// `start..start + len` (absolute) of your result in round `round_id`.
+    Reveal {
+        /// The round.
+        round_id: u64,
+        /// First element of the part.
+        start: u64,
+        /// Elements in the part.
+        len: u64,
+        /// The block ([`crate::verify::merkle::BLOCK`] elements each) within the part.
+        block: u32,
+    },
+    /// Reducer to verifier: the block, every contributor's signed values of it and the signed
+    /// result (or `Excluded` if it cannot show it).
+    Revealed(Box<Reveal>),
 }
 
 /// What a gossiping peer stores in the DHT under `{prefix}.gossip`, in a sub-key under its own

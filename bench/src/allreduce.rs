@@ -31,6 +31,10 @@ pub struct AllreduceArgs {
     /// centered-clip[:iters=N][,tau=T]). The exactness check (`rel_error`) is against the mean.
     #[arg(long, default_value = "mean")]
     pub aggregation: String,
+    /// Check reducers: each peer recomputes one random block of another reducer's result
+    /// after each round with this probability (`AveragerConfig::verify`; 0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub verify: f64,
     /// Measured rounds (one extra warm-up round runs first).
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
@@ -177,6 +181,7 @@ fn averager_config(args: &AllreduceArgs) -> Result<AveragerConfig> {
         .aggregation
         .parse()
         .map_err(|e| anyhow!("--aggregation: {e}"))?;
+    c.verify = args.verify;
     c.target_group_size = args.peers;
     c.min_group_size = args.peers;
     c.matchmaking_time = Duration::from_secs(30);
@@ -491,6 +496,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             ])
             .args(["--codec", &args.codec, "--rounds", &args.rounds.to_string()])
             .args(["--aggregation", &args.aggregation])
+            .args(["--verify", &args.verify.to_string()])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
             .args(["--prepare-ms", &args.prepare_ms.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))

@@ -80,6 +80,30 @@ pub fn peer_id_of_owner(owner: &starling_dht::VerifyingKey) -> Option<libp2p::Pe
     Some(libp2p::identity::PublicKey::from(ed).to_peer_id())
 }
 
+/// The ed25519 key of the node whose peer id is `peer` (the inverse of [`peer_id_of_owner`]):
+/// `None` for a peer id that does not embed an ed25519 key. Lets a reader check a signature
+/// made by a peer it knows only by id.
+///
+/// ```
+/// let keypair = starling_node::Keypair::generate_ed25519();
+/// let owner = starling_node::owner_key_of(&keypair).unwrap();
+/// assert_eq!(
+///     starling_node::owner_of_peer(&keypair.public().to_peer_id()),
+///     Some(owner.public())
+/// );
+/// ```
+pub fn owner_of_peer(peer: &libp2p::PeerId) -> Option<starling_dht::VerifyingKey> {
+    let hash: &libp2p::multihash::Multihash<64> = peer.as_ref();
+    // Ed25519 keys are short enough to be inlined: the identity multihash (code 0) of the
+    // protobuf-encoded public key.
+    if hash.code() != 0 {
+        return None;
+    }
+    let public = libp2p::identity::PublicKey::try_decode_protobuf(hash.digest()).ok()?;
+    let ed = public.try_into_ed25519().ok()?;
+    starling_dht::VerifyingKey::from_bytes(&ed.to_bytes()).ok()
+}
+
 /// Writes a file that only its owner may read (mode 0600 on Unix), refusing to overwrite unless
 /// `overwrite` is set.
 pub(crate) fn write_private_file(

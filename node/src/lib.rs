@@ -70,7 +70,7 @@ pub use config::{
 };
 pub use error::{error_chain, NodeError};
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
-pub use identity::{load_or_create_identity, owner_key_of, peer_id_of_owner};
+pub use identity::{load_or_create_identity, owner_key_of, owner_of_peer, peer_id_of_owner};
 pub use node::{BootstrapReport, NatEvent, Node, NodeStatus, PutReport, Reachability};
 /// Locks, and the workspace's one policy for poisoned ones (see the module).
 pub use starling_dht::lock;

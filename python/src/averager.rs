@@ -60,6 +60,7 @@ impl PyAverager {
         aggregation = "mean",
         client = false,
         request_timeout = 5.0,
+        verify = 0.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -73,6 +74,7 @@ impl PyAverager {
         aggregation: &str,
         client: bool,
         request_timeout: f64,
+        verify: f64,
     ) -> PyResult<Self> {
         node.check_open()?;
         let mut cfg = AveragerConfig::new(prefix);
@@ -84,6 +86,7 @@ impl PyAverager {
         cfg.aggregation = aggregation
             .parse::<Aggregation>()
             .map_err(|e| PyValueError::new_err(format!("aggregation {aggregation:?}: {e}")))?;
+        cfg.verify = verify;
         if client {
             cfg.mode = AveragingMode::Client;
         }

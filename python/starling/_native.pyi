@@ -85,7 +85,11 @@ class Averager:
         aggregation: str = "mean",
         client: bool = False,
         request_timeout: float = 5.0,
-    ) -> None: ...
+        verify: float = 0.0,
+    ) -> None:
+        """``verify``: probability (0 to 1) of checking one random block of another reducer's
+        result after each round; a reducer caught lying is refused by every peer that reads the
+        published evidence. Needs ``aggregation`` mean, median or trimmed-mean."""
     @property
     def prefix(self) -> str: ...
     def step(self, tensors: Sequence[Any], weight: float = 1.0, timeout: float = 30.0) -> RoundReport:

@@ -67,6 +67,10 @@ pub struct RunManifest {
     /// `centered-clip[:iters=N][,tau=T]`); manifests written before it existed mean `mean`.
     #[serde(default = "mean")]
     pub aggregation: String,
+    /// Probability that a peer checks one random block of another reducer's result after each
+    /// round (`AveragerConfig::verify`; 0: off). Manifests written before it existed mean 0.
+    #[serde(default)]
+    pub verify: f64,
     /// Samples per local batch.
     pub batch_size: u64,
     /// Samples per global step (gradient mode).
@@ -228,8 +232,15 @@ impl RunManifest {
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
         starling_training::GradientCompression::parse_codec(&self.codec)
             .map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
-        starling_averager::Aggregation::from_str(&self.aggregation)
+        let aggregation = starling_averager::Aggregation::from_str(&self.aggregation)
             .map_err(|e| anyhow!("--aggregation {:?}: {e}", self.aggregation))?;
+        in_range("--verify", self.verify, 0.0, 1.0)?;
+        if self.verify > 0.0 && !aggregation.is_coordinatewise() {
+            bail!(
+                "--verify needs a coordinate-wise --aggregation (mean, median, trimmed-mean), not {}",
+                self.aggregation
+            );
+        }
         if let ModeSpec::Diloco {
             inner_steps,
             outer_lr,
@@ -611,6 +622,7 @@ pub(crate) fn test_manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
         mode: ModeSpec::Gradients,
         codec: "none".into(),
         aggregation: "mean".into(),
+        verify: 0.0,
         batch_size: 32,
         target_batch_size: 128,
         epochs: 10,

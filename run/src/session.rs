@@ -105,6 +105,7 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         .aggregation
         .parse()
         .map_err(|e| anyhow!("aggregation {:?}: {e}", m.aggregation))?;
+    cfg.averager.verify = m.verify;
     cfg.averaging_timeout = Duration::from_secs(15);
     if let ModeSpec::Diloco {
         outer_lr,

@@ -52,6 +52,9 @@ pub struct Hyper {
     /// How reducers combine the peers' contributions: mean (default), median,
     /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).
     pub aggregation: Option<String>,
+    /// Check reducers: after each round, recompute one random block of another reducer's
+    /// result with this probability, and refuse peers caught lying (default 0: off).
+    pub verify: Option<f64>,
     /// Seed of the initial parameters (default: from the clock).
     pub seed: Option<u64>,
     /// mlp: hidden units (default 64).
@@ -146,6 +149,7 @@ pub fn new_manifest(name: &str, model: &str, h: &Hyper, data: DataSpec) -> Resul
         mode,
         codec: h.codec.clone().unwrap_or_else(|| "none".into()),
         aggregation: h.aggregation.clone().unwrap_or_else(|| "mean".into()),
+        verify: h.verify.unwrap_or(0.0),
         batch_size: h.batch_size.unwrap_or(if lm { 16 } else { 32 }),
         target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
         epochs,

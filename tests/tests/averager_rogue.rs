@@ -11,7 +11,9 @@ use starling_averager::wire::{
     write_control, MatchMsg, MemberIdx, MemberInfo, ReduceMsg, MATCHMAKING_PROTOCOL,
     REDUCE_PROTOCOL,
 };
-use starling_averager::{Aggregation, AveragerConfig, AveragingMode, Fault, Rogue, SpanOutcome};
+use starling_averager::{
+    Aggregation, AuditOutcome, AveragerConfig, AveragingMode, Fault, Rogue, SpanOutcome,
+};
 use starling_node::NodeConfig;
 use starling_tests::{bounded, init_tracing, normal_tensors, AveragingSwarm, RoundCheck};
 
@@ -47,15 +49,17 @@ fn first_frame_is_bad(r: Rogue) -> bool {
 
 /// One round of 4 peers where peer `ROGUE` misbehaves as `rogue` says.
 async fn round_with(rogue: Rogue, case: u64) {
-    round_aggregated(rogue, case, Aggregation::Mean).await
+    round_aggregated(rogue, case, Aggregation::Mean, 0.0).await
 }
 
-/// [`round_with`], every peer's reducer applying `aggregation`.
-async fn round_aggregated(rogue: Rogue, case: u64, aggregation: Aggregation) {
+/// [`round_with`], every peer's reducer applying `aggregation`, checking reducers with
+/// probability `verify` (`AveragerConfig::verify`).
+async fn round_aggregated(rogue: Rogue, case: u64, aggregation: Aggregation, verify: f64) {
     let prefix = format!("rogue-{case}");
     let swarm = AveragingSwarm::start(PEERS, node_cfg(), |i| {
         let mut c = avg_cfg(&prefix);
         c.aggregation = aggregation;
+        c.verify = verify;
         if i == ROGUE {
             c.fault = Some(Fault::Rogue(rogue));
         }
@@ -88,6 +92,15 @@ async fn round_aggregated(rogue: Rogue, case: u64, aggregation: Aggregation) {
         check
             .check_spans(i, report, &data[i])
             .unwrap_or_else(|e| panic!("{rogue:?}: {e}"));
+        if let Some(audit) = &report.audit {
+            // Its lies are in the protocol, not in results: nobody is accused of a wrong one.
+            assert!(
+                !matches!(audit.outcome, AuditOutcome::Caught(_)),
+                "{rogue:?}: peer {i} accused {}: {:?}",
+                audit.reducer,
+                audit.outcome
+            );
+        }
         for span in &report.spans {
             match &span.outcome {
                 SpanOutcome::KeptLocal { reason } => {
@@ -193,7 +206,7 @@ async fn every_lie_is_refused_under(aggregation: &str, first_case: u64) {
     for (case, lie) in every_lie().into_iter().enumerate() {
         bounded(
             Duration::from_secs(90),
-            round_aggregated(lie, first_case + case as u64, aggregation),
+            round_aggregated(lie, first_case + case as u64, aggregation, 0.0),
         )
         .await;
     }
@@ -212,6 +225,20 @@ async fn every_kind_of_lie_is_refused_under_the_trimmed_mean() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_lie_is_refused_under_centered_clipping() {
     every_lie_is_refused_under("centered-clip", 4_000_000).await;
+}
+
+/// Every kind of lie in verified rounds (every member checks a reducer after each round): the
+/// seals and checks change nothing of how lies are refused, and honest peers never accuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_lie_is_refused_in_verified_rounds() {
+    init_tracing();
+    for (case, lie) in every_lie().into_iter().enumerate() {
+        bounded(
+            Duration::from_secs(90),
+            round_aggregated(lie, 5_000_000 + case as u64, Aggregation::Mean, 1.0),
+        )
+        .await;
+    }
 }
 
 /// A stranger (a node of the swarm that is not in the group) floods every averager with

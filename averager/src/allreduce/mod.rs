@@ -10,6 +10,7 @@
 //! [`run_allreduce`] runs both sides for this peer and assembles the [`Outcome`]; it returns
 //! the background repair server for the caller to keep instead of installing it anywhere.
 
+mod audit;
 mod part;
 mod plan;
 mod reduce;
@@ -33,8 +34,9 @@ use crate::partition::spans;
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::{Registration, Router};
 use crate::transport::Transport;
+use crate::verify::{Banned, Signer, Transcripts};
 use crate::wire::MemberIdx;
-use crate::{SpanOutcome, SpanReport};
+use crate::{AuditOutcome, AuditReport, SpanOutcome, SpanReport};
 use starling_node::lock::lock;
 
 use reduce::{reduce_span, ReduceJob};
@@ -76,6 +78,12 @@ pub(crate) struct RoundEnv {
     /// Error feedback is on: the flattened vector is the corrected contribution, and every
     /// span sent to a reducer with a lossy codec comes back with its residual.
     pub feedback: bool,
+    /// Signs this peer's seals when the group verifies (`AveragerConfig::verify` > 0).
+    pub signer: Option<Signer>,
+    /// Where this peer's reductions keep their transcripts for reveals.
+    pub transcripts: Transcripts,
+    /// Peers proven to have lied: refused as senders, and where this round catches a reducer.
+    pub banned: Banned,
 }
 
 /// What a round produced for the local peer.
@@ -100,6 +108,8 @@ pub(crate) struct Outcome {
     /// The finished round, still serving other members' re-delegated parts for a while (see
     /// the crate docs); the caller keeps at most one and aborts it when the next round starts.
     pub repair_server: Option<JoinHandle<()>>,
+    /// This peer's check of another reducer, when the group verifies and it checked one.
+    pub audit: Option<AuditReport>,
 }
 
 impl Outcome {
@@ -117,6 +127,7 @@ impl Outcome {
             warm_lanes: 0,
             measured_bandwidth: None,
             repair_server: None,
+            audit: None,
         }
     }
 }
@@ -339,6 +350,7 @@ async fn run(
         failed,
         down,
         lost,
+        sealed,
     } = phase1;
     tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
     // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
@@ -353,6 +365,46 @@ async fn run(
     residuals.append(&mut repair.residuals);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
+    // A verified round: check one block of another reducer's result before anything is
+    // applied; a span that fails the check keeps this peer's values.
+    let audit = match audit::audit(&round, &sealed).await {
+        None => None,
+        Some((j, verdict)) => {
+            let reducer = round.peer(j);
+            let outcome = match verdict {
+                audit::Verdict::Clean => AuditOutcome::Clean,
+                audit::Verdict::Caught(evidence) => {
+                    tracing::warn!("caught a lying reducer: {evidence}");
+                    round.env.banned.insert(&reducer);
+                    crate::verify::publish(
+                        round.env.transport.node(),
+                        &round.config().prefix,
+                        &evidence,
+                    );
+                    AuditOutcome::Caught(evidence.to_string())
+                }
+                audit::Verdict::Unanswered(why) => {
+                    tracing::info!(%reducer, "a reducer's result could not be checked: {why}");
+                    AuditOutcome::Unanswered(why)
+                }
+            };
+            if outcome != AuditOutcome::Clean {
+                let span = &round.ranges[j.get()];
+                patches.retain(|(r, _)| r != span);
+                residuals.retain(|(r, _)| r != span);
+                reports.retain(|r| !(r.reducer == reducer && span.contains(&r.range.start)));
+                reports.push(SpanReport {
+                    reducer,
+                    range: span.clone(),
+                    outcome: kept(match &outcome {
+                        AuditOutcome::Caught(what) => format!("not applied: {what}"),
+                        _ => "not applied: the reducer's result could not be checked".into(),
+                    }),
+                });
+            }
+            Some(AuditReport { reducer, outcome })
+        }
+    };
     let repair_server = (!my_range.is_empty())
         .then(|| serve_repairs(repair, repair_rx, registration))
         .flatten();
@@ -376,6 +428,7 @@ async fn run(
         warm_lanes: counters.warm.load(Ordering::Relaxed) as usize,
         measured_bandwidth,
         repair_server,
+        audit,
     }
 }
 
@@ -434,6 +487,8 @@ struct Phase1 {
     down: BTreeSet<MemberIdx>,
     /// Spans whose reducer failed, with why: phase 2 re-delegates them.
     lost: Vec<(MemberIdx, String)>,
+    /// When the group verifies: the sealed parts each other reducer returned.
+    sealed: Vec<(MemberIdx, Vec<audit::ReceivedPart>)>,
 }
 
 impl Phase1 {
@@ -467,7 +522,10 @@ impl Phase1 {
     ) {
         let range = round.ranges[j.get()].clone();
         let outcome = match result {
-            Ok(Ok((segments, values, residual))) => {
+            Ok(Ok((segments, values, residual, sealed))) => {
+                if round.env.signer.is_some() {
+                    self.sealed.push((j, sealed));
+                }
                 self.patches.push((range.clone(), values));
                 if let Some(residual) = residual {
                     self.residuals.push((range.clone(), residual));

@@ -3,7 +3,7 @@
 //! stream each sender its delta while later parts still arrive. [`PartReducer`] holds the
 //! arithmetic and bookkeeping with no I/O (in `part.rs`); [`reduce_span`] drives it over the network.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,6 +22,7 @@ use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
 use crate::transport::{unsplit_fast, LaneReader, LaneWriter};
+use crate::verify::{Seal, SealedPart, Transcript, TranscriptInput};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
     SpanChunks,
@@ -67,11 +68,13 @@ enum Inbound {
 /// What a sender's writer task sends back.
 enum Outbound {
     /// A finished part: its offset in the range, contributors and this sender's delta (with
-    /// the exact codec `none`, the part's mean itself).
+    /// the exact codec `none`, the part's mean itself), and the part's result seal when the
+    /// group verifies.
     Part {
         start: usize,
         contributors: Arc<Vec<MemberIdx>>,
         delta: PoolBuf,
+        seal: Option<Seal>,
     },
     /// The sender is out of the remaining parts.
     Excluded(String),
@@ -105,7 +108,22 @@ struct Reduction {
     events: mpsc::Sender<Inbound>,
     /// `Fault::WhileReturning`: only these senders get results, then this peer crashes.
     serve_only: Option<HashSet<MemberIdx>>,
+    /// When the group verifies: every admitted sender's values and seals, and the sealed parts,
+    /// kept for the round's transcript (see [`crate::verify`]).
+    audit: Option<AuditLog>,
 }
+
+/// What a verifying reducer records for its transcript.
+#[derive(Default)]
+struct AuditLog {
+    inputs: BTreeMap<MemberIdx, (f64, Arc<Mutex<PoolBuf>>, Seals)>,
+    parts: Vec<SealedPart>,
+    /// Its own seals, by absolute part start.
+    own: HashMap<usize, (usize, Seal)>,
+}
+
+/// A sender's seals as they arrive, by absolute chunk start: (chunk length, seal).
+type Seals = Arc<Mutex<HashMap<usize, (usize, Seal)>>>;
 
 /// Receives every sender's values of the job's range and averages them **part by part**: as
 /// soon as every present sender has delivered a part (of [`chunk_bytes_for`] the range), its mean is
@@ -140,6 +158,7 @@ pub(super) async fn reduce_span(
         failed: Vec::new(),
         events,
         serve_only: None,
+        audit: round.env.signer.as_ref().map(|_| AuditLog::default()),
     };
     loop {
         if !r.finish_ready_parts().await || r.parts.is_done() {
@@ -190,6 +209,12 @@ impl Reduction {
             let Some(contributors) = self.reduce_part(&part) else {
                 continue; // nobody's data: the part stays local
             };
+            if let Some(Rogue::AlterResult(bias)) = rogue::of(cfg) {
+                self.values[part.clone()]
+                    .iter_mut()
+                    .for_each(|v| *v += bias as f32);
+            }
+            let seal = self.seal_part(&part, &contributors);
             let mut gone = Vec::new();
             for (&sender, s) in &self.senders {
                 if self
@@ -215,6 +240,7 @@ impl Reduction {
                     start: part.start,
                     contributors: contributors.clone(),
                     delta,
+                    seal: seal.clone(),
                 };
                 if !matches!(
                     timeout(cfg.sender_timeout, s.out.send(msg)).await,
@@ -232,6 +258,47 @@ impl Reduction {
             }
         }
         true
+    }
+
+    /// When the group verifies: seals this peer's own values of `part` (if it contributed)
+    /// and the part's result, and records the part for the transcript.
+    fn seal_part(&mut self, part: &Range<usize>, contributors: &[MemberIdx]) -> Option<Seal> {
+        let round = &self.round;
+        let signer = round.env.signer.as_ref()?;
+        let audit = self.audit.as_mut()?;
+        let abs = self.job.range.start + part.start..self.job.range.start + part.end;
+        let me = round.me;
+        if contributors.contains(&me) {
+            let own = signer.seal_input(
+                round.round_id,
+                &round.peer(me),
+                abs.start,
+                round.weight,
+                &round.flat[abs.clone()],
+            );
+            audit.own.insert(abs.start, (abs.len(), own));
+        }
+        let ids: Vec<Vec<u8>> = contributors
+            .iter()
+            .map(|c| round.peer(*c).to_bytes())
+            .collect();
+        let seal = signer.seal_result(
+            round.round_id,
+            abs.start,
+            &ids,
+            &round.config().aggregation.to_string(),
+            &self.values[part.clone()],
+        );
+        // The order `reduce_part` combined them in: this peer first, then by member index.
+        let mut order: Vec<MemberIdx> = contributors.iter().copied().filter(|c| *c == me).collect();
+        order.extend(contributors.iter().copied().filter(|c| *c != me));
+        audit.parts.push(SealedPart {
+            range: abs,
+            order,
+            contributors: ids,
+            seal: seal.clone(),
+        });
+        Some(seal)
     }
 
     /// The weighted mean of `part` over this peer (unless `Aux`) and every present sender,
@@ -303,7 +370,8 @@ impl Reduction {
             && start == range.start as u64
             && hlen == range.len() as u64
             && weight.is_finite()
-            && weight >= 0.0;
+            && weight >= 0.0
+            && !round.env.banned.contains(&peer.to_bytes());
         if !valid {
             tracing::debug!(%peer, "refused a sender with a bad or late hello");
             let refusal = ReduceMsg::Excluded("bad or late hello".into());
@@ -328,11 +396,23 @@ impl Reduction {
         // The read half comes back to the writer once the sender's part ended cleanly, so a
         // fast lane can be kept for the next round.
         let (rd_tx, rd_rx) = oneshot::channel();
+        let seals: Option<Seals> = self.audit.as_mut().map(|audit| {
+            let seals = Seals::default();
+            audit
+                .inputs
+                .insert(sender, (weight, staging.clone(), seals.clone()));
+            seals
+        });
         let receiver = Task::spawn(receive_part(
             round.clone(),
             rd,
-            sender,
-            len,
+            Incoming {
+                sender,
+                weight,
+                start: range.start,
+                len,
+                seals,
+            },
             staging.clone(),
             self.events.clone(),
             rd_tx,
@@ -401,6 +481,9 @@ impl Reduction {
         }
         self.failed.sort_unstable();
         self.failed.dedup();
+        if let (Some(audit), None) = (self.audit.take(), self.job.repair) {
+            keep_transcript(&round, &self.job.range, audit, &self.values);
+        }
         Reduced {
             values: self.values,
             segments: self.parts.into_segments(),
@@ -411,16 +494,27 @@ impl Reduction {
 
 /// Reads one sender's chunks (in order) into its staging buffer, reporting progress, until its
 /// `SendDone`; at most `sender_timeout` between frames.
+/// When the group verifies, each chunk must be followed by the sender's seal over what was
+/// decoded of it; the chunk counts (is reported) only once its seal checks out.
 async fn receive_part(
     round: Arc<Round>,
     mut rd: Counted<LaneReader>,
-    sender: MemberIdx,
-    len: usize,
+    incoming: Incoming,
     staging: Arc<Mutex<PoolBuf>>,
     events: mpsc::Sender<Inbound>,
     done: oneshot::Sender<Counted<LaneReader>>,
 ) {
     let cfg = &round.env.config;
+    let Incoming {
+        sender,
+        weight,
+        start,
+        len,
+        seals,
+    } = incoming;
+    let me = round.peer(round.me).to_bytes();
+    // A decoded chunk waiting for its seal.
+    let mut unsealed: Option<(usize, usize)> = None;
     let mut prefix = 0usize;
     let mut decoder = starling_compression::Decoder::new(decode_options(len));
     let mut chunk = Vec::new();
@@ -441,6 +535,9 @@ async fn receive_part(
             .fetch_add(n as u64, Ordering::Relaxed);
         match frame {
             Frame::Data => {
+                if unsealed.is_some() {
+                    break "a chunk came without its seal".to_string();
+                }
                 let header = match ChunkHeader::parse(&chunk) {
                     Ok(h) => h,
                     Err(e) => break e.to_string(),
@@ -459,6 +556,10 @@ async fn receive_part(
                     break e.to_string();
                 }
                 prefix += count;
+                if seals.is_some() {
+                    unsealed = Some((at, count));
+                    continue;
+                }
                 if events
                     .send(Inbound::Progress { sender, prefix })
                     .await
@@ -467,7 +568,32 @@ async fn receive_part(
                     return;
                 }
             }
-            Frame::Control(ReduceMsg::SendDone) if prefix == len => {
+            Frame::Control(ReduceMsg::Seal(seal)) => {
+                let (Some((at, count)), Some(seals)) = (unsealed.take(), seals.as_ref()) else {
+                    break "a seal out of place".to_string();
+                };
+                let genuine = crate::verify::check_input(
+                    round.round_id,
+                    &round.peer(sender),
+                    &me,
+                    start + at,
+                    weight,
+                    &lock(&staging)[at..at + count],
+                    &seal,
+                );
+                if !genuine {
+                    break "a chunk's seal does not match its values".to_string();
+                }
+                lock(seals).insert(start + at, (count, seal));
+                if events
+                    .send(Inbound::Progress { sender, prefix })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Frame::Control(ReduceMsg::SendDone) if prefix == len && unsealed.is_none() => {
                 let _ = done.send(rd);
                 return;
             }
@@ -500,6 +626,7 @@ async fn write_results(
                     start,
                     contributors,
                     delta,
+                    seal,
                 } => {
                     let mut head = ReduceMsg::Result {
                         start: start as u64,
@@ -530,6 +657,10 @@ async fn write_results(
                                 _ => write_chunk(&mut wr, &chunk).await?,
                             };
                             first = false;
+                        }
+                        if let Some(seal) = &seal {
+                            sent += write_control(&mut wr, &ReduceMsg::ResultSeal(seal.clone()))
+                                .await?;
                         }
                     }
                     // The sender may be waiting for exactly this part.
@@ -572,4 +703,57 @@ async fn write_results(
         .sent
         .fetch_add(sent as u64, Ordering::Relaxed);
     matches!(result, Ok(true))
+}
+
+/// Who sends a span, as its hello said: what the receive task checks its chunks and seals
+/// against.
+struct Incoming {
+    sender: MemberIdx,
+    weight: f64,
+    /// Absolute start of the job's range.
+    start: usize,
+    len: usize,
+    /// Where its seals go, when the group verifies.
+    seals: Option<Seals>,
+}
+
+/// Keeps what a verifying reducer needs to answer reveals of its span: every contributor's
+/// values and seals, its result and result seals (see [`crate::verify::Transcript`]).
+fn keep_transcript(round: &Round, range: &Range<usize>, audit: AuditLog, result: &PoolBuf) {
+    let pool = &round.env.pool;
+    let peer = |m: MemberIdx| round.peer(m).to_bytes();
+    let mut inputs: BTreeMap<MemberIdx, TranscriptInput> = audit
+        .inputs
+        .into_iter()
+        .map(|(m, (weight, values, seals))| {
+            let seals = std::mem::take(&mut *lock(&seals));
+            let input = TranscriptInput {
+                peer: peer(m),
+                weight,
+                values,
+                seals,
+            };
+            (m, input)
+        })
+        .collect();
+    if !audit.own.is_empty() {
+        inputs.insert(
+            round.me,
+            TranscriptInput {
+                peer: peer(round.me),
+                weight: round.weight,
+                values: Arc::new(Mutex::new(pool.copy_of(&round.flat[range.clone()]))),
+                seals: audit.own,
+            },
+        );
+    }
+    round.env.transcripts.keep(Transcript {
+        round_id: round.round_id,
+        reducer: peer(round.me),
+        aggregation: round.config().aggregation.to_string(),
+        span: range.clone(),
+        inputs,
+        parts: audit.parts,
+        result: pool.copy_of(result),
+    });
 }

@@ -308,7 +308,7 @@ impl Repair {
             return; // a contribution to a span this peer did not lose
         };
         match r {
-            Ok((segments, values, residual)) => {
+            Ok((segments, values, residual, _sealed)) => {
                 self.patches.push((part.clone(), values));
                 if let Some(residual) = residual {
                     self.residuals.push((part.clone(), residual));

@@ -10,6 +10,7 @@ use starling_compression::{decode_into, ChunkHeader, Codec, DecodeOptions};
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::{timeout, timeout_at, Instant};
 
+use super::audit::ReceivedPart;
 use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
@@ -64,7 +65,8 @@ impl SendFail {
 /// What sending a span gave: the contributors of each run of the range, the new values of the
 /// whole range and, with error feedback and a lossy codec, the residual of the range (what the
 /// reducer did not see of our contribution); or why no result came back.
-pub(super) type Sent = Result<(Vec<Segment>, PoolBuf, Option<PoolBuf>), SendFail>;
+pub(super) type Sent =
+    Result<(Vec<Segment>, PoolBuf, Option<PoolBuf>, Vec<ReceivedPart>), SendFail>;
 
 /// Streams our part of reducer `j`'s span (or, in phase 2, a part of a failed reducer's span to
 /// surviving reducer `j`) and, at the same time, reads back the averaged deltas part by part as
@@ -151,7 +153,15 @@ pub(super) async fn send_span(
             let refused = AtomicBool::new(false);
             let (mut rd, mut wr) = round.env.transport.split_counted(stream, "reduce");
             let write = async {
-                let sent = write_span(round, &mut wr, part, as_sent.as_deref_mut(), phase1).await?;
+                let sent = write_span(
+                    round,
+                    &mut wr,
+                    (j, range.start),
+                    part,
+                    as_sent.as_deref_mut(),
+                    phase1,
+                )
+                .await?;
                 // The upload rate counts the time to send, not the wait for results.
                 Ok((sent, Instant::now()))
             };
@@ -160,7 +170,15 @@ pub(super) async fn send_span(
                     await_ready(&mut rd, ack_wait, &refused).await?;
                     admitted.store(true, Ordering::Relaxed);
                 }
-                receive_results(round, &mut rd, range.len(), result_gap, failed_reducer).await
+                receive_results(
+                    round,
+                    &mut rd,
+                    (j, range.start),
+                    range.len(),
+                    result_gap,
+                    failed_reducer,
+                )
+                .await
             };
             // Whichever side fails first ends the exchange (a refusal arrives on the read side
             // while the write side may still be pushing data nobody reads).
@@ -191,7 +209,7 @@ pub(super) async fn send_span(
         if pipelined {
             round.counters.warm.fetch_add(1, Ordering::Relaxed);
         }
-        let ((sent, t_sent), (segments, delta)) = exchanged;
+        let ((sent, t_sent), (segments, delta, sealed)) = exchanged;
         let data_bytes = sent;
         let sent = sent + hello_bytes;
         round
@@ -236,7 +254,7 @@ pub(super) async fn send_span(
             .into_iter()
             .map(|(r, c)| (range.start + r.start..range.start + r.end, c))
             .collect();
-        Ok((segments, result, residual))
+        Ok((segments, result, residual, sealed))
     };
     timeout_at(round.deadline, work)
         .await
@@ -246,9 +264,12 @@ pub(super) async fn send_span(
 /// Writes this peer's values of a span (`part`) as data chunks, then `SendDone`; with a lossy
 /// codec also decodes each chunk into `as_sent` (what the reducer will see of us). Returns the
 /// bytes written.
+/// When the group verifies, each chunk is followed by this peer's seal over the chunk's values
+/// as the reducer decodes them (`to`: the reducer and the span's absolute start).
 async fn write_span<W: futures::AsyncWrite + Unpin>(
     round: &Round,
     wr: &mut W,
+    to: (MemberIdx, usize),
     part: &[f32],
     mut as_sent: Option<&mut [f32]>,
     phase1: bool,
@@ -275,17 +296,40 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
                 break;
             }
         }
+        // Where the chunk lies in the span (our own encoder's header: in range by construction).
+        let (at, count) = match &chunk {
+            ChunkOut::Raw { values, offset, .. } => (*offset, values.len()),
+            ChunkOut::Encoded(bytes) => {
+                let header =
+                    ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
+                (header.offset as usize, header.count)
+            }
+        };
         if let (Some(buf), ChunkOut::Encoded(bytes)) = (as_sent.as_deref_mut(), &chunk) {
-            let header = ChunkHeader::parse(bytes).map_err(|e| SendFail::other(e.to_string()))?;
-            // Our own encoder's header: in range by construction.
-            let at = header.offset as usize;
-            decode_into(bytes, &mut buf[at..at + header.count])
+            decode_into(bytes, &mut buf[at..at + count])
                 .map_err(|e| SendFail::other(e.to_string()))?;
         }
         sent += timeout(cfg.reducer_timeout, write_chunk(wr, &chunk))
             .await
             .map_err(|_| SendFail::reducer("reducer stopped reading"))?
             .map_err(|e| SendFail::reducer(e.to_string()))?;
+        if let Some(signer) = &round.env.signer {
+            let values = match as_sent.as_deref() {
+                Some(buf) => &buf[at..at + count],
+                None => &part[at..at + count],
+            };
+            let (j, span_start) = to;
+            let seal = signer.seal_input(
+                round.round_id,
+                &round.peer(j),
+                span_start + at,
+                round.weight,
+                values,
+            );
+            sent += write_control(wr, &ReduceMsg::Seal(seal))
+                .await
+                .map_err(|e| SendFail::reducer(e.to_string()))?;
+        }
     }
     sent += write_control(wr, &ReduceMsg::SendDone)
         .await
@@ -324,13 +368,24 @@ async fn rogue_chunk<W: futures::AsyncWrite + Unpin>(
 /// Reads a reducer's answers to a span of `len` elements: for each part, `Result` (its range and
 /// contributors) and its delta chunks, until `ResultDone`; at most `gap` between frames. Returns
 /// the runs of the span (offsets within it) with their contributors, and the whole delta.
+///
+/// When the group verifies, each part ends with the reducer's result seal, checked here (with
+/// the exact codec against the values received) and returned with the part.
 async fn receive_results<R: futures::AsyncRead + Unpin>(
     round: &Round,
     rd: &mut R,
+    from: (MemberIdx, usize),
     len: usize,
     gap: Duration,
     failed_reducer: Option<MemberIdx>,
-) -> Result<(Vec<Segment>, PoolBuf), SendFail> {
+) -> Result<(Vec<Segment>, PoolBuf, Vec<ReceivedPart>), SendFail> {
+    let verifying = round.env.signer.is_some();
+    let exact = round.env.config.codec == Codec::None;
+    let aggregation = round.env.config.aggregation.to_string();
+    let (j, span_start) = from;
+    let mut sealed: Vec<ReceivedPart> = Vec::new();
+    // The part being received still owes its seal.
+    let mut unsealed: Option<(Range<usize>, Vec<MemberIdx>)> = None;
     let cfg = &round.env.config;
     // Every element is decoded into before the delta is used (the span must come back whole).
     let mut delta = round.env.pool.take_dirty(len);
@@ -374,6 +429,36 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                     .map_err(|e| SendFail::reducer(e.to_string()))?;
                 *got += count;
             }
+            Frame::Control(ReduceMsg::ResultSeal(seal)) => {
+                let complete = current.as_ref().is_some_and(|(p, got)| *got == p.len());
+                let Some((part, contributors)) = unsealed.take().filter(|_| complete) else {
+                    return Err(SendFail::reducer("a result seal out of place"));
+                };
+                let ids: Vec<Vec<u8>> = contributors
+                    .iter()
+                    .map(|c| round.peer(*c).to_bytes())
+                    .collect();
+                let abs = span_start + part.start..span_start + part.end;
+                let values = exact.then(|| &delta[part.clone()]);
+                if !crate::verify::check_result(
+                    round.round_id,
+                    &round.peer(j),
+                    &abs,
+                    &ids,
+                    &aggregation,
+                    values,
+                    &seal,
+                ) {
+                    return Err(SendFail::reducer(
+                        "the reducer's result seal does not match its result",
+                    ));
+                }
+                sealed.push(ReceivedPart {
+                    range: abs,
+                    contributors: ids,
+                    seal,
+                });
+            }
             Frame::Control(ReduceMsg::Result {
                 start,
                 len: part_len,
@@ -383,6 +468,11 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                     if *got != part.len() {
                         return Err(SendFail::reducer("a part's delta is incomplete"));
                     }
+                }
+                if unsealed.is_some() {
+                    return Err(SendFail::reducer(
+                        "a part of the result came without its seal",
+                    ));
                 }
                 let end = start.checked_add(part_len);
                 let well_formed = start == covered as u64
@@ -399,6 +489,9 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                 }
                 // In range: checked above against `len`, a usize.
                 let part = covered..covered + part_len as usize;
+                if verifying {
+                    unsealed = Some((part.clone(), contributors.clone()));
+                }
                 match segments.last_mut() {
                     Some(last) if last.1 == contributors => last.0.end = part.end,
                     _ => segments.push((part.clone(), contributors)),
@@ -407,10 +500,10 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
             }
             Frame::Control(ReduceMsg::ResultDone) => {
                 let complete = current.as_ref().is_none_or(|(p, got)| *got == p.len());
-                if !complete || covered != len {
+                if !complete || covered != len || unsealed.is_some() {
                     return Err(SendFail::reducer("reducer's result is incomplete"));
                 }
-                return Ok((segments, delta));
+                return Ok((segments, delta, sealed));
             }
             Frame::Control(ReduceMsg::Excluded(why)) => return Err(SendFail::excluded(why)),
             Frame::Control(other) => {

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::schema::Schema;
 use super::Averager;
-use crate::allreduce::{run_allreduce, Outcome, RoundEnv};
+use crate::allreduce::{run_allreduce, Outcome};
 use crate::group::Group;
 use crate::report::{SpanOutcome, SpanReport};
 use crate::{AveragerConfig, AveragerError, AveragingMode, RoundReport};
@@ -245,14 +245,7 @@ impl Averager {
         weight: f64,
         deadline: Instant,
     ) -> (Vec<f32>, Outcome) {
-        let env = RoundEnv {
-            config: config.clone(),
-            transport: self.transport.clone(),
-            router: self.router.clone(),
-            pool: self.pool.clone(),
-            bandwidth: self.bandwidth.current(),
-            feedback: false,
-        };
+        let env = self.round_env(config.clone(), false);
         let mut flat = self.pool.take_dirty(mine.len());
         flat.copy_from_slice(&mine);
         let round = run_allreduce(env, group, flat, weight, deadline).await;
@@ -325,6 +318,7 @@ fn compressed_report(
         prepared,
         allreduce_time,
         measured_upload: rounds.iter().rev().find_map(|r| r.measured_bandwidth),
+        audit: rounds.iter().find_map(|r| r.audit.clone()),
     }
 }
 

@@ -115,14 +115,19 @@ impl Averager {
     }
 }
 
-/// What besides the tensor sizes peers must agree on: the codec, and the aggregation unless it
-/// is the mean (so that the schema of a mean round stays what it always was).
+/// What besides the tensor sizes peers must agree on: the codec, the aggregation unless it is
+/// the mean, and whether rounds are verified (so that the schema of a plain mean round stays
+/// what it always was).
 pub(super) fn wire_label(cfg: &AveragerConfig) -> String {
-    if cfg.aggregation.is_mean() {
+    let mut label = if cfg.aggregation.is_mean() {
         cfg.codec.to_string()
     } else {
         format!("{} with {}", cfg.codec, cfg.aggregation)
+    };
+    if cfg.verify > 0.0 {
+        label.push_str(", verified");
     }
+    label
 }
 
 /// FNV-1a over the tensor sizes and the codec name: stable across platforms and versions.

@@ -21,8 +21,10 @@ use crate::config::{AveragerConfig, Fault};
 use crate::group::{Group, Member};
 use crate::router::{IncomingJoin, Router};
 use crate::transport::Transport;
+use crate::verify::Banned;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberInfo, MATCHMAKING_PROTOCOL,
+    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
+    MATCHMAKING_PROTOCOL,
 };
 use crate::AveragerError;
 use proto::{Action, Asked, Event, JoinId, Ms, Outcome, Params, Search};
@@ -44,6 +46,8 @@ pub(crate) struct Matchmaker {
     pub declared_until: Arc<std::sync::atomic::AtomicU64>,
     /// The peers expected to search (`Averager::expect_peers`), if the caller said.
     pub expected: Option<usize>,
+    /// Peers proven to have lied: never grouped with (see [`crate::verify`]).
+    pub banned: Banned,
 }
 
 /// Why asking a leader to take us did not end in a group.
@@ -241,7 +245,14 @@ async fn run_window(
                     (accepted, attempt) = ask(mm, group_key, me, window_end_ms, leader);
                 }
                 Action::Read => {
-                    let read = read_declarations(node, group_key, cfg.request_timeout).await?;
+                    let read = read_declarations(node, group_key, cfg.request_timeout)
+                        .await?
+                        .map(|found| {
+                            found
+                                .into_iter()
+                                .filter(|d| !mm.banned.contains(&d.info.peer_id))
+                                .collect()
+                        });
                     pending.extend(search.handle(clock(), Event::Read(read)));
                 }
                 Action::CheckGone {
@@ -288,6 +299,10 @@ async fn run_window(
                 pending.extend(search.handle(clock(), Event::Tick));
             }
             Some(join) = rx.recv() => {
+                if mm.banned.contains(&join.info.peer_id) {
+                    refuse_banned(join, cfg.request_timeout);
+                    continue;
+                }
                 if accepted.load(Ordering::Acquire) {
                     pending.extend(search.handle(clock(), Event::Accepted));
                 }
@@ -562,6 +577,11 @@ async fn follow_inner(
             {
                 return Err(FollowError::Refused("malformed begin message".into()));
             }
+            if members.iter().any(|m| mm.banned.contains(&m.peer_id)) {
+                return Err(FollowError::Refused(
+                    "the group holds a peer proven to have lied".into(),
+                ));
+            }
             // Peer ids are parsed once, here: a malformed one refuses the group.
             Group::new(round_id, &members, my_index)
                 .map(Some)
@@ -570,6 +590,15 @@ async fn follow_inner(
         MatchMsg::Disband => Ok(None),
         other => Err(FollowError::Refused(format!("unexpected {other:?}"))),
     }
+}
+
+/// Refuses (in the background) a join request from a peer proven to have lied.
+fn refuse_banned(join: IncomingJoin, limit: Duration) {
+    let mut stream = join.stream;
+    tokio::spawn(async move {
+        let reply = MatchMsg::Rejected(RejectReason::Banned);
+        let _ = timeout(limit, write_control(&mut stream, &reply)).await;
+    });
 }
 
 #[cfg(test)]

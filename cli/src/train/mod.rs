@@ -132,6 +132,10 @@ pub struct HyperArgs {
     /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).
     #[arg(long)]
     pub(crate) aggregation: Option<String>,
+    /// Check reducers: after each round, recompute one random block of another reducer's
+    /// result with this probability (0 to 1), and refuse peers caught lying (default 0: off).
+    #[arg(long)]
+    pub(crate) verify: Option<f64>,
     /// Seed of the initial parameters (default: from the clock).
     #[arg(long)]
     pub(crate) seed: Option<u64>,
@@ -180,6 +184,7 @@ impl HyperArgs {
             outer_momentum: self.outer_momentum,
             codec: self.codec.clone(),
             aggregation: self.aggregation.clone(),
+            verify: self.verify,
             seed: self.seed,
             hidden: self.hidden,
             context: self.context,
@@ -214,6 +219,7 @@ impl HyperArgs {
         note(self.outer_momentum.is_some(), "--outer-momentum");
         note(self.codec.is_some(), "--codec");
         note(self.aggregation.is_some(), "--aggregation");
+        note(self.verify.is_some(), "--verify");
         note(self.seed.is_some(), "--seed");
         note(self.hidden.is_some(), "--hidden");
         note(self.context.is_some(), "--context");

@@ -1,0 +1,423 @@
+//! Checked reducers and excluded liars (`AveragerConfig::verify`).
+//!
+//! A robust aggregator ([`crate::Aggregation`]) bounds what a lying *sender* can do; this
+//! module is about lying *reducers*, which could otherwise return any result they like for
+//! their span. The protocol, in every round of a group that verifies:
+//!
+//! 1. **Senders commit before results exist.** After each data chunk a sender sends a
+//!    [`Seal`]: the root of a SHA-256 hash tree ([`merkle`], blocks of [`merkle::BLOCK`]
+//!    values) over the chunk's values as the reducer decodes them, signed with its node identity
+//!    together with the round, both peer ids, the chunk's range and its weight
+//!    ([`evidence::input_message`]). The reducer checks the seal against what it decoded before
+//!    it uses the chunk; a chunk whose seal does not match is refused like a malformed one. The
+//!    reducer seals its own values of each part the same way.
+//! 2. **Reducers sign results.** After each part of the result the reducer sends a result seal
+//!    over the part's values, its contributors and the aggregation
+//!    ([`evidence::result_message`]). With the exact codec (`none`) every sender receives the
+//!    part's values themselves and checks the seal against them at once; a reducer whose seal
+//!    does not match what it sent has failed the round (its span is re-delegated). It keeps a
+//!    transcript of the round (every contributor's values and seals, its result and seals)
+//!    for a while.
+//! 3. **Random blocks are recomputed.** After its round, each member, with probability
+//!    `verify`, picks by its own randomness one part of another reducer's result and one
+//!    block of it, and asks that reducer to reveal it ([`evidence::Reveal`]): each
+//!    contributor's values of the block with their hash paths and seals, and the result block
+//!    with its path and seal. The verifier checks the result seal is the one it received, every
+//!    signature and path, and recomputes the block with the group's aggregation.
+//! 4. **Liars are caught with proof.** A recomputed block that differs (by more than
+//!    summation order explains: 10⁻⁵ of the coordinate's largest input), or a revealed result
+//!    seal that differs from the one received, is [`Evidence`] that anyone can check from its
+//!    contents alone. The verifier does not apply that reducer's span (it keeps its own values
+//!    there), refuses the reducer at once, and publishes the evidence in the DHT under
+//!    `{prefix}.evidence` (under its own owner marker, so nobody can overwrite it). Every
+//!    averager reads that key in the background ([`EVIDENCE_POLL`]), checks each new entry,
+//!    and refuses the guilty peer in matchmaking for as long as it runs: it never declares with
+//!    it, never takes its join request, and leaves a group whose leader lists it. Evidence that
+//!    does not check out changes nothing.
+//!
+//! A reducer that does not answer a reveal in time, or cannot show a block, is not accused
+//! (that cannot be proven), but the verifier does not apply its span either.
+//!
+//! **What it costs.** Hashing every value twice on each side (sender and reducer; the
+//! result again at each sender with the exact codec), one signature per chunk and part, and
+//! for each verifying member one request of a few KiB (one block of each contributor) after
+//! its round: the verifier's round lasts one round trip longer.
+//!
+//! **What it cannot catch.**
+//! - A reducer that alters a fraction `f` of its blocks is caught by one check with
+//!   probability `f`: a liar that changes one block in a thousand mostly goes unseen for a long
+//!   time; one that alters its whole span is caught by the first check of its span. In a
+//!   group of `n` with `verify = p`, each round checks a given reducer's span with probability
+//!   about `1 − (1 − p/(n−1))^(n−1)`, about `p`. Results applied before the check are not
+//!   undone.
+//! - Alterations within 10⁻⁵ of the values (rounding-sized) pass.
+//! - A reducer's own contribution is its choice: it is committed and checked like the others,
+//!   but with the mean a reducer can move its span by choosing it (as any sender can move
+//!   every span). A robust aggregation bounds that; verification does not.
+//! - Only coordinate-wise aggregations (mean, median, trimmed mean) can be recomputed one
+//!   block at a time; `centered-clip` measures distances over whole parts, and a group that
+//!   verifies refuses it (config error).
+//! - With a lossy codec each sender receives a delta, not the result, so it cannot check the
+//!   result seal against what it received: a reducer could send one sender a delta that lands
+//!   elsewhere than its sealed (and checked) result. Verified groups should use the exact
+//!   codec; lossy ones verify the reducer's own result only.
+//! - Re-delegated parts (phase 2) carry seals but are not picked for checks.
+
+pub mod evidence;
+pub mod merkle;
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use starling_dht::OwnerKey;
+use starling_node::{Node, PeerId};
+use tokio::time::Instant;
+
+pub use evidence::{Evidence, EvidenceError, Reveal, RevealedInput, Seal, SignedResult};
+use starling_node::lock::lock;
+
+use crate::wire::MemberIdx;
+
+/// How often an averager reads the published evidence.
+pub const EVIDENCE_POLL: Duration = Duration::from_secs(2);
+/// Transcripts a reducer keeps (its latest rounds).
+const TRANSCRIPTS_KEPT: usize = 3;
+/// How long a transcript stays after its round.
+const TRANSCRIPT_LIFE: Duration = Duration::from_secs(60);
+/// How long published evidence lives in the DHT.
+const EVIDENCE_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Signs this peer's seals with its node identity.
+#[derive(Clone)]
+pub(crate) struct Signer {
+    key: OwnerKey,
+    pub me: Vec<u8>,
+}
+
+impl Signer {
+    pub fn of(node: &Node) -> Self {
+        Signer {
+            key: node.owner_key().clone(),
+            me: node.peer_id().to_bytes(),
+        }
+    }
+
+    /// Seals this peer's values of `start..start + values.len()` sent to `reducer`.
+    pub fn seal_input(
+        &self,
+        round_id: u64,
+        reducer: &PeerId,
+        start: usize,
+        weight: f64,
+        values: &[f32],
+    ) -> Seal {
+        let root = merkle::root(values);
+        let m = evidence::input_message(
+            round_id,
+            &self.me,
+            &reducer.to_bytes(),
+            start as u64,
+            values.len() as u64,
+            weight,
+            &root,
+        );
+        Seal {
+            root,
+            signature: self.key.sign_document(evidence::INPUT_DOMAIN, &m).to_vec(),
+        }
+    }
+
+    /// Seals this reducer's result `values` of the part starting at `start`.
+    pub fn seal_result(
+        &self,
+        round_id: u64,
+        start: usize,
+        contributors: &[Vec<u8>],
+        aggregation: &str,
+        values: &[f32],
+    ) -> Seal {
+        let root = merkle::root(values);
+        let m = evidence::result_message(
+            round_id,
+            &self.me,
+            start as u64,
+            values.len() as u64,
+            contributors,
+            aggregation,
+            &root,
+        );
+        Seal {
+            root,
+            signature: self.key.sign_document(evidence::RESULT_DOMAIN, &m).to_vec(),
+        }
+    }
+}
+
+/// Checks a sender's seal over `values` (what this reducer decoded of its chunk).
+pub(crate) fn check_input(
+    round_id: u64,
+    sender: &PeerId,
+    reducer: &[u8],
+    start: usize,
+    weight: f64,
+    values: &[f32],
+    seal: &Seal,
+) -> bool {
+    let root = merkle::root(values);
+    if root != seal.root {
+        return false;
+    }
+    let m = evidence::input_message(
+        round_id,
+        &sender.to_bytes(),
+        reducer,
+        start as u64,
+        values.len() as u64,
+        weight,
+        &root,
+    );
+    evidence::check_seal(&sender.to_bytes(), evidence::INPUT_DOMAIN, &m, seal).is_ok()
+}
+
+/// Checks a reducer's result seal; with `values` (the exact codec) also that it seals them.
+pub(crate) fn check_result(
+    round_id: u64,
+    reducer: &PeerId,
+    range: &Range<usize>,
+    contributors: &[Vec<u8>],
+    aggregation: &str,
+    values: Option<&[f32]>,
+    seal: &Seal,
+) -> bool {
+    if values.is_some_and(|v| merkle::root(v) != seal.root) {
+        return false;
+    }
+    let m = evidence::result_message(
+        round_id,
+        &reducer.to_bytes(),
+        range.start as u64,
+        range.len() as u64,
+        contributors,
+        aggregation,
+        &seal.root,
+    );
+    evidence::check_seal(&reducer.to_bytes(), evidence::RESULT_DOMAIN, &m, seal).is_ok()
+}
+
+/// One contributor's part of a reducer's transcript.
+pub(crate) struct TranscriptInput {
+    pub peer: Vec<u8>,
+    pub weight: f64,
+    /// Its values of the whole span (offsets within the span).
+    pub values: Arc<Mutex<crate::pool::PoolBuf>>,
+    /// Its seals, by absolute chunk start: (chunk length, seal).
+    pub seals: HashMap<usize, (usize, Seal)>,
+}
+
+/// One sealed part of a reducer's result.
+pub(crate) struct SealedPart {
+    /// Absolute range.
+    pub range: Range<usize>,
+    /// Contributors, in the order the reducer combined them (itself first).
+    pub order: Vec<MemberIdx>,
+    /// Their peer ids in member order (what the seal signs).
+    pub contributors: Vec<Vec<u8>>,
+    pub seal: Seal,
+}
+
+/// What a reducer keeps of one round to answer reveals.
+pub(crate) struct Transcript {
+    pub round_id: u64,
+    pub reducer: Vec<u8>,
+    pub aggregation: String,
+    pub span: Range<usize>,
+    pub inputs: BTreeMap<MemberIdx, TranscriptInput>,
+    pub parts: Vec<SealedPart>,
+    /// The result of the span (offsets within the span).
+    pub result: crate::pool::PoolBuf,
+}
+
+impl Transcript {
+    /// Block `block` of the part starting at `start` (absolute, `len` elements), if this
+    /// transcript holds it whole.
+    pub fn reveal(&self, start: usize, len: usize, block: usize) -> Option<Reveal> {
+        let part = self
+            .parts
+            .iter()
+            .find(|p| p.range.start == start && p.range.len() == len)?;
+        if block >= merkle::leaves(len) {
+            return None;
+        }
+        let local = start.checked_sub(self.span.start)?..start - self.span.start + len;
+        let mut inputs = Vec::with_capacity(part.order.len());
+        for m in &part.order {
+            let input = self.inputs.get(m)?;
+            let (sealed_len, seal) = input.seals.get(&start)?;
+            if *sealed_len != len {
+                return None;
+            }
+            let values = lock(&input.values);
+            let values = values.get(local.clone())?;
+            inputs.push(RevealedInput {
+                peer: input.peer.clone(),
+                weight: input.weight,
+                values: values[merkle::block_range(len, block)].to_vec(),
+                path: merkle::path(values, block),
+                seal: seal.clone(),
+            });
+        }
+        let result = self.result.get(local)?;
+        Some(Reveal {
+            round_id: self.round_id,
+            reducer: self.reducer.clone(),
+            start: start as u64,
+            len: len as u64,
+            aggregation: self.aggregation.clone(),
+            contributors: part.contributors.clone(),
+            block: block as u32,
+            inputs,
+            result: result[merkle::block_range(len, block)].to_vec(),
+            result_path: merkle::path(result, block),
+            result_seal: part.seal.clone(),
+        })
+    }
+}
+
+/// A reducer's latest transcripts (cheap to clone).
+#[derive(Clone, Default)]
+pub(crate) struct Transcripts {
+    kept: Arc<Mutex<VecDeque<(Instant, Arc<Transcript>)>>>,
+    /// Wakes reveals waiting for a round that is still returning its results.
+    added: Arc<tokio::sync::Notify>,
+}
+
+impl Transcripts {
+    pub fn keep(&self, t: Transcript) {
+        let mut kept = lock(&self.kept);
+        kept.retain(|(at, _)| at.elapsed() < TRANSCRIPT_LIFE);
+        while kept.len() >= TRANSCRIPTS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((Instant::now(), Arc::new(t)));
+        drop(kept);
+        self.added.notify_waiters();
+    }
+
+    fn find(&self, round_id: u64, start: usize) -> Option<Arc<Transcript>> {
+        lock(&self.kept)
+            .iter()
+            .rev()
+            .find(|(at, t)| {
+                t.round_id == round_id && t.span.contains(&start) && at.elapsed() < TRANSCRIPT_LIFE
+            })
+            .map(|(_, t)| t.clone())
+    }
+
+    /// The transcript of round `round_id` holding element `start`, waiting until `until` for
+    /// one that is still being written (a sender can ask as soon as it has its own result,
+    /// before the reducer has served the others).
+    pub async fn wait_for(
+        &self,
+        round_id: u64,
+        start: usize,
+        until: Instant,
+    ) -> Option<Arc<Transcript>> {
+        loop {
+            let added = self.added.notified();
+            tokio::pin!(added);
+            added.as_mut().enable();
+            if let Some(t) = self.find(round_id, start) {
+                return Some(t);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            let _ = tokio::time::timeout_at(until, added).await;
+        }
+    }
+}
+
+/// Peers this averager refuses: proven liars (cheap to clone).
+#[derive(Clone, Default)]
+pub(crate) struct Banned(Arc<Mutex<HashSet<Vec<u8>>>>);
+
+impl Banned {
+    pub fn insert(&self, peer: &PeerId) -> bool {
+        lock(&self.0).insert(peer.to_bytes())
+    }
+
+    pub fn contains(&self, peer: &[u8]) -> bool {
+        lock(&self.0).contains(peer)
+    }
+
+    pub fn list(&self) -> Vec<PeerId> {
+        lock(&self.0)
+            .iter()
+            .filter_map(|b| PeerId::from_bytes(b).ok())
+            .collect()
+    }
+}
+
+/// The DHT key evidence of a run is published under.
+pub(crate) fn evidence_key(prefix: &str) -> String {
+    format!("{prefix}.evidence")
+}
+
+/// Publishes checked evidence in the background (under this node's owner marker, one sub-key
+/// per accused peer and round).
+pub(crate) fn publish(node: &Node, prefix: &str, evidence: &Evidence) {
+    let node = node.clone();
+    let key = evidence_key(prefix);
+    let subkey = format!(
+        "{}.{:016x}.{}",
+        evidence
+            .accused()
+            .map(|p| p.to_string())
+            .unwrap_or_default(),
+        evidence.round_id(),
+        node.owner_marker()
+    );
+    let evidence = evidence.clone();
+    tokio::spawn(async move {
+        let expiration = starling_dht::now_ms() + EVIDENCE_TTL.as_millis() as u64;
+        match node.store(&key, &subkey, &evidence, expiration).await {
+            Ok(_) => tracing::info!("published evidence: {evidence}"),
+            Err(e) => tracing::warn!("could not publish evidence ({evidence}): {e}"),
+        }
+    });
+}
+
+/// Reads the run's published evidence every [`EVIDENCE_POLL`] until aborted, checks each new
+/// entry, and refuses the peers it proves guilty.
+pub(crate) async fn watch_evidence(node: Node, prefix: String, banned: Banned) {
+    let key = evidence_key(&prefix);
+    let mut seen: HashSet<(String, u64)> = HashSet::new();
+    loop {
+        tokio::time::sleep(EVIDENCE_POLL).await;
+        if node.is_closed() {
+            return;
+        }
+        let entries = match tokio::time::timeout(EVIDENCE_POLL, node.get::<Evidence>(&key)).await {
+            Ok(Ok(entries)) => entries,
+            _ => continue,
+        };
+        for (subkey, evidence, expiration) in entries {
+            if seen.len() > 4096 {
+                seen.clear(); // bounded: re-checking old evidence is harmless
+            }
+            if !seen.insert((subkey.clone(), expiration)) {
+                continue;
+            }
+            match evidence.check() {
+                Ok(guilty) => {
+                    if banned.insert(&guilty) {
+                        tracing::warn!("refusing {guilty} from now on: {evidence}");
+                    }
+                }
+                Err(e) => tracing::debug!("ignoring evidence under {subkey}: {e}"),
+            }
+        }
+    }
+}
