@@ -9,6 +9,8 @@
 //!   it declared (measured from real transfers), so weak and client peers reduce little or
 //!   nothing.
 //! - [`wire`]: every message and the framing (bounded frames, `starling_node::framing`).
+//! - [`verify`]: checked reducers (`AveragerConfig::verify`): signed commitments, random
+//!   recomputation of result blocks, [`verify::Evidence`] anyone can check, and liars refused.
 //! - [`devices`]: local collectives across the devices of one machine ([`LocalGroup`]: CPU threads, or
 //!   NCCL with the `cuda` feature) and [`Hierarchical`] averaging, where one averager speaks
 //!   for the whole machine in the swarm.

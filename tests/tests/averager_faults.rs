@@ -318,6 +318,48 @@ async fn survivors_finish_under_every_robust_aggregator() {
     }
 }
 
+/// The same crashes in verified rounds (every member checks a reducer after the round): the
+/// survivors finish with exact spans that agree, the crashed reducer's span is re-delegated,
+/// and no check accuses anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_finish_in_verified_rounds() {
+    init_tracing();
+    for (f, fault) in [
+        Fault::BeforeSending,
+        Fault::AfterSentChunks(1),
+        Fault::WhileReducing,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let prefix = format!("kill-verified-{f}");
+        let run = bounded(
+            Duration::from_secs(120),
+            survivors_finish_with(&prefix, fault, |c| c.verify = 1.0),
+        )
+        .await;
+        for s in [0, 1, 3] {
+            let report = run.reports[s].as_ref().unwrap();
+            if let Some(audit) = &report.audit {
+                assert!(
+                    !matches!(audit.outcome, starling_averager::AuditOutcome::Caught(_)),
+                    "{fault:?}: peer {s} accused {}: {:?}",
+                    audit.reducer,
+                    audit.outcome
+                );
+            }
+            if fault == Fault::WhileReducing {
+                for part in victim_parts(&run, s, 2) {
+                    assert!(
+                        matches!(part.outcome, SpanOutcome::Redelegated { .. }),
+                        "peer {s}: {part:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_while_reducing_without_time_to_redelegate_keeps_local() {
     init_tracing();
