@@ -724,7 +724,11 @@ impl Averager {
         if total == 0 {
             return Err(AveragerError::Schema("no elements to average".into()));
         }
-        self.pool.set_limit(4 * total * std::mem::size_of::<f32>());
+        // A verifying reducer also keeps its last rounds' transcripts (about one model's worth
+        // each), whose buffers come back to the pool when they are dropped.
+        let buffers = if self.config.verify > 0.0 { 6 } else { 4 };
+        self.pool
+            .set_limit(buffers * total * std::mem::size_of::<f32>());
         let mut flat = self.pool.take_dirty(total);
         let mut at = 0;
         for (i, t) in tensors.iter().enumerate() {

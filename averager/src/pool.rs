@@ -37,7 +37,9 @@ impl BufPool {
     }
 
     /// A zeroed buffer of `len` elements: the smallest free one that fits (and is at most twice
-    /// as large, so small requests leave model-sized buffers alone), or a new one.
+    /// as large, so small requests leave model-sized buffers alone), or a new one. (Every
+    /// caller overwrites what it takes: they use [`BufPool::take_dirty`].)
+    #[cfg(test)]
     pub fn take(self: &Arc<Self>, len: usize) -> PoolBuf {
         let mut b = self.take_dirty(len);
         b.fill(0.0);
@@ -68,7 +70,8 @@ impl BufPool {
 
     /// A pooled copy of `data`.
     pub fn copy_of(self: &Arc<Self>, data: &[f32]) -> PoolBuf {
-        let mut b = self.take(data.len());
+        // Overwritten whole: no need to zero it first.
+        let mut b = self.take_dirty(data.len());
         b.copy_from_slice(data);
         b
     }

@@ -339,18 +339,17 @@ impl Router {
         let (start, len, block) = what;
         let until = Instant::now() + self.request_timeout;
         let shown = match (usize::try_from(start), usize::try_from(len)) {
-            (Ok(start), Ok(len)) => self
-                .transcripts
-                .wait_for(round_id, start, until)
-                .await
-                .and_then(|t| t.reveal(start, len, block as usize)),
-            _ => None,
+            (Ok(start), Ok(len)) => match self.transcripts.wait_for(round_id, start, until).await {
+                Some(t) => t.reveal(start, len, block as usize),
+                None => Err("no such round among the recent ones".into()),
+            },
+            _ => Err("no such block".into()),
         };
         let reply = match shown {
-            Some(r) => ReduceMsg::Revealed(Box::new(r)),
-            None => {
-                tracing::debug!(%peer, "asked to reveal a block this peer does not hold");
-                ReduceMsg::Excluded("no such block in a recent round".into())
+            Ok(r) => ReduceMsg::Revealed(Box::new(r)),
+            Err(why) => {
+                tracing::debug!(%peer, "could not reveal a block: {why}");
+                ReduceMsg::Excluded(why)
             }
         };
         let _ = timeout(self.request_timeout, async {

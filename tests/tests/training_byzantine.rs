@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use starling_averager::Aggregation;
+use starling_averager::{Aggregation, Fault, Rogue};
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
 use starling_training::{CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig};
@@ -45,6 +45,9 @@ enum Attack {
     /// "A little is enough" (Baruch et al. 2019): the mean of the honest gradients minus z
     /// standard deviations, coordinate-wise, with z from the paper for N peers and LIARS liars.
     ALittle,
+    /// One peer (the last) sends its true gradient but, as a reducer, adds 1 to every value
+    /// of its span's result (well-formed values; only a recomputation shows the lie).
+    LyingReducer,
 }
 
 /// The model the peers train: the softmax classifier of `support/digits.rs`, or a one-hidden-
@@ -252,6 +255,22 @@ async fn train(
     aggregation: Aggregation,
     attack: Attack,
 ) -> (f64, bool) {
+    train_verified(net, train, test, run, aggregation, attack, 0.0)
+        .await
+        .0
+}
+
+/// [`train`] with reducers checked with probability `verify` (`AveragerConfig::verify`);
+/// also returns how many honest peers refuse the lying reducer at the end.
+async fn train_verified(
+    net: Net,
+    train: &Data,
+    test: &Data,
+    run: &str,
+    aggregation: Aggregation,
+    attack: Attack,
+    verify: f64,
+) -> ((f64, bool), usize) {
     let epochs = match net {
         Net::Softmax => EPOCHS,
         Net::Mlp => MLP_EPOCHS,
@@ -263,7 +282,8 @@ async fn train(
     let cluster = LocalCluster::start(N, NodeConfig::default()).await.unwrap();
     let nodes = cluster.nodes.clone();
     let runs = nodes.iter().enumerate().map(|(p, node)| async move {
-        let liar = attack != Attack::None && p >= N - LIARS;
+        let lying_reducer = attack == Attack::LyingReducer && p == N - 1;
+        let liar = !matches!(attack, Attack::None | Attack::LyingReducer) && p >= N - LIARS;
         let (mut params, rule) = match net {
             Net::Softmax => (model(), sgd()),
             Net::Mlp => (mlp_model(), SgdConfig::new(0.1).momentum(0.9)),
@@ -274,6 +294,10 @@ async fn train(
         cfg.progress.target_batch_size = cfg.target_batch_size;
         cfg.averager.target_group_size = N;
         cfg.averager.aggregation = aggregation;
+        cfg.averager.verify = verify;
+        if lying_reducer {
+            cfg.averager.fault = Some(Fault::Rogue(Rogue::AlterResult(1)));
+        }
         cfg.state_averaging_every = None;
         let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
             .await
@@ -301,7 +325,7 @@ async fn train(
                 .collect();
             for g in own.iter().take(BATCHES_PER_EPOCH) {
                 let sent: Vec<f32> = match (liar, attack) {
-                    (false, _) | (_, Attack::None) => g.clone(),
+                    (false, _) | (_, Attack::None | Attack::LyingReducer) => g.clone(),
                     (true, Attack::Scale) => g.iter().map(|x| 100.0 * x).collect(),
                     (true, Attack::SignFlip) => g.iter().map(|x| -x).collect(),
                     (true, Attack::Noise) => {
@@ -324,18 +348,38 @@ async fn train(
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 r = collab.try_step(&mut params).await.unwrap();
             }
-            assert_eq!(
-                r.group_size,
-                Some(N),
-                "peer {p} epoch {e}: {:?}",
-                r.averaging_error
-            );
+            if attack == Attack::LyingReducer {
+                // Once caught, the liar is refused: the honest peers average without it.
+                assert!(
+                    lying_reducer || r.group_size >= Some(N - 1),
+                    "peer {p} epoch {e}: {:?}",
+                    r.averaging_error
+                );
+            } else {
+                assert_eq!(
+                    r.group_size,
+                    Some(N),
+                    "peer {p} epoch {e}: {:?}",
+                    r.averaging_error
+                );
+            }
         }
-        params.params().to_vec()
+        let refuses = collab.refused_peers().len();
+        (params.params().to_vec(), refuses)
     });
     let finals = futures::future::join_all(runs).await;
     cluster.shutdown().await;
-    let honest = &finals[..N - LIARS];
+    let honest_count = if attack == Attack::LyingReducer {
+        N - 1
+    } else {
+        N - LIARS
+    };
+    let refusing = finals[..honest_count]
+        .iter()
+        .filter(|(_, r)| *r > 0)
+        .count();
+    let finals: Vec<Vec<f32>> = finals.into_iter().map(|(p, _)| p).collect();
+    let honest = &finals[..honest_count];
     let same = honest.iter().all(|p| p == &honest[0]);
     let acc = if honest[0].iter().all(|v| v.is_finite()) {
         match net {
@@ -345,7 +389,40 @@ async fn train(
     } else {
         0.0
     };
-    (acc, same)
+    ((acc, same), refusing)
+}
+
+/// One reducer of 8 adds 1 to every value of its span's result, with and without checked
+/// reducers: honest peer 0's test accuracy, whether the honest peers ended identical, and how
+/// many honest peers refuse the liar at the end. `cargo test --release -p starling-tests --test
+/// training_byzantine lying_reducer -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, printed as a table"]
+async fn lying_reducer_table() {
+    init_tracing();
+    let (tr, te) = digits();
+    println!(
+        "| run | verify | accuracy | honest peers identical | honest peers refusing the liar |"
+    );
+    for (attack, verify) in [
+        (Attack::None, 0.0),
+        (Attack::LyingReducer, 0.0),
+        (Attack::LyingReducer, 0.5),
+        (Attack::LyingReducer, 1.0),
+    ] {
+        let run = format!("byz-reducer-{attack:?}-{verify}");
+        let ((acc, same), refusing) = train_verified(
+            Net::Softmax,
+            &tr,
+            &te,
+            &run,
+            Aggregation::Mean,
+            attack,
+            verify,
+        )
+        .await;
+        println!("| {attack:?} | {verify} | {acc:.3} | {same} | {refusing} of 7 |");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,8 @@ use rand::Rng;
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::Instant;
 
+use starling_compression::Codec;
+
 use super::Round;
 use crate::verify::{merkle, Evidence, Seal, SignedResult};
 use crate::wire::{Control, MemberIdx, ReduceMsg, MAX_CONTROL_BYTES, REDUCE_PROTOCOL};
@@ -33,41 +35,70 @@ pub(crate) enum Verdict {
     /// No verdict: the reducer did not show the block (in time, or at all), or what it showed
     /// does not check out. Nothing can be proven, but its span is not applied.
     Unanswered(String),
+    /// The reducer sent this peer other values than it sealed: certain, but not provable to
+    /// others. Its span is not applied and this peer refuses it.
+    SentOtherThanSealed,
 }
 
-/// With probability `verify`, picks one reducer among `received` (other members' spans whose
-/// every part came back sealed), one of its parts and one block, and checks it. Returns the
-/// reducer and the verdict, or `None` when this round is not checked here.
-pub(super) async fn audit(
-    round: &Round,
-    received: &[(MemberIdx, Vec<ReceivedPart>)],
-) -> Option<(MemberIdx, Verdict)> {
+/// With probability `verify`, the reducer this peer checks this round: one of the other
+/// members with a span, at random (`None` when this round is not checked here, or this peer
+/// sends nothing).
+pub(super) fn choose(round: &Round) -> Option<MemberIdx> {
     let cfg = round.config();
-    // No time left for a request before the caller's deadline: no check this round (rather
-    // than a check that cannot be answered, which would cost a span).
-    if round.deadline.saturating_duration_since(Instant::now()) < MIN_AUDIT_TIME {
+    if cfg.verify <= 0.0 || round.env.signer.is_none() {
         return None;
     }
-    let candidates: Vec<&(MemberIdx, Vec<ReceivedPart>)> = received
-        .iter()
-        .filter(|(_, parts)| !parts.is_empty())
+    let candidates: Vec<MemberIdx> = MemberIdx::all(round.peers.len())
+        .filter(|&j| j != round.me && !round.ranges[j.get()].is_empty())
         .collect();
-    let (j, part, block) = {
-        let mut rng = rand::thread_rng();
-        if candidates.is_empty() || !rng.gen_bool(cfg.verify.clamp(0.0, 1.0)) {
-            return None;
-        }
-        let (j, parts) = candidates[rng.gen_range(0..candidates.len())];
-        let part = &parts[rng.gen_range(0..parts.len())];
-        let block = rng.gen_range(0..merkle::leaves(part.range.len()));
-        (*j, part, block)
-    };
-    let verdict = check(round, j, part, block).await;
-    Some((j, verdict))
+    let mut rng = rand::thread_rng();
+    if candidates.is_empty() || !rng.gen_bool(cfg.verify.clamp(0.0, 1.0)) {
+        return None;
+    }
+    Some(candidates[rng.gen_range(0..candidates.len())])
 }
 
-/// Asks reducer `j` for block `block` of `part` and judges the answer.
-async fn check(round: &Round, j: MemberIdx, part: &ReceivedPart, block: usize) -> Verdict {
+/// Checks one random block of reducer `j`'s result, which this peer received as `sealed`
+/// parts and (with the exact codec) as the new `values` of the span starting at `span_start`.
+/// Runs as soon as that span is back, beside the rest of the round.
+pub(super) async fn check_span(
+    round: &Round,
+    j: MemberIdx,
+    sealed: &[ReceivedPart],
+    span_start: usize,
+    values: &[f32],
+) -> Verdict {
+    // No time left for a request before the caller's deadline: the span cannot be checked,
+    // so it is not applied.
+    if round.deadline.saturating_duration_since(Instant::now()) < MIN_AUDIT_TIME {
+        return Verdict::Unanswered("no time left to check the span".into());
+    }
+    let (part, block) = {
+        let mut rng = rand::thread_rng();
+        if sealed.is_empty() {
+            return Verdict::Unanswered("the span came back without seals".into());
+        }
+        let part = &sealed[rng.gen_range(0..sealed.len())];
+        let block = rng.gen_range(0..merkle::leaves(part.range.len()));
+        (part, block)
+    };
+    let got = (round.config().codec == Codec::None).then(|| {
+        let b = merkle::block_range(part.range.len(), block);
+        let at = part.range.start - span_start + b.start;
+        &values[at..at + b.len()]
+    });
+    check(round, j, part, block, got).await
+}
+
+/// Asks reducer `j` for block `block` of `part` and judges the answer (`got`: the block as
+/// this peer received it, with the exact codec).
+async fn check(
+    round: &Round,
+    j: MemberIdx,
+    part: &ReceivedPart,
+    block: usize,
+    got: Option<&[f32]>,
+) -> Verdict {
     let cfg = round.config();
     let request = ReduceMsg::Reveal {
         round_id: round.round_id,
@@ -134,6 +165,14 @@ async fn check(round: &Round, j: MemberIdx, part: &ReceivedPart, block: usize) -
             Ok(_) => Verdict::Caught(Box::new(evidence)),
             Err(e) => Verdict::Unanswered(format!("the revealed result seal is not valid: {e}")),
         };
+    }
+    // What it sealed must be what it sent us (checked on about one part per span on receipt).
+    // A difference is certain here but cannot be shown to anyone else (what it sent is not
+    // signed): this peer refuses it for itself.
+    if got.is_some_and(|g| {
+        bytemuck::cast_slice::<f32, u8>(g) != bytemuck::cast_slice::<f32, u8>(&reveal.result)
+    }) {
+        return Verdict::SentOtherThanSealed;
     }
     let evidence = Evidence::WrongResult(reveal);
     match evidence.check() {

@@ -350,7 +350,7 @@ async fn run(
         failed,
         down,
         lost,
-        sealed,
+        audit,
     } = phase1;
     tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
     // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
@@ -365,46 +365,6 @@ async fn run(
     residuals.append(&mut repair.residuals);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
-    // A verified round: check one block of another reducer's result before anything is
-    // applied; a span that fails the check keeps this peer's values.
-    let audit = match audit::audit(&round, &sealed).await {
-        None => None,
-        Some((j, verdict)) => {
-            let reducer = round.peer(j);
-            let outcome = match verdict {
-                audit::Verdict::Clean => AuditOutcome::Clean,
-                audit::Verdict::Caught(evidence) => {
-                    tracing::warn!("caught a lying reducer: {evidence}");
-                    round.env.banned.insert(&reducer);
-                    crate::verify::publish(
-                        round.env.transport.node(),
-                        &round.config().prefix,
-                        &evidence,
-                    );
-                    AuditOutcome::Caught(evidence.to_string())
-                }
-                audit::Verdict::Unanswered(why) => {
-                    tracing::info!(%reducer, "a reducer's result could not be checked: {why}");
-                    AuditOutcome::Unanswered(why)
-                }
-            };
-            if outcome != AuditOutcome::Clean {
-                let span = &round.ranges[j.get()];
-                patches.retain(|(r, _)| r != span);
-                residuals.retain(|(r, _)| r != span);
-                reports.retain(|r| !(r.reducer == reducer && span.contains(&r.range.start)));
-                reports.push(SpanReport {
-                    reducer,
-                    range: span.clone(),
-                    outcome: kept(match &outcome {
-                        AuditOutcome::Caught(what) => format!("not applied: {what}"),
-                        _ => "not applied: the reducer's result could not be checked".into(),
-                    }),
-                });
-            }
-            Some(AuditReport { reducer, outcome })
-        }
-    };
     let repair_server = (!my_range.is_empty())
         .then(|| serve_repairs(repair, repair_rx, registration))
         .flatten();
@@ -457,17 +417,29 @@ fn serve_repairs(
 
 /// Phase 1, sending side: one task per remote reducer with a non-empty span (none for an `Aux`
 /// peer, which sends nothing).
-fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, Task<send::Sent>)> {
+///
+/// When the group verifies, the task of the reducer this peer checks (see [`audit::choose`])
+/// goes on to check one block of it as soon as it is back, beside the rest of the round.
+fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, Task<(send::Sent, Option<audit::Verdict>)>)> {
     let me = round.me;
     if round.modes[me.get()] == AveragingMode::Aux {
         return Vec::new();
     }
+    let checked = audit::choose(round);
     MemberIdx::all(round.peers.len())
         .filter(|&j| j != me && !round.ranges[j.get()].is_empty())
         .map(|j| {
             let (round, range) = (round.clone(), round.ranges[j.get()].clone());
-            let task =
-                Task::spawn(async move { send_span(&round, j, range, SendKind::Span).await });
+            let task = Task::spawn(async move {
+                let sent = send_span(&round, j, range.clone(), SendKind::Span).await;
+                let verdict = match &sent {
+                    Ok((_, values, _, sealed)) if checked == Some(j) => {
+                        Some(audit::check_span(&round, j, sealed, range.start, values).await)
+                    }
+                    _ => None,
+                };
+                (sent, verdict)
+            });
             (j, task)
         })
         .collect()
@@ -487,8 +459,8 @@ struct Phase1 {
     down: BTreeSet<MemberIdx>,
     /// Spans whose reducer failed, with why: phase 2 re-delegates them.
     lost: Vec<(MemberIdx, String)>,
-    /// When the group verifies: the sealed parts each other reducer returned.
-    sealed: Vec<(MemberIdx, Vec<audit::ReceivedPart>)>,
+    /// This peer's check of another reducer, if it checked one this round.
+    audit: Option<AuditReport>,
 }
 
 impl Phase1 {
@@ -513,18 +485,66 @@ impl Phase1 {
         }
     }
 
-    /// Takes what sending span `j` to its reducer gave.
+    /// What a check that was not clean means: a caught liar is refused and the evidence
+    /// published; a reducer seen sending other values than it sealed is refused here.
+    fn judged(&self, round: &Round, j: MemberIdx, verdict: audit::Verdict) -> AuditOutcome {
+        let reducer = round.peer(j);
+        match verdict {
+            audit::Verdict::Clean => AuditOutcome::Clean,
+            audit::Verdict::Caught(evidence) => {
+                tracing::warn!("caught a lying reducer: {evidence}");
+                round.env.banned.insert(&reducer);
+                crate::verify::publish(
+                    round.env.transport.node(),
+                    &round.config().prefix,
+                    &evidence,
+                );
+                AuditOutcome::Caught(evidence.to_string())
+            }
+            audit::Verdict::Unanswered(why) => {
+                tracing::info!(%reducer, "a reducer's result could not be checked: {why}");
+                AuditOutcome::Unanswered(why)
+            }
+            audit::Verdict::SentOtherThanSealed => {
+                tracing::warn!(%reducer, "a reducer sent other values than it sealed; refusing it here");
+                round.env.banned.insert(&reducer);
+                AuditOutcome::Unanswered(
+                    "the reducer sent other values than it sealed (refused here; not provable to others)".into(),
+                )
+            }
+        }
+    }
+
+    /// Takes what sending span `j` to its reducer gave, and this peer's check of that span if
+    /// it checked it.
     fn sent_span(
         &mut self,
         round: &Round,
         j: MemberIdx,
-        result: Result<send::Sent, tokio::task::JoinError>,
+        result: Result<(send::Sent, Option<audit::Verdict>), tokio::task::JoinError>,
     ) {
         let range = round.ranges[j.get()].clone();
         let outcome = match result {
-            Ok(Ok((segments, values, residual, sealed))) => {
-                if round.env.signer.is_some() {
-                    self.sealed.push((j, sealed));
+            Ok((_, Some(verdict))) if !matches!(verdict, audit::Verdict::Clean) => {
+                // Checked and not clean: nothing of the span is applied.
+                let outcome = self.judged(round, j, verdict);
+                let why = match &outcome {
+                    AuditOutcome::Caught(what) => format!("not applied: {what}"),
+                    AuditOutcome::Unanswered(why) => format!("not applied: {why}"),
+                    AuditOutcome::Clean => unreachable!("a clean check applies the span"),
+                };
+                self.audit = Some(AuditReport {
+                    reducer: round.peer(j),
+                    outcome,
+                });
+                kept(why)
+            }
+            Ok((Ok((segments, values, residual, _)), verdict)) => {
+                if verdict.is_some() {
+                    self.audit = Some(AuditReport {
+                        reducer: round.peer(j),
+                        outcome: AuditOutcome::Clean,
+                    });
                 }
                 self.patches.push((range.clone(), values));
                 if let Some(residual) = residual {
@@ -536,7 +556,7 @@ impl Phase1 {
                     }));
                 return;
             }
-            Ok(Err(fail)) => {
+            Ok((Err(fail), _)) => {
                 self.failed.insert(j);
                 if fail.reducer_failed {
                     self.down.insert(j);

@@ -22,7 +22,7 @@ use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
 use crate::transport::{unsplit_fast, LaneReader, LaneWriter};
-use crate::verify::{Seal, SealedPart, Transcript, TranscriptInput};
+use crate::verify::{InputValues, Seal, SealedPart, Transcript, TranscriptInput};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
     SpanChunks,
@@ -106,6 +106,8 @@ struct Reduction {
     values: PoolBuf,
     failed: Vec<MemberIdx>,
     events: mpsc::Sender<Inbound>,
+    /// Elements per part (and per sender chunk).
+    part_len: usize,
     /// `Fault::WhileReturning`: only these senders get results, then this peer crashes.
     serve_only: Option<HashSet<MemberIdx>>,
     /// When the group verifies: every admitted sender's values and seals, and the sealed parts,
@@ -118,8 +120,8 @@ struct Reduction {
 struct AuditLog {
     inputs: BTreeMap<MemberIdx, (f64, Arc<Mutex<PoolBuf>>, Seals)>,
     parts: Vec<SealedPart>,
-    /// Its own seals, by absolute part start.
-    own: HashMap<usize, (usize, Seal)>,
+    /// Whether its own values are in some part (sealed when revealed).
+    own: bool,
 }
 
 /// A sender's seals as they arrive, by absolute chunk start: (chunk length, seal).
@@ -157,6 +159,7 @@ pub(super) async fn reduce_span(
         receivers: Vec::new(),
         failed: Vec::new(),
         events,
+        part_len,
         serve_only: None,
         audit: round.env.signer.as_ref().map(|_| AuditLog::default()),
     };
@@ -260,24 +263,15 @@ impl Reduction {
         true
     }
 
-    /// When the group verifies: seals this peer's own values of `part` (if it contributed)
-    /// and the part's result, and records the part for the transcript.
+    /// When the group verifies: seals the part's result and records the part for the
+    /// transcript.
     fn seal_part(&mut self, part: &Range<usize>, contributors: &[MemberIdx]) -> Option<Seal> {
         let round = &self.round;
         let signer = round.env.signer.as_ref()?;
         let audit = self.audit.as_mut()?;
         let abs = self.job.range.start + part.start..self.job.range.start + part.end;
         let me = round.me;
-        if contributors.contains(&me) {
-            let own = signer.seal_input(
-                round.round_id,
-                &round.peer(me),
-                abs.start,
-                round.weight,
-                &round.flat[abs.clone()],
-            );
-            audit.own.insert(abs.start, (abs.len(), own));
-        }
+        audit.own |= contributors.contains(&me);
         let ids: Vec<Vec<u8>> = contributors
             .iter()
             .map(|c| round.peer(*c).to_bytes())
@@ -403,6 +397,10 @@ impl Reduction {
                 .insert(sender, (weight, staging.clone(), seals.clone()));
             seals
         });
+        // The one chunk whose seal this reducer checks against the values now (every seal's
+        // signature is checked; the other roots when a block of them is revealed).
+        let chunks = len.div_ceil(self.part_len).max(1);
+        let check_at = rand::random::<u64>() as usize % chunks * self.part_len;
         let receiver = Task::spawn(receive_part(
             round.clone(),
             rd,
@@ -412,6 +410,7 @@ impl Reduction {
                 start: range.start,
                 len,
                 seals,
+                check_at,
             },
             staging.clone(),
             self.events.clone(),
@@ -458,6 +457,11 @@ impl Reduction {
     /// hands back the result.
     async fn finish(mut self) -> Reduced {
         let round = self.round.clone();
+        // Every part is reduced and sealed: the transcript can answer reveals now, while the
+        // last results are still on their way to the slower senders.
+        if let (Some(audit), None) = (self.audit.take(), self.job.repair) {
+            keep_transcript(&round, &self.job.range, audit, &self.values);
+        }
         let present: HashSet<MemberIdx> = self.senders.keys().copied().collect();
         for sender in present.iter().copied().collect::<Vec<_>>() {
             self.leave(sender);
@@ -481,9 +485,6 @@ impl Reduction {
         }
         self.failed.sort_unstable();
         self.failed.dedup();
-        if let (Some(audit), None) = (self.audit.take(), self.job.repair) {
-            keep_transcript(&round, &self.job.range, audit, &self.values);
-        }
         Reduced {
             values: self.values,
             segments: self.parts.into_segments(),
@@ -511,6 +512,7 @@ async fn receive_part(
         start,
         len,
         seals,
+        check_at,
     } = incoming;
     let me = round.peer(round.me).to_bytes();
     // A decoded chunk waiting for its seal.
@@ -572,15 +574,19 @@ async fn receive_part(
                 let (Some((at, count)), Some(seals)) = (unsealed.take(), seals.as_ref()) else {
                     break "a seal out of place".to_string();
                 };
-                let genuine = crate::verify::check_input(
-                    round.round_id,
-                    &round.peer(sender),
-                    &me,
-                    start + at,
-                    weight,
-                    &lock(&staging)[at..at + count],
-                    &seal,
-                );
+                let genuine = {
+                    let staged = lock(&staging);
+                    crate::verify::check_input(
+                        round.round_id,
+                        &round.peer(sender),
+                        &me,
+                        start + at,
+                        count,
+                        weight,
+                        (at == check_at).then(|| &staged[at..at + count]),
+                        &seal,
+                    )
+                };
                 if !genuine {
                     break "a chunk's seal does not match its values".to_string();
                 }
@@ -715,6 +721,8 @@ struct Incoming {
     len: usize,
     /// Where its seals go, when the group verifies.
     seals: Option<Seals>,
+    /// The offset (within the range) of the chunk whose seal is checked against its values.
+    check_at: usize,
 }
 
 /// Keeps what a verifying reducer needs to answer reveals of its span: every contributor's
@@ -730,20 +738,22 @@ fn keep_transcript(round: &Round, range: &Range<usize>, audit: AuditLog, result:
             let input = TranscriptInput {
                 peer: peer(m),
                 weight,
-                values,
+                values: InputValues::Staged(values),
                 seals,
+                sealer: None,
             };
             (m, input)
         })
         .collect();
-    if !audit.own.is_empty() {
+    if audit.own {
         inputs.insert(
             round.me,
             TranscriptInput {
                 peer: peer(round.me),
                 weight: round.weight,
-                values: Arc::new(Mutex::new(pool.copy_of(&round.flat[range.clone()]))),
-                seals: audit.own,
+                values: InputValues::Own(round.flat.clone()),
+                seals: HashMap::new(),
+                sealer: round.env.signer.clone(),
             },
         );
     }

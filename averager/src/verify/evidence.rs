@@ -196,8 +196,8 @@ impl Reveal {
             &self.result_seal,
         )?;
         if self.result.len() != range.len()
-            || !merkle::verify_path(
-                &merkle::leaf(&self.result),
+            || !merkle::verify_block(
+                &self.result,
                 block,
                 len,
                 &self.result_path,
@@ -231,13 +231,7 @@ impl Reveal {
                 &input.seal.root,
             );
             check_seal(&input.peer, INPUT_DOMAIN, &message, &input.seal)?;
-            if !merkle::verify_path(
-                &merkle::leaf(&input.values),
-                block,
-                len,
-                &input.path,
-                &input.seal.root,
-            ) {
+            if !merkle::verify_block(&input.values, block, len, &input.path, &input.seal.root) {
                 return bad("an input block is not the sealed one");
             }
         }
@@ -393,7 +387,7 @@ impl fmt::Display for Evidence {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verify::merkle::{block_range, leaf, path, root};
+    use crate::verify::merkle::{block_range, path, root};
     use rand::{Rng, SeedableRng};
     use starling_node::{owner_key_of, Keypair};
 
@@ -416,7 +410,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let members: Vec<Member> = (0..3).map(|_| member()).collect();
         let reducer = &members[0];
-        let (round_id, start, len, block) = (77u64, 1000u64, 200usize, 1usize);
+        let (round_id, start, len, block) = (77u64, 1000u64, 600usize, 1usize);
         let weights = [1.0, 2.5, 0.5];
         let values: Vec<Vec<f32>> = (0..3)
             .map(|_| (0..len).map(|_| rng.gen_range(-3.0f32..3.0)).collect())
@@ -477,8 +471,8 @@ mod tests {
             result_path: path(&result, block),
             result_seal,
         };
-        assert!(merkle::verify_path(
-            &leaf(&reveal.result),
+        assert!(merkle::verify_block(
+            &reveal.result,
             block,
             len,
             &reveal.result_path,

@@ -341,6 +341,21 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// Peers this optimizer's averager refuses because it holds checked evidence that they
+    /// returned a wrong result as reducers (`AveragerConfig::verify`; see
+    /// `starling_averager::verify`). Empty when verification is off.
+    ///
+    /// ```no_run
+    /// # fn demo(opt: &starling_training::CollaborativeOptimizer) {
+    /// for peer in opt.refused_peers() {
+    ///     eprintln!("refusing {peer}");
+    /// }
+    /// # }
+    /// ```
+    pub fn refused_peers(&self) -> Vec<starling_node::PeerId> {
+        self.averager.refused_peers()
+    }
+
     /// The gossip averager, in local SGD with [`Averaging::Gossip`] (its
     /// [`totals`](GossipAverager::totals) count every byte gossip moved).
     pub fn gossip(&self) -> Option<&GossipAverager> {
