@@ -158,8 +158,8 @@ async fn check(
             reducer: peer.to_bytes(),
             start: reveal.start,
             len: reveal.len,
-            first: mine,
-            second: theirs,
+            first: Box::new(mine),
+            second: Box::new(theirs),
         };
         return match evidence.check() {
             Ok(_) => Verdict::Caught(Box::new(evidence)),

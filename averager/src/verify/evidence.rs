@@ -291,9 +291,9 @@ pub enum Evidence {
         /// Elements in the part.
         len: u64,
         /// One signed result.
-        first: SignedResult,
+        first: Box<SignedResult>,
         /// Another, different.
-        second: SignedResult,
+        second: Box<SignedResult>,
     },
 }
 
@@ -562,8 +562,8 @@ mod tests {
             reducer: a.reducer.clone(),
             start: a.start,
             len: a.len,
-            first,
-            second,
+            first: Box::new(first),
+            second: Box::new(second),
         };
         let guilty = equivocation(signed(&a), signed(&b)).check().unwrap();
         assert_eq!(guilty.to_bytes(), members[0].id);

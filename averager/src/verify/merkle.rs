@@ -52,10 +52,13 @@ pub fn root(values: &[f32]) -> Digest {
     *blake3::hash(bytes(values)).as_bytes()
 }
 
+/// One level of a descent: into the left subtree?, and the level's `lo`, `mid`, `hi` bytes.
+type Step = (bool, usize, usize, usize);
+
 /// Which way the descent to the byte offset `target` goes at each level of the tree over
 /// `total` bytes, top down (`true`: into the left subtree), with each level's bounds, and the
 /// block's own byte range at the bottom.
-fn descend(total: usize, target: usize) -> (Vec<(bool, usize, usize, usize)>, (usize, usize)) {
+fn descend(total: usize, target: usize) -> (Vec<Step>, (usize, usize)) {
     let (mut lo, mut hi) = (0usize, total);
     let mut steps = Vec::new();
     while hi - lo > blake3::CHUNK_LEN {

@@ -344,10 +344,13 @@ impl Transcript {
     }
 }
 
+/// A transcript and when it was kept.
+type Kept = (Instant, Arc<Transcript>);
+
 /// A reducer's latest transcripts (cheap to clone).
 #[derive(Clone, Default)]
 pub(crate) struct Transcripts {
-    kept: Arc<Mutex<VecDeque<(Instant, Arc<Transcript>)>>>,
+    kept: Arc<Mutex<VecDeque<Kept>>>,
     /// Wakes reveals waiting for a round that is still returning its results.
     added: Arc<tokio::sync::Notify>,
 }

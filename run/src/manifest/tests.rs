@@ -62,6 +62,17 @@ fn unknown_models_newer_formats_and_bad_values_are_named() {
         .to_string()
         .contains("--aggregation"));
     let mut m = manifest("r", 1);
+    m.verify = 1.5;
+    assert!(m.validate().unwrap_err().to_string().contains("--verify"));
+    m.verify = 0.5;
+    m.validate().unwrap();
+    m.aggregation = "centered-clip".into();
+    let err = m.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("--verify") && err.contains("coordinate-wise"),
+        "{err}"
+    );
+    let mut m = manifest("r", 1);
     m.data = DataSpec::Text { vocab: "ab".into() };
     assert!(m.validate().is_err(), "an mlp on text");
 }
