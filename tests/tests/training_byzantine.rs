@@ -304,9 +304,11 @@ async fn train_verified(
             .unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(p as u64);
         for e in 0..epochs {
-            // A refused liar is told it is behind and takes the others' epoch: it is done
-            // when they are (it cannot reach a global batch alone).
-            if lying_reducer && collab.epoch() >= epochs as u64 {
+            // With a lying reducer, groups change while the peers learn of it: a peer left out
+            // of a round (the refused liar, or one that refused a group listing it) is told it
+            // is behind and takes the others' epoch. Every peer is done when the swarm is (a
+            // peer alone cannot reach a global batch once the others stop).
+            if attack == Attack::LyingReducer && collab.epoch() >= epochs as u64 {
                 break;
             }
             let values = params.params().to_vec();
@@ -349,7 +351,9 @@ async fn train_verified(
                 collab.step(&mut params, BATCH as u64).await.unwrap();
             }
             let mut r = collab.try_step(&mut params).await.unwrap();
-            let done = |c: &CollaborativeOptimizer| lying_reducer && c.epoch() >= epochs as u64;
+            let done = |c: &CollaborativeOptimizer| {
+                attack == Attack::LyingReducer && c.epoch() >= epochs as u64
+            };
             while !r.stepped && !done(&collab) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 r = collab.try_step(&mut params).await.unwrap();
