@@ -223,6 +223,11 @@ impl Round {
         self.peers[i.get()]
     }
 
+    /// These members' peer ids as bytes, in the given order (what seals sign).
+    fn peer_bytes(&self, members: &[MemberIdx]) -> Vec<Vec<u8>> {
+        members.iter().map(|&m| self.peer(m).to_bytes()).collect()
+    }
+
     /// Crashes this peer (its node shuts down) if the configured fault is `fault`.
     async fn crash_if(&self, fault: Fault) -> bool {
         if self.config().fault() == Some(fault) {

@@ -272,10 +272,7 @@ impl Reduction {
         let abs = self.job.range.start + part.start..self.job.range.start + part.end;
         let me = round.me;
         audit.own |= contributors.contains(&me);
-        let ids: Vec<Vec<u8>> = contributors
-            .iter()
-            .map(|c| round.peer(*c).to_bytes())
-            .collect();
+        let ids = round.peer_bytes(contributors);
         let seal = signer.seal_result(
             round.round_id,
             abs.start,

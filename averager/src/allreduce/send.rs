@@ -434,10 +434,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                 let Some((part, contributors)) = unsealed.take().filter(|_| complete) else {
                     return Err(SendFail::reducer("a result seal out of place"));
                 };
-                let ids: Vec<Vec<u8>> = contributors
-                    .iter()
-                    .map(|c| round.peer(*c).to_bytes())
-                    .collect();
+                let ids = round.peer_bytes(&contributors);
                 let abs = span_start + part.start..span_start + part.end;
                 // The root is checked against the values received on about one part per span
                 // (at random; every signature is checked), and on the block a check reveals.
