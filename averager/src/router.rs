@@ -16,7 +16,7 @@ use tokio::time::{timeout, Instant};
 use tracing::Instrument;
 
 use crate::transport::{young, Lane, LANE_IDLE_IN};
-use crate::verify::Transcripts;
+use crate::verify::{Evidence, Transcripts};
 use crate::wire::{
     read_control, write_control, Control, MatchMsg, MemberInfo, ReduceMsg, RejectReason,
     MATCHMAKING_PROTOCOL, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -49,16 +49,31 @@ pub(crate) struct IncomingSender {
     pub stream: Lane,
 }
 
-/// A round's inbound queues: plain hellos (the reduction of this peer's own span) and repair
-/// hellos (its re-delegation phase).
+/// Another member's verdict on a verified round (see [`ReduceMsg::Verdict`]).
+pub(crate) struct IncomingVerdict {
+    pub peer: PeerId,
+    pub evidence: Option<Box<Evidence>>,
+}
+
+/// A round's inbound queues: plain hellos (the reduction of this peer's own span), repair
+/// hellos (its re-delegation phase) and the other members' verdicts (verified rounds).
 pub(crate) struct RoundQueues {
     pub senders: mpsc::Receiver<IncomingSender>,
     pub repairs: mpsc::Receiver<IncomingSender>,
+    pub verdicts: mpsc::Receiver<IncomingVerdict>,
 }
 
 struct RoundRoute {
     senders: mpsc::Sender<IncomingSender>,
     repairs: mpsc::Sender<IncomingSender>,
+    verdicts: mpsc::Sender<IncomingVerdict>,
+}
+
+/// Where an inbound reduce stream goes within its round.
+enum RoundQueue {
+    Senders,
+    Repairs,
+    Verdicts,
 }
 
 #[derive(Default)]
@@ -176,11 +191,14 @@ impl Router {
     pub fn register_round(&self, round_id: u64, members: usize) -> (Registration, RoundQueues) {
         let (tx, senders) = mpsc::channel(members + 4);
         let (repair_tx, repairs) = mpsc::channel(REPAIR_QUEUE_PER_MEMBER * members + 4);
+        // One verdict per other member; a member that sends more loses the extra ones.
+        let (verdict_tx, verdicts) = mpsc::channel(members + 4);
         lock(&self.routes).rounds.insert(
             round_id,
             RoundRoute {
                 senders: tx,
                 repairs: repair_tx,
+                verdicts: verdict_tx,
             },
         );
         self.registered.notify_waiters();
@@ -188,7 +206,12 @@ impl Router {
             routes: self.routes.clone(),
             key: Key::Round(round_id),
         };
-        (reg, RoundQueues { senders, repairs })
+        let queues = RoundQueues {
+            senders,
+            repairs,
+            verdicts,
+        };
+        (reg, queues)
     }
 
     /// Starts the accept loops of both averaging protocols on `node` (libp2p streams, and fast
@@ -273,11 +296,13 @@ impl Router {
     }
 
     /// Routes a sender's stream to the round its hello names (a re-delegation hello to the
-    /// round's repair queue), waiting a little for a round that this peer has not started yet.
+    /// round's repair queue, a verdict to its verdicts), waiting a little for a round that this
+    /// peer has not started yet.
     async fn on_reduce(&self, peer: PeerId, hello: ReduceMsg, mut stream: Lane) {
-        let (round_id, repair) = match hello {
-            ReduceMsg::Hello { round_id, .. } => (round_id, false),
-            ReduceMsg::RepairHello { round_id, .. } => (round_id, true),
+        let (round_id, queue) = match hello {
+            ReduceMsg::Hello { round_id, .. } => (round_id, RoundQueue::Senders),
+            ReduceMsg::RepairHello { round_id, .. } => (round_id, RoundQueue::Repairs),
+            ReduceMsg::Verdict { round_id, .. } => (round_id, RoundQueue::Verdicts),
             ReduceMsg::Reveal {
                 round_id,
                 start,
@@ -296,17 +321,36 @@ impl Router {
             let registered = self.registered.notified();
             tokio::pin!(registered);
             registered.as_mut().enable();
-            let found = lock(&self.routes).rounds.get(&round_id).map(|route| {
-                if repair {
-                    route.repairs.clone()
-                } else {
-                    route.senders.clone()
-                }
-            });
+            let found = lock(&self.routes)
+                .rounds
+                .get(&round_id)
+                .map(|route| match queue {
+                    RoundQueue::Senders => Ok(route.senders.clone()),
+                    RoundQueue::Repairs => Ok(route.repairs.clone()),
+                    RoundQueue::Verdicts => Err(route.verdicts.clone()),
+                });
             if found.is_some() || Instant::now() >= give_up {
                 break found;
             }
             let _ = tokio::time::timeout_at(give_up, registered).await;
+        };
+        let route = match route {
+            Some(Err(verdicts)) => {
+                // Queued if there is room (one per member; more are dropped), and answered
+                // `Ready` either way, so that the member does not send it again.
+                if let ReduceMsg::Verdict { evidence, .. } = hello {
+                    let _ = verdicts.try_send(IncomingVerdict { peer, evidence });
+                }
+                let _ = timeout(self.request_timeout, async {
+                    write_control(&mut stream, &ReduceMsg::Ready).await?;
+                    futures::AsyncWriteExt::close(&mut stream).await?;
+                    Ok::<_, AveragerError>(())
+                })
+                .await;
+                return;
+            }
+            Some(Ok(tx)) => Some(tx),
+            None => None,
         };
         if let Some(tx) = route {
             let incoming = IncomingSender {

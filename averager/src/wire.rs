@@ -12,7 +12,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use starling_node::{framing, StreamProtocol};
 
 use crate::config::AveragingMode;
-use crate::verify::{Reveal, Seal};
+use crate::verify::{Evidence, Reveal, Seal};
 use crate::AveragerError;
 
 /// Matchmaking: join requests, then the leader's begin or disband.
@@ -190,6 +190,16 @@ pub enum ReduceMsg {
     /// Reducer to verifier: the block, every contributor's signed values of it and the signed
     /// result (or `Excluded` if it cannot show it).
     Revealed(Box<Reveal>),
+    /// Member to member, the only frame of a reduce stream, when the group verifies: this
+    /// member's round is back and its check (if it made one) is done; `evidence` if it caught
+    /// a reducer lying. Members apply the round's results only once every member's verdict is
+    /// in (or its wait is over), and never the span of a reducer that checked evidence accuses.
+    Verdict {
+        /// The round.
+        round_id: u64,
+        /// What this member's check proved, if it caught a liar.
+        evidence: Option<Box<Evidence>>,
+    },
 }
 
 /// What a gossiping peer stores in the DHT under `{prefix}.gossip`, in a sub-key under its own

@@ -1,7 +1,7 @@
 //! Verified rounds (`AveragerConfig::verify`): a reducer that returns a wrong result for its
-//! span is caught with evidence anyone can check, the peer that caught it does not apply it,
-//! every honest peer refuses it once the evidence is published, and honest rounds are never
-//! accused.
+//! span is caught with evidence anyone can check, no honest member applies its span in the
+//! round it is caught in (the catching member's verdict reaches the others before they apply
+//! the round), every honest peer refuses it, and honest rounds are never accused.
 
 use std::time::{Duration, Instant};
 
@@ -141,7 +141,26 @@ async fn catch_a_liar(prefix: &str, verify: f64) -> Option<u64> {
                     }
                 }
             }
-            if caught_in.is_some() {
+            if caught_in == Some(round) {
+                // The catching member's verdict reached every member before it applied the
+                // round: none applied the liar's span, and each refuses the liar already.
+                for (i, r) in results.iter().enumerate() {
+                    if i == LIAR {
+                        continue;
+                    }
+                    let report = r.as_ref().unwrap();
+                    let span = reducer_of(report, &liar).expect("the liar reduced a span");
+                    assert_eq!(
+                        data[i][0][span.clone()],
+                        before[i][0][span],
+                        "peer {i} applied the liar's span in the round it was caught: {:?}",
+                        report.spans
+                    );
+                    assert!(
+                        swarm.averagers()[i].refused_peers().contains(&liar),
+                        "peer {i} does not refuse the liar right after the round it was caught in"
+                    );
+                }
                 break;
             }
         }

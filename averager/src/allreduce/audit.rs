@@ -181,3 +181,118 @@ async fn check(
         Err(e) => Verdict::Unanswered(format!("the reveal does not check out: {e}")),
     }
 }
+
+/// Least time a member waits for the others' verdicts after its own phase 1 (see
+/// [`verdict_wait`]).
+const MIN_VERDICT_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// How long after its own phase 1 a member waits for the other members' verdicts: as long as
+/// its phase 1 took (members reduce side by side, so the others' end about when its own does,
+/// plus one check), at least [`MIN_VERDICT_WAIT`], at most the request timeout, and never past
+/// the round's deadline. A member whose verdict does not come within it (crashed, or very
+/// slow) holds back nobody for longer.
+pub(super) fn verdict_wait(round: &Round, phase1: std::time::Duration) -> Instant {
+    let wait = phase1.clamp(
+        MIN_VERDICT_WAIT,
+        round.config().request_timeout.max(MIN_VERDICT_WAIT),
+    );
+    (Instant::now() + wait).min(round.deadline)
+}
+
+/// Sends this member's verdict (`evidence` if its check caught a reducer) to every other
+/// member but `skip` (those seen failing), each on a stream of its own, in the background:
+/// each send ends when the member has queued it, or by the request timeout.
+pub(super) fn send_verdicts(
+    round: &std::sync::Arc<Round>,
+    evidence: Option<Box<Evidence>>,
+    skip: &std::collections::HashSet<MemberIdx>,
+) {
+    let msg = ReduceMsg::Verdict {
+        round_id: round.round_id,
+        evidence,
+    };
+    let until = (Instant::now() + round.config().request_timeout).min(round.deadline);
+    for j in MemberIdx::all(round.peers.len()).filter(|j| *j != round.me && !skip.contains(j)) {
+        let (round, msg) = (round.clone(), msg.clone());
+        let send = async move {
+            let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
+            let transport = &round.env.transport;
+            let sent = open_confirmed::<_, _, _, _, _, Control<ReduceMsg>>(
+                || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
+                &Control::Control(&msg),
+                MAX_CONTROL_BYTES + 1,
+                until,
+                Retry::default(),
+            )
+            .await;
+            if let Err(e) = sent {
+                tracing::debug!(%peer, "sending this round's verdict: {e}");
+            }
+        };
+        tokio::spawn(tracing::Instrument::in_current_span(send));
+    }
+}
+
+/// What the other members' verdicts said.
+#[derive(Default)]
+pub(super) struct Verdicts {
+    /// Checked evidence against a member of this round: (accused, accuser, the evidence).
+    pub accusations: Vec<(MemberIdx, MemberIdx, Box<Evidence>)>,
+    /// Members whose verdict did not come in time.
+    pub missing: Vec<MemberIdx>,
+}
+
+/// Waits until every member but this one and `skip` has sent its verdict, or until `until`;
+/// checks the evidence they carry. Evidence that accuses a peer of another round is proof all
+/// the same: that peer is refused here too. Evidence that does not check out is dropped.
+pub(super) async fn collect_verdicts(
+    round: &Round,
+    rx: &mut tokio::sync::mpsc::Receiver<crate::router::IncomingVerdict>,
+    skip: &std::collections::HashSet<MemberIdx>,
+    until: Instant,
+) -> Verdicts {
+    let mut waiting: std::collections::HashSet<MemberIdx> = MemberIdx::all(round.peers.len())
+        .filter(|j| *j != round.me && !skip.contains(j))
+        .collect();
+    let mut out = Verdicts::default();
+    while !waiting.is_empty() {
+        let Ok(Some(v)) = tokio::time::timeout_at(until, rx.recv()).await else {
+            break;
+        };
+        let Some(from) = round
+            .peers
+            .iter()
+            .position(|p| *p == v.peer)
+            .map(MemberIdx::of)
+        else {
+            continue;
+        };
+        waiting.remove(&from);
+        let Some(evidence) = v.evidence else {
+            continue;
+        };
+        match evidence.check() {
+            // (Evidence against this peer itself changes nothing here.)
+            Ok(accused) if accused == round.peer(round.me) => {}
+            Ok(accused) => {
+                round.env.banned.insert(&accused);
+                let member = round.peers.iter().position(|p| *p == accused);
+                match member {
+                    Some(k) if evidence.round_id() == round.round_id => {
+                        tracing::warn!(accuser = %v.peer, "a member caught a reducer of this round lying: {evidence}");
+                        out.accusations.push((MemberIdx::of(k), from, evidence));
+                    }
+                    _ => {
+                        tracing::warn!(accuser = %v.peer, "a member holds evidence of an earlier lie: {evidence}")
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(from = %v.peer, "a verdict's evidence does not check out: {e}")
+            }
+        }
+    }
+    out.missing = waiting.into_iter().collect();
+    out.missing.sort();
+    out
+}

@@ -32,7 +32,7 @@ use crate::config::{AveragerConfig, AveragingMode, Fault};
 use crate::group::Group;
 use crate::partition::spans;
 use crate::pool::{BufPool, PoolBuf};
-use crate::router::{Registration, Router};
+use crate::router::{Registration, RoundQueues, Router};
 use crate::transport::Transport;
 use crate::verify::{Banned, Signer, Transcripts};
 use crate::wire::MemberIdx;
@@ -308,6 +308,11 @@ async fn run(
     };
     let ranges = spans(flat.len(), &fractions);
     let (registration, queues) = env.router.register_round(group.round_id, n);
+    let RoundQueues {
+        senders,
+        repairs: mut repair_rx,
+        verdicts: mut verdict_rx,
+    } = queues;
     let me = group.my_index;
     let round = Arc::new(Round {
         env,
@@ -337,7 +342,7 @@ async fn run(
             expected: round.senders_except(&[me]),
             repair: None,
         };
-        Some(reduce_span(round.clone(), job, queues.senders).await)
+        Some(reduce_span(round.clone(), job, senders).await)
     };
     tracing::debug!(elapsed = ?t_start.elapsed(), "own span reduced");
 
@@ -348,6 +353,13 @@ async fn run(
     for (j, task) in sends {
         phase1.sent_span(&round, j, task.await);
     }
+    // A verified round is applied only once the other members' checks are in (see
+    // `verify`): this member's verdict goes to every member it has not seen fail.
+    let verifies = round.env.signer.is_some();
+    let verdicts_until = verifies.then(|| {
+        audit::send_verdicts(&round, phase1.accusation.take(), &phase1.failed);
+        audit::verdict_wait(&round, t_start.elapsed())
+    });
     let Phase1 {
         mut patches,
         mut residuals,
@@ -356,12 +368,12 @@ async fn run(
         down,
         lost,
         audit,
+        accusation: _,
     } = phase1;
     tracing::debug!(elapsed = ?t_start.elapsed(), "sent spans returned");
     // Phase 2: repair what this peer lost; then, for a while, serve the parts of peers that
     // lost a span this peer received (in the background: the caller does not wait for it).
     let mut repair = Repair::new(round.clone(), down, failed);
-    let mut repair_rx = queues.repairs;
     if !lost.is_empty() {
         repair.start(lost);
         repair.drive(&mut repair_rx, None).await;
@@ -370,6 +382,20 @@ async fn run(
     residuals.append(&mut repair.residuals);
     reports.append(&mut repair.reports);
     let failed = repair.failed.clone();
+    if let Some(until) = verdicts_until {
+        let verdicts = audit::collect_verdicts(&round, &mut verdict_rx, &failed, until).await;
+        for (k, accuser, evidence) in verdicts.accusations {
+            let why = format!(
+                "not applied: member {} caught its reducer lying ({evidence})",
+                round.peer(accuser)
+            );
+            withhold_span(&round, k, &why, &mut patches, &mut residuals, &mut reports);
+        }
+        if !verdicts.missing.is_empty() {
+            tracing::debug!(missing = ?verdicts.missing, "applied without some members' verdicts");
+        }
+    }
+    drop(verdict_rx);
     let repair_server = (!my_range.is_empty())
         .then(|| serve_repairs(repair, repair_rx, registration))
         .flatten();
@@ -395,6 +421,29 @@ async fn run(
         repair_server,
         audit,
     }
+}
+
+/// Drops what the round gave for reducer `k`'s span (another member proved it lied there):
+/// this peer keeps its own values on it, and its reports say why.
+fn withhold_span(
+    round: &Round,
+    k: MemberIdx,
+    why: &str,
+    patches: &mut Vec<(Range<usize>, PoolBuf)>,
+    residuals: &mut Vec<(Range<usize>, PoolBuf)>,
+    reports: &mut Vec<SpanReport>,
+) {
+    let span = &round.ranges[k.get()];
+    let inside = |r: &Range<usize>| r.start >= span.start && r.end <= span.end;
+    patches.retain(|(r, _)| !inside(r));
+    residuals.retain(|(r, _)| !inside(r));
+    let reducer = round.peer(k);
+    reports.retain(|r| !(r.reducer == reducer && inside(&r.range)));
+    reports.push(SpanReport {
+        reducer,
+        range: span.clone(),
+        outcome: kept(why),
+    });
 }
 
 /// After the round, a peer that reduced keeps serving other members' re-delegated parts in the
@@ -469,6 +518,8 @@ struct Phase1 {
     lost: Vec<(MemberIdx, String)>,
     /// This peer's check of another reducer, if it checked one this round.
     audit: Option<AuditReport>,
+    /// The evidence, if that check caught the reducer lying (sent to the other members).
+    accusation: Option<Box<crate::verify::Evidence>>,
 }
 
 impl Phase1 {
@@ -495,7 +546,7 @@ impl Phase1 {
 
     /// What a check that was not clean means: a caught liar is refused and the evidence
     /// published; a reducer seen sending other values than it sealed is refused here.
-    fn judged(&self, round: &Round, j: MemberIdx, verdict: audit::Verdict) -> AuditOutcome {
+    fn judged(&mut self, round: &Round, j: MemberIdx, verdict: audit::Verdict) -> AuditOutcome {
         let reducer = round.peer(j);
         match verdict {
             audit::Verdict::Clean => AuditOutcome::Clean,
@@ -507,7 +558,9 @@ impl Phase1 {
                     &round.config().prefix,
                     &evidence,
                 );
-                AuditOutcome::Caught(evidence.to_string())
+                let what = evidence.to_string();
+                self.accusation = Some(evidence);
+                AuditOutcome::Caught(what)
             }
             audit::Verdict::Unanswered(why) => {
                 tracing::info!(%reducer, "a reducer's result could not be checked: {why}");

@@ -40,6 +40,14 @@
 //!    and refuses the guilty peer in matchmaking for as long as it runs: it never declares with
 //!    it, never takes its join request, and leaves a group whose leader lists it. Evidence that
 //!    does not check out changes nothing.
+//! 5. **Nobody applies a round before the checks are in.** When its sends are back (and its
+//!    check done), each member sends every other member its verdict
+//!    ([`crate::wire::ReduceMsg::Verdict`]: the evidence if it caught someone, else nothing),
+//!    and applies the round only once every member's verdict has come, or its wait is over
+//!    (as long as its own first phase took, at least 250 ms, at most the request timeout). A
+//!    reducer that checked evidence accuses is refused at once and its span is not applied by
+//!    any member that heard the verdict in time: in the round a liar is caught, no honest
+//!    member applies its lie.
 //!
 //! A reducer that does not answer a reveal in time, or cannot show a block, is not accused
 //! (that cannot be proven), but the verifier does not apply its span either. A reducer whose
@@ -51,15 +59,19 @@
 //! the results; one signature per chunk and part. A verifying member makes one request of a few
 //! KiB (one block of each contributor) after its round, and the reducer hashes the revealed
 //! part of each contributor to build the proofs: the verifier's round lasts one round trip
-//! longer. Measured figures are in the README ("Checked reducers").
+//! longer, and every member waits for the slowest member's verdict (one more message after the
+//! slowest check). Measured figures are in the README ("Checked reducers").
 //!
 //! **What it cannot catch.**
 //! - A reducer that alters a fraction `f` of its blocks is caught by one check with
 //!   probability `f`: a liar that changes one block in a thousand mostly goes unseen for a long
 //!   time; one that alters its whole span is caught by the first check of its span. In a
 //!   group of `n` with `verify = p`, each round checks a given reducer's span with probability
-//!   about `1 − (1 − p/(n−1))^(n−1)`, about `p`. Results applied before the check are not
-//!   undone.
+//!   about `1 − (1 − p/(n−1))^(n−1)`, about `p`. What a liar's unchecked rounds applied
+//!   before the round it is caught in is not undone.
+//! - A member whose verdict comes after the wait (crashed, or far slower than the others)
+//!   holds nobody back; if it had caught the liar, the members that stopped waiting applied
+//!   the lie (they refuse the liar once the published evidence reaches them).
 //! - Alterations within 10⁻⁵ of the values (rounding-sized) pass.
 //! - A reducer's own contribution is its choice: it is sealed and checked like the others,
 //!   but with the mean a reducer can move its span by choosing it (as any sender can move
