@@ -597,3 +597,71 @@ async fn a_peer_that_left_is_forgotten_and_a_survivor_alone_reads_its_own_record
     })
     .await;
 }
+
+/// A peer's inbound FindNode requests so far (libp2p-kad's own counter).
+fn find_nodes_served(node: &Node) -> f64 {
+    node.metrics()
+        .encode()
+        .lines()
+        .find(|l| l.starts_with("libp2p_kad_inbound_requests_total{request=\"FindNode\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A key written again soon goes straight to the closest peers its last lookup found: the
+/// writes reach them (each holds the newest value) without another lookup; when one of those
+/// peers has left, the write still reaches the others, and with none left it fails as it would
+/// have after a lookup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_to_a_key_written_moments_ago_skip_the_lookup_and_survive_a_peer_leaving() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(3, cfg()).await.expect("cluster starts");
+        let nodes = cluster.nodes;
+        let (writer, others) = (&nodes[0], &nodes[1..]);
+        let me = writer.peer_id().to_string();
+        let write = |v: u64| {
+            let (writer, me) = (writer.clone(), me.clone());
+            async move { writer.store("progress", &me, &v, now_ms() + 60_000).await }
+        };
+        let holds = |node: &Node, want: u64| {
+            let node = node.clone();
+            async move {
+                let got: Option<DictionaryRecord> = node.get_local("progress").await.unwrap();
+                got.and_then(|r| r.entries().next().cloned())
+                    .and_then(|e| starling_dht::decode_value::<u64>(&e.value).ok())
+                    == Some(want)
+            }
+        };
+        write(0).await.expect("first write");
+        let lookups_before: Vec<f64> = others.iter().map(find_nodes_served).collect();
+        for v in 1..=5u64 {
+            write(v).await.expect("write to kept peers");
+            for (i, n) in others.iter().enumerate() {
+                assert!(holds(n, v).await, "peer {i} lacks value {v}");
+            }
+        }
+        let lookups_after: Vec<f64> = others.iter().map(find_nodes_served).collect();
+        assert_eq!(
+            lookups_before, lookups_after,
+            "writes within the TTL looked the closest peers up again"
+        );
+
+        // One kept peer leaves: the next write still reaches the other.
+        others[0].shutdown().await;
+        write(6).await.expect("write with one kept peer gone");
+        assert!(
+            holds(&others[1], 6).await,
+            "the remaining peer lacks value 6"
+        );
+        // The last one leaves: the write fails as after a lookup, with a clear error.
+        others[1].shutdown().await;
+        match write(7).await {
+            Err(NodeError::QuorumFailed { .. }) => {}
+            other => panic!("a write with every peer gone: {other:?}"),
+        }
+        writer.shutdown().await;
+    })
+    .await;
+}

@@ -7,7 +7,11 @@
 //! budget (a quarter of the request timeout) is spent, and writes the merged record back to
 //! the closest peer that lacked it (a cache, so the next lookup stops sooner); so a peer among
 //! the closest that died and whose dial hangs delays a read by the budget instead of the whole
-//! query timeout. A GET for the first value answers, and ends the query, at the first valid
+//! query timeout. The closest peers a PUT's lookup found are kept for [`CLOSEST_TTL`]: a
+//! node that writes the same key again soon (a training peer's progress, its state
+//! announcement, a matchmaking declaration and its closing: several times a second) writes
+//! straight to them, without a lookup; if that write misses its quorum, it is made again
+//! with a fresh lookup. A GET for the first value answers, and ends the query, at the first valid
 //! record with a live entry. A PUT runs in two steps: a lookup of the
 //! closest peers, cut short at its budget (half the request timeout) with the closest that
 //! answered by then, then the write to them, answered at the quorum; so one slow peer among
@@ -60,6 +64,11 @@ struct PendingLookup {
     reply: Reply<PutReport>,
 }
 
+/// How long the closest peers found for a key are written to without a new lookup.
+const CLOSEST_TTL: Duration = Duration::from_secs(5);
+/// Keys whose closest peers are kept, at most.
+const MAX_CLOSEST_KEPT: usize = 1024;
+
 /// A lookup's budget: resolves to its query id when the budget is spent.
 type Deadline = Pin<Box<dyn Future<Output = QueryId> + Send>>;
 
@@ -75,6 +84,11 @@ pub(super) struct Queries {
     get_budget: Duration,
     /// PUTs in their second step, with the key (for the error message) and the caller's reply.
     puts: HashMap<QueryId, (String, Reply<PutReport>)>,
+    /// Of those, the writes sent to kept closest peers without a lookup, with their record
+    /// (written again after a lookup if they miss their quorum).
+    unlooked: HashMap<QueryId, Record>,
+    /// The closest peers the latest lookup found for each key, and when.
+    closest: HashMap<Vec<u8>, (Vec<libp2p::PeerId>, tokio::time::Instant)>,
     gets: HashMap<QueryId, PendingGet>,
     /// Bootstraps in flight, with the peers their steps have heard from and failed to reach.
     bootstraps: HashMap<QueryId, (Reply<BootstrapReport>, BootstrapReport)>,
@@ -99,6 +113,8 @@ impl Queries {
             lookup_budget,
             get_budget,
             puts: HashMap::new(),
+            unlooked: HashMap::new(),
+            closest: HashMap::new(),
             gets: HashMap::new(),
             bootstraps: HashMap::new(),
             validator,
@@ -121,10 +137,49 @@ impl Queries {
             ))));
             return;
         }
+        let kept = self
+            .closest
+            .get(record.key.as_ref())
+            .filter(|(peers, at)| !peers.is_empty() && at.elapsed() < CLOSEST_TTL)
+            .map(|(peers, _)| peers.clone());
+        match kept {
+            Some(peers) => {
+                let write = kad.put_record_to(record.clone(), peers.into_iter(), self.quorum());
+                self.puts.insert(write, (key, reply));
+                self.unlooked.insert(write, record);
+            }
+            None => self.look_up_and_put(kad, record, key, reply),
+        }
+    }
+
+    /// A PUT's first step: the lookup of the closest peers to its key.
+    fn look_up_and_put(
+        &mut self,
+        kad: &mut Kad,
+        record: Record,
+        key: String,
+        reply: Reply<PutReport>,
+    ) {
         let id = kad.get_closest_peers(record.key.to_vec());
         self.lookups
             .insert(id, PendingLookup { record, key, reply });
         self.push_deadline(id, self.lookup_budget);
+    }
+
+    fn quorum(&self) -> Quorum {
+        Quorum::N(NonZeroUsize::new(self.put_quorum).unwrap_or(NonZeroUsize::MIN))
+    }
+
+    /// Keeps `peers` as the closest to `key` for [`CLOSEST_TTL`] (when there is room).
+    fn keep_closest(&mut self, key: &[u8], peers: Vec<libp2p::PeerId>) {
+        if self.closest.len() >= MAX_CLOSEST_KEPT && !self.closest.contains_key(key) {
+            self.closest.retain(|_, (_, at)| at.elapsed() < CLOSEST_TTL);
+            if self.closest.len() >= MAX_CLOSEST_KEPT {
+                return;
+            }
+        }
+        self.closest
+            .insert(key.to_vec(), (peers, tokio::time::Instant::now()));
     }
 
     /// Query `id` is looked at again ([`Self::on_deadline`]) once `budget` is spent.
@@ -180,8 +235,9 @@ impl Queries {
             }));
             return;
         }
-        let quorum = Quorum::N(NonZeroUsize::new(self.put_quorum).unwrap_or(NonZeroUsize::MIN));
-        let write = kad.put_record_to(record, peers.into_iter().map(|p| p.peer_id), quorum);
+        let peers: Vec<libp2p::PeerId> = peers.into_iter().map(|p| p.peer_id).collect();
+        self.keep_closest(record.key.as_ref(), peers.clone());
+        let write = kad.put_record_to(record, peers.into_iter(), self.quorum());
         self.puts.insert(write, (key, reply));
     }
 
@@ -318,6 +374,16 @@ impl Queries {
                 self.write_to_closest(kad, id, peers);
             }
             QueryResult::PutRecord(result) => {
+                let unlooked = self.unlooked.remove(&id);
+                if let (Err(_), Some(record)) = (&result, unlooked) {
+                    // Written to kept closest peers and missed its quorum (one of them left, or
+                    // closer ones joined): forget them and write again after a lookup.
+                    self.closest.remove(record.key.as_ref());
+                    if let Some((key, reply)) = self.puts.remove(&id) {
+                        self.look_up_and_put(kad, record, key, reply);
+                    }
+                    return;
+                }
                 if let Some((key, reply)) = self.puts.remove(&id) {
                     let r = match result {
                         Ok(_) => Ok(PutReport {
