@@ -625,13 +625,21 @@ async fn writes_to_a_key_written_moments_ago_skip_the_lookup_and_survive_a_peer_
             let (writer, me) = (writer.clone(), me.clone());
             async move { writer.store("progress", &me, &v, now_ms() + 60_000).await }
         };
+        // A write returns at its quorum (one peer): the other may store it a moment later.
         let holds = |node: &Node, want: u64| {
             let node = node.clone();
             async move {
-                let got: Option<DictionaryRecord> = node.get_local("progress").await.unwrap();
-                got.and_then(|r| r.entries().next().cloned())
-                    .and_then(|e| starling_dht::decode_value::<u64>(&e.value).ok())
-                    == Some(want)
+                let give_up = tokio::time::Instant::now() + Duration::from_secs(2);
+                loop {
+                    let got: Option<DictionaryRecord> = node.get_local("progress").await.unwrap();
+                    let value = got
+                        .and_then(|r| r.entries().next().cloned())
+                        .and_then(|e| starling_dht::decode_value::<u64>(&e.value).ok());
+                    if value == Some(want) || tokio::time::Instant::now() > give_up {
+                        return value == Some(want);
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
             }
         };
         write(0).await.expect("first write");

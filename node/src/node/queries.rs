@@ -66,6 +66,8 @@ struct PendingLookup {
 
 /// How long the closest peers found for a key are written to without a new lookup.
 const CLOSEST_TTL: Duration = Duration::from_secs(5);
+/// Peers in a full lookup answer (libp2p-kad's K).
+const CLOSEST_FULL: usize = 20;
 /// Keys whose closest peers are kept, at most.
 const MAX_CLOSEST_KEPT: usize = 1024;
 
@@ -236,7 +238,12 @@ impl Queries {
             return;
         }
         let peers: Vec<libp2p::PeerId> = peers.into_iter().map(|p| p.peer_id).collect();
-        self.keep_closest(record.key.as_ref(), peers.clone());
+        // Kept only when the lookup found as many peers as a full answer has (K, or the whole
+        // routing table of a smaller swarm): one cut short would leave peers out for the TTL.
+        let known: usize = kad.kbuckets().map(|b| b.num_entries()).sum();
+        if peers.len() >= known.min(CLOSEST_FULL) {
+            self.keep_closest(record.key.as_ref(), peers.clone());
+        }
         let write = kad.put_record_to(record, peers.into_iter(), self.quorum());
         self.puts.insert(write, (key, reply));
     }
