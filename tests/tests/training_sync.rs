@@ -169,6 +169,92 @@ async fn chunks_are_spread_over_three_donors() {
     .await;
 }
 
+/// A donor that replaces its snapshot every few milliseconds (a small model's step) while a
+/// joiner syncs: the DHT names an older manifest than the donor's hello by the time the joiner
+/// asks, and the snapshot moves on between the manifest and the chunks. The joiner must finish
+/// in its first round (one allowed) with one snapshot, whole: parameters and epoch from the
+/// same step. Before, the hello's newer manifest made the donor "stale" and every round failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_that_steps_every_few_milliseconds_is_synced_in_one_round() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
+        let run = "sync-fast-donor";
+        let mut cfg = StateServerConfig::new(run);
+        cfg.chunk_elems = CHUNK;
+        let server = StateServer::start(cluster.nodes[1].clone(), cfg).unwrap();
+        // Epoch e's parameters (random values plus e); the optimizer state stays
+        // `donor_state`'s.
+        fn params_at(base: &[f32], epoch: u64) -> ParamSet {
+            let values: Vec<f32> = base.iter().map(|v| v + epoch as f32).collect();
+            let mut params = ParamSet::new();
+            params.add("w", &[N], &values).unwrap();
+            params
+        }
+        let base = Arc::new(normal_vec(N, 1));
+        let (_, opt) = donor_state(N);
+        let opt = Arc::new(opt);
+        let snapshot = move |opt: &AdamW, params: &ParamSet, epoch: u64| {
+            StateView::new(epoch, params)
+                .optimizer("opt", opt)
+                .capture()
+                .unwrap()
+        };
+        server
+            .update(snapshot(&opt, &params_at(&base, 1), 1))
+            .await
+            .unwrap();
+        wait_for_announcements(&cluster.nodes[0], run, 1).await;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stepping = {
+            let (server, stop, opt, base) =
+                (server.clone(), stop.clone(), opt.clone(), base.clone());
+            tokio::spawn(async move {
+                let mut epoch = 1;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    epoch += 1;
+                    let params = params_at(&base, epoch);
+                    server.update(snapshot(&opt, &params, epoch)).await.unwrap();
+                    tokio::task::yield_now().await;
+                }
+                epoch
+            })
+        };
+        // Let the donor step ahead of what the DHT last heard.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut cfg = sync_cfg(run);
+        cfg.max_rounds = 1;
+        let mut params = ParamSet::new();
+        params.add_zeros("w", &[N]).unwrap();
+        let mut got_opt = adamw(N);
+        let layout = StateTarget::new(&mut params)
+            .optimizer("opt", &mut got_opt)
+            .layout();
+        let synced = sync_state(&cluster.nodes[0], &cfg, &layout).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let last = stepping.await.unwrap();
+        let (synced, report) = synced.expect("one round, while the donor steps");
+        let epoch = StateTarget::new(&mut params)
+            .optimizer("opt", &mut got_opt)
+            .apply(&synced)
+            .unwrap();
+        eprintln!(
+            "synced epoch {epoch} (donor reached {last}) in {:.3} s, {} retries, {} stale",
+            report.seconds, report.retries, report.stale
+        );
+        assert!(epoch > 1 && epoch <= last, "epoch {epoch} of 1..={last}");
+        assert!(
+            params.params() == params_at(&base, epoch).params(),
+            "the parameters are not epoch {epoch}'s"
+        );
+        assert!(got_opt.state() == opt.state(), "optimizer state differs");
+        assert_eq!((report.rounds, report.bad_chunks), (1, 0));
+        server.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_donor_killed_mid_transfer_does_not_stop_the_sync() {
     init_tracing();

@@ -2,6 +2,7 @@
 //! agree on, and fetches and verifies every chunk through [`fetch_chunks`] over
 //! `/starling/state/1` streams (see the module docs of [`sync`](super)).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use starling_node::lock::lock;
@@ -28,7 +29,12 @@ use super::{state_key, DonorReport, SyncConfig, SyncError, SyncReport};
 struct Donor {
     peer: PeerId,
     addrs: Vec<Multiaddr>,
+    /// Open streams on the round's manifest (the donor keeps it for them), not in use.
     idle: Mutex<Vec<Stream>>,
+    /// Whether a stream on the round's manifest was opened: the donor serves it on those
+    /// streams even after it moved on, so a new stream's hello naming another manifest only
+    /// means "no more streams", not "stale".
+    holds_manifest: AtomicBool,
 }
 
 type Failed = (Failure, String);
@@ -146,6 +152,7 @@ async fn one_round(
             peer,
             addrs: addrs.remove(&peer).unwrap_or_default(),
             idle: Mutex::new(Vec::new()),
+            holds_manifest: AtomicBool::new(false),
         })
         .collect();
     // Joiners that start together do not all ask the same donor for the manifest first.
@@ -153,7 +160,8 @@ async fn one_round(
     donors.truncate(cfg.max_donors.max(1));
     let mut tally = Tally::default();
     tally.donors.resize(donors.len(), Default::default());
-    let got = fetch_manifest(node, cfg, layout, &choice, &donors, &mut tally).await?;
+    let mut choice = choice;
+    let got = fetch_manifest(node, cfg, layout, &mut choice, &donors, &mut tally).await?;
     let Some((manifest, spans, skip)) = got else {
         merge(report, &donors, &tally);
         let why = format!("no donor of epoch {} sent its manifest", choice.epoch);
@@ -287,20 +295,35 @@ async fn find_donors(
     Ok((choice, addrs))
 }
 
-/// Gets the manifest from the first donor that sends the announced one. Returns it, its chunk
-/// places and the donors that failed; `None` when every donor failed.
+/// Gets the manifest from the first donor that sends the announced one (or, when one donor
+/// is trusted alone, the newer one its hello names: `choice` is updated to it). Returns it, its
+/// chunk places and the donors that failed; `None` when every donor failed.
 async fn fetch_manifest(
     node: &Node,
     cfg: &SyncConfig,
     layout: &StateLayout,
-    choice: &ManifestChoice<PeerId>,
+    choice: &mut ManifestChoice<PeerId>,
     donors: &[Donor],
     tally: &mut Tally,
 ) -> Result<Option<(Manifest, Vec<ChunkSpan>, Vec<usize>)>, SyncError> {
     let mut failed = Vec::new();
     for (d, donor) in donors.iter().enumerate() {
-        let bytes = timeout(cfg.request_timeout, async {
-            let mut stream = open(node, cfg, donor, &choice.manifest_hash).await?;
+        let announced = (choice.epoch, choice.manifest_hash);
+        let got = timeout(cfg.request_timeout, async {
+            let (mut stream, epoch, hash) = open_new(node, cfg, donor).await?;
+            let wanted = if hash == announced.1 {
+                announced
+            } else if cfg.min_agreeing_donors <= 1 && epoch >= announced.0.max(cfg.min_epoch) {
+                // It stepped since its announcement was read: its own word is what the DHT
+                // entry would say (the entry is its signed copy of the same claim).
+                tracing::debug!(peer = %donor.peer, epoch, "the donor serves a newer manifest than announced; taking it");
+                (epoch, hash)
+            } else {
+                return Err((
+                    Failure::Stale,
+                    format!("serves epoch {epoch} ({}) now", short(&hash)),
+                ));
+            };
             let (tag, bytes) = exchange(&mut stream, &Request::Manifest, cfg.max_manifest_bytes)
                 .await
                 .map_err(frame_failure)?;
@@ -308,21 +331,25 @@ async fn fetch_manifest(
                 return Err(unexpected(tag, &bytes));
             }
             lock(&donor.idle).push(stream);
-            Ok(bytes)
+            donor.holds_manifest.store(true, Ordering::Relaxed);
+            Ok((bytes, wanted))
         })
         .await
         .unwrap_or_else(|_| Err((Failure::Dead, "no manifest in time".into())));
-        let checked = bytes.and_then(|bytes| {
+        let checked = got.and_then(|(bytes, (epoch, hash))| {
             let max = cfg.max_chunk_elems;
-            match Manifest::decode_checked(&bytes, &choice.manifest_hash, choice.epoch, layout, max)
-            {
-                Ok(m) => Ok(Ok(m)),
+            match Manifest::decode_checked(&bytes, &hash, epoch, layout, max) {
+                Ok(m) => Ok(Ok((m, epoch, hash))),
                 Err(ManifestFault::Layout(why)) => Ok(Err(why)),
                 Err(ManifestFault::Donor(why)) => Err((Failure::Bad, why)),
             }
         });
         match checked {
-            Ok(Ok((manifest, spans))) => return Ok(Some((manifest, spans, failed))),
+            Ok(Ok(((manifest, spans), epoch, hash))) => {
+                choice.epoch = epoch;
+                choice.manifest_hash = hash;
+                return Ok(Some((manifest, spans, failed)));
+            }
             Ok(Err(why)) => return Err(SyncError::Layout(why)),
             Err((failure, why)) => {
                 tracing::debug!(peer = %donor.peer, ?failure, "no manifest from donor: {why}");
@@ -346,6 +373,30 @@ async fn open(
     if let Some(stream) = lock(&donor.idle).pop() {
         return Ok(stream);
     }
+    let (stream, epoch, manifest_hash) = open_new(node, cfg, donor).await?;
+    if &manifest_hash == want {
+        donor.holds_manifest.store(true, Ordering::Relaxed);
+        return Ok(stream);
+    }
+    // Another stream of this round still holds `want` (the donor keeps it for that stream):
+    // no more streams to this donor, but it is not stale.
+    let failure = if donor.holds_manifest.load(Ordering::Relaxed) {
+        Failure::Busy
+    } else {
+        Failure::Stale
+    };
+    Err((
+        failure,
+        format!("serves epoch {epoch} ({}) now", short(&manifest_hash)),
+    ))
+}
+
+/// A new stream to `donor`, with the epoch and manifest its hello says the stream serves.
+async fn open_new(
+    node: &Node,
+    cfg: &SyncConfig,
+    donor: &Donor,
+) -> Result<(Stream, u64, Digest), Failed> {
     let t = cfg.request_timeout;
     match timeout(t, node.connect_if_needed(donor.peer, &donor.addrs)).await {
         Ok(Err(NodeError::Closed)) => return Err((Failure::Dead, "our node stopped".into())),
@@ -376,14 +427,10 @@ async fn open(
         other => (Failure::Dead, other.to_string()),
     })?;
     match opened.reply {
-        HelloReply::Ready { manifest_hash, .. } if &manifest_hash == want => Ok(opened.stream),
         HelloReply::Ready {
             epoch,
             manifest_hash,
-        } => Err((
-            Failure::Stale,
-            format!("serves epoch {epoch} ({}) now", short(&manifest_hash)),
-        )),
+        } => Ok((opened.stream, epoch, manifest_hash)),
         HelloReply::NoState => Err((Failure::Stale, "serves no state".into())),
         HelloReply::Busy => Err((Failure::Busy, "busy".into())),
         HelloReply::Unsupported { version } => {

@@ -21,10 +21,13 @@
 //!   [`CollaborativeOptimizer::restore_from`](crate::CollaborativeOptimizer::restore_from), after
 //!   its layout is checked again. The [`SyncReport`] says what came from whom.
 //!
-//! A sync must finish while its donors still serve that snapshot: a donor that moves to the
-//! next epoch answers "stale", and the joiner starts over from the newer manifest (keeping
-//! chunks whose hash did not change). Donors that should serve long transfers can update less
-//! often than every epoch.
+//! A donor keeps the snapshot a stream's hello announced for as long as that stream is open,
+//! so a joiner's sessions finish the manifest they began on however often the donor steps.
+//! When the DHT announced an older manifest than the donor's hello (it stepped since), a joiner
+//! that trusts one donor (`min_agreeing_donors` 1) takes the hello's manifest, at `min_epoch`
+//! or later, instead of giving up on that donor; one that asks for several agreeing donors
+//! keeps to the agreed manifest, and a donor that moved on answers "stale" (the joiner then
+//! starts over from the newer manifest, keeping chunks whose hash did not change).
 //!
 //! ```no_run
 //! # async fn demo(donor: starling_node::Node, joiner: starling_node::Node) -> Result<(), Box<dyn std::error::Error>> {

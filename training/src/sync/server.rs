@@ -1,9 +1,12 @@
 //! The donor side: [`StateServer`] holds the latest snapshot, announces it in the DHT and
 //! serves its manifest and chunks on [`PROTOCOL`].
 //!
-//! Memory: one snapshot at rest. [`StateServer::update`] replaces it; a chunk being written
-//! from the old one keeps that one alive until the write ends, and requests for the old
-//! manifest are answered "stale" from then on. Bounds: at most `max_sessions` streams in all and
+//! Memory: one snapshot at rest. [`StateServer::update`] replaces it; a session keeps the
+//! snapshot its hello announced until the session ends, so a joiner finishes the manifest it
+//! started on however often the donor steps (a model that steps every few milliseconds would
+//! otherwise replace it between the manifest and the chunks). At most one older snapshot per
+//! open session is alive, and sessions are bounded in number and close when idle past the
+//! request timeout. A chunk of a manifest no session holds is answered "stale". Bounds: at most `max_sessions` streams in all and
 //! `max_sessions_per_peer` from one peer (others are answered busy), one request at a time per
 //! stream, a request timeout on every read and write, frames no larger than a chunk.
 
@@ -360,8 +363,9 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     }
     let t = shared.cfg.request_timeout;
     let admission = admit(&shared, peer);
-    let current = lock(&shared.current).clone();
-    let reply = match (&admission, &current) {
+    // The snapshot this session serves: the one its hello announces, kept for the session.
+    let pinned = lock(&shared.current).clone();
+    let reply = match (&admission, &pinned) {
         _ if hello.version != WIRE_VERSION => HelloReply::Unsupported {
             version: WIRE_VERSION,
         },
@@ -388,7 +392,7 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
             return; // idle past the timeout, closed, or not a request
         };
         let answered = tokio::select! {
-            r = timeout(t, answer(&shared, &mut stream, request)) => r,
+            r = timeout(t, answer(&shared, pinned.as_deref(), &mut stream, request)) => r,
             _ = stop.changed() => return,
         };
         match answered {
@@ -398,13 +402,22 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     }
 }
 
-/// Answers one request; `Ok(false)` ends the session.
+/// Answers one request from the session's `pinned` snapshot (or the current one, when a
+/// chunk of that is asked for); `Ok(false)` ends the session.
 async fn answer(
     shared: &Shared,
+    pinned: Option<&Current>,
     stream: &mut Stream,
     request: Request,
 ) -> Result<bool, FrameError> {
     let current = lock(&shared.current).clone();
+    let serving = match &request {
+        Request::Manifest => pinned,
+        Request::Chunk { manifest_hash, .. } => [pinned, current.as_deref()]
+            .into_iter()
+            .flatten()
+            .find(|c| c.served.manifest_hash == *manifest_hash),
+    };
     let stale = |shared: &Shared| {
         shared.counters.stale.fetch_add(1, Ordering::Relaxed);
         Reply::Stale {
@@ -413,18 +426,13 @@ async fn answer(
                 .map(|c| (c.served.epoch, c.served.manifest_hash)),
         }
     };
-    let reply = match (&request, &current) {
+    let reply = match (&request, serving) {
         (_, None) => stale(shared),
         (Request::Manifest, Some(c)) => {
             write_tagged_frame(stream, TAG_MANIFEST, &[&c.manifest_bytes]).await?;
             stream.flush().await?;
             shared.counters.manifests.fetch_add(1, Ordering::Relaxed);
             return Ok(true);
-        }
-        (Request::Chunk { manifest_hash, .. }, Some(c))
-            if *manifest_hash != c.served.manifest_hash =>
-        {
-            stale(shared)
         }
         (Request::Chunk { index, .. }, Some(c)) => {
             let Some(span) = usize::try_from(*index).ok().and_then(|i| c.spans.get(i)) else {

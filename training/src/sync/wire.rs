@@ -50,7 +50,7 @@ pub(crate) enum HelloReply {
 /// A joiner's request after the hello.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) enum Request {
-    /// The manifest of the snapshot served now.
+    /// The manifest of the snapshot this stream's hello announced (kept for the stream).
     Manifest,
     /// Chunk `index` of the snapshot whose manifest hashes to `manifest_hash`.
     Chunk { manifest_hash: Digest, index: u64 },
