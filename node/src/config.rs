@@ -83,6 +83,11 @@ pub struct NodeConfig {
     pub relay_server: Option<RelayServerConfig>,
     /// Reachability detection (autonat) and what a node behind a NAT does about it.
     pub nat: NatConfig,
+    /// **A simulation for benches** (see [`crate::simdelay`]): every byte arriving on this
+    /// node's TCP connections, libp2p's and the fast lane's, is held back half this long, so
+    /// a round trip between two such nodes gains this much. QUIC is off while it is set.
+    /// `None` (the default): no delay. Real links need none of this.
+    pub simulated_rtt: Option<Duration>,
 }
 
 /// The connection manager's bounds. Kademlia talks to whichever peers a lookup leads to and
@@ -264,6 +269,7 @@ impl Default for NodeConfig {
             external_addrs: Vec::new(),
             relay_server: None,
             nat: NatConfig::default(),
+            simulated_rtt: None,
         }
     }
 }

@@ -62,6 +62,7 @@ pub mod heartbeat;
 mod identity;
 pub mod metrics;
 mod node;
+pub mod simdelay;
 pub mod streams;
 mod swarm_key;
 

@@ -108,6 +108,8 @@ pub(crate) struct FastLane {
     /// Every open lane, so that stopping the node cuts them all.
     live: Mutex<Vec<Weak<LaneGuard>>>,
     rng: SystemRandom,
+    /// Reads on new lanes are held back this long (a simulation, see [`crate::simdelay`]).
+    read_delay: Mutex<Option<Duration>>,
 }
 
 /// Unsent bytes a lane's socket holds before a write waits (`TCP_NOTSENT_LOWAT`), where the
@@ -139,7 +141,8 @@ impl FastLane {
         live.retain(|w| w.strong_count() > 0);
         live.push(Arc::downgrade(&guard));
         drop(live);
-        FastStream::new(tcp, keys, dialer, 1, Some(guard))
+        let delay = *lock(&self.read_delay);
+        FastStream::new(tcp, keys, dialer, 1, Some(guard), delay)
     }
 
     fn with_parts(
@@ -159,7 +162,14 @@ impl FastLane {
             tasks: Mutex::new(Vec::new()),
             live: Mutex::new(Vec::new()),
             rng: SystemRandom::new(),
+            read_delay: Mutex::new(None),
         }
+    }
+
+    /// Holds back what new lanes read by `delay` (`NodeConfig::simulated_rtt`'s half).
+    pub(crate) fn with_read_delay(self: Arc<Self>, delay: Option<Duration>) -> Arc<Self> {
+        *lock(&self.read_delay) = delay;
+        self
     }
 
     /// A lane state that only dials (client mode).

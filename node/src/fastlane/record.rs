@@ -20,9 +20,12 @@ use std::task::{ready, Context, Poll};
 
 use futures::{AsyncRead, AsyncWrite};
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use std::time::Duration;
 use tokio::io::ReadBuf;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
+
+use crate::simdelay::DelayedReader;
 
 use super::handshake::Keys;
 
@@ -130,6 +133,7 @@ impl FastStream {
         dialer: bool,
         first: u64,
         guard: Option<Arc<LaneGuard>>,
+        read_delay: Option<Duration>,
     ) -> io::Result<Self> {
         let (out, inn) = if dialer {
             (&keys[..32], &keys[32..])
@@ -137,9 +141,13 @@ impl FastStream {
             (&keys[32..], &keys[..32])
         };
         let (r, w) = tcp.into_split();
+        let io = match read_delay {
+            Some(d) => LaneRead::Delayed(DelayedReader::new(r, d)),
+            None => LaneRead::Tcp(r),
+        };
         Ok(FastStream {
             rd: FastReader {
-                io: r,
+                io,
                 key: key(inn)?,
                 counter: first,
                 buf: vec![0u8; 2 * (HEAD + MAX_RECORD + TAG)],
@@ -228,9 +236,38 @@ impl FastStream {
     }
 }
 
+/// A lane's read side: the socket's, or one whose reads are held back (a simulation, see
+/// [`crate::simdelay`]).
+enum LaneRead {
+    Tcp(OwnedReadHalf),
+    Delayed(DelayedReader),
+}
+
+impl LaneRead {
+    fn try_read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        match self {
+            LaneRead::Tcp(r) => r.try_read(out),
+            LaneRead::Delayed(r) => r.try_read(out),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for LaneRead {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LaneRead::Tcp(r) => Pin::new(r).poll_read(cx, buf),
+            LaneRead::Delayed(r) => Pin::new(r).poll_read(cx, buf),
+        }
+    }
+}
+
 /// The receiving half of a [`FastStream`].
 pub struct FastReader {
-    io: OwnedReadHalf,
+    io: LaneRead,
     key: LessSafeKey,
     counter: u64,
     buf: Vec<u8>,
@@ -461,14 +498,36 @@ mod tests {
     use futures::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
     async fn pair() -> (FastStream, FastStream) {
+        delayed_pair(None).await
+    }
+
+    async fn delayed_pair(delay: Option<Duration>) -> (FastStream, FastStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let keys: Keys = std::array::from_fn(|i| (i * 7 + 3) as u8);
         let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
         (
-            FastStream::new(a.unwrap(), &keys, true, 0, None).unwrap(),
-            FastStream::new(b.unwrap().0, &keys, false, 0, None).unwrap(),
+            FastStream::new(a.unwrap(), &keys, true, 0, None, delay).unwrap(),
+            FastStream::new(b.unwrap().0, &keys, false, 0, None, delay).unwrap(),
         )
+    }
+
+    #[tokio::test]
+    async fn a_delayed_lane_carries_records_both_ways() {
+        let (a, b) = delayed_pair(Some(Duration::from_millis(30))).await;
+        let (mut ar, mut aw) = a.into_split();
+        let (mut br, mut bw) = b.into_split();
+        let start = std::time::Instant::now();
+        aw.write_all(b"hello").await.unwrap();
+        aw.flush().await.unwrap();
+        let mut got = [0u8; 5];
+        br.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+        bw.write_all(b"there").await.unwrap();
+        bw.flush().await.unwrap();
+        ar.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"there");
+        assert!(start.elapsed() >= Duration::from_millis(60));
     }
 
     #[tokio::test]
@@ -552,7 +611,7 @@ mod tests {
         let keys: Keys = [9u8; 64];
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None, None).unwrap();
         let k = key(&keys[..32]).unwrap();
         let record = |counter: u64, data: &[u8]| {
             let mut buf = vec![0u8; HEAD];
@@ -572,7 +631,7 @@ mod tests {
         // A length word over the limit is refused before anything is read into it.
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None, None).unwrap();
         let huge = (MAX_RECORD as u32 + 1).to_le_bytes();
         tokio::io::AsyncWriteExt::write_all(&mut raw, &huge)
             .await
@@ -583,7 +642,7 @@ mod tests {
         // A replayed record (same nonce twice) fails the second time.
         let (raw, acc) = tokio::join!(TcpStream::connect(addr), l.accept());
         let mut raw = raw.unwrap();
-        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None).unwrap();
+        let mut b = FastStream::new(acc.unwrap().0, &keys, false, 0, None, None).unwrap();
         let rec = record(0, b"abcd");
         tokio::io::AsyncWriteExt::write_all(&mut raw, &rec)
             .await

@@ -757,8 +757,10 @@ async fn start_fast_lane(
     if !cfg.fast_lane {
         return Ok(None);
     }
+    let read_delay = cfg.simulated_rtt.map(|rtt| rtt / 2);
     if cfg.client_mode {
-        return Ok(Some(FastLane::dial_only(cfg.request_timeout)));
+        let lane = FastLane::dial_only(cfg.request_timeout);
+        return Ok(Some(lane.with_read_delay(read_delay)));
     }
     let ips = lane_ips(listen.iter().filter_map(transport::tcp_ip));
     let lane = FastLane::listen(
@@ -769,7 +771,7 @@ async fn start_fast_lane(
         peer_ip,
     )
     .await?;
-    Ok(Some(lane))
+    Ok(Some(lane.with_read_delay(read_delay)))
 }
 
 /// How the fast lane asks the swarm task where a peer connects from. Holds the command channel

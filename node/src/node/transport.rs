@@ -3,7 +3,9 @@
 //!
 //! A private swarm runs TCP + pnet + noise + yamux and nothing else: pnet covers TCP only, so
 //! a QUIC listener would let a keyless peer in ([`check_private_swarm`] refuses such configs).
-//! A public swarm runs TCP + noise + yamux and QUIC. Both add DNS and the relay client.
+//! A public swarm runs TCP + noise + yamux and QUIC. Both add DNS and the relay client. With a
+//! simulated round-trip time ([`crate::simdelay`], for benches) TCP's reads are delayed and
+//! QUIC is off.
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -25,6 +27,13 @@ const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Refuses QUIC addresses (to listen on or to bootstrap from) in a private swarm.
 pub(super) fn check_private_swarm(cfg: &NodeConfig, listen: &[Multiaddr]) -> Result<(), NodeError> {
+    if cfg.simulated_rtt.is_some() && cfg.swarm_key.is_none() {
+        if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
+            return Err(NodeError::Config(format!(
+                "{a}: QUIC cannot be used with a simulated round-trip time (UDP would pass around the delay)"
+            )));
+        }
+    }
     if cfg.swarm_key.is_some() {
         if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
             return Err(NodeError::Config(format!(
@@ -46,31 +55,17 @@ pub(super) fn build_swarm(
     let tr = |e: &dyn std::fmt::Display| NodeError::Transport(e.to_string());
     // libp2p's transport metrics (bytes in and out per transport stack) go in the node's registry.
     let mut registry = metrics.root();
-    match cfg.swarm_key {
-        Some(swarm_key) => {
-            let psk = swarm_key.psk();
+    match (cfg.swarm_key, cfg.simulated_rtt) {
+        (None, None) => {
             let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
                 .with_tokio()
-                .with_other_transport(
-                    |key| -> Result<
-                        Boxed<(PeerId, StreamMuxerBox)>,
-                        Box<dyn std::error::Error + Send + Sync>,
-                    > {
-                        let noise = noise::Config::new(key)?;
-                        Ok(
-                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-                                .and_then(move |socket, _| {
-                                    libp2p::pnet::PnetConfig::new(psk).handshake(socket)
-                                })
-                                .upgrade(Version::V1Lazy)
-                                .authenticate(noise)
-                                .multiplex(yamux::Config::default())
-                                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-                                .boxed(),
-                        )
-                    },
+                .with_tcp(
+                    tcp::Config::default().nodelay(true),
+                    noise::Config::new,
+                    yamux::Config::default,
                 )
                 .map_err(|e| tr(&e))?
+                .with_quic()
                 .with_dns()
                 .map_err(|e| tr(&e))?
                 .with_relay_client(noise::Config::new, yamux::Config::default)
@@ -85,16 +80,47 @@ pub(super) fn build_swarm(
                 .build();
             Ok(swarm)
         }
-        None => {
+        (swarm_key, rtt) => {
+            // TCP only: with pnet (a private swarm), and/or each connection's reads delayed
+            // (a simulated round-trip time, for benches).
+            let psk = swarm_key.map(|k| k.psk());
+            let half = rtt.map(|rtt| rtt / 2);
             let swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
                 .with_tokio()
-                .with_tcp(
-                    tcp::Config::default().nodelay(true),
-                    noise::Config::new,
-                    yamux::Config::default,
+                .with_other_transport(
+                    |key| -> Result<
+                        Boxed<(PeerId, StreamMuxerBox)>,
+                        Box<dyn std::error::Error + Send + Sync>,
+                    > {
+                        use futures::future::Either;
+                        let noise = noise::Config::new(key)?;
+                        Ok(
+                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                                .map(move |socket, _| match half {
+                                    Some(d) => Either::Left(crate::simdelay::DelayedStream::new(
+                                        socket.0, d,
+                                    )),
+                                    None => Either::Right(socket),
+                                })
+                                .and_then(move |socket, _| async move {
+                                    match psk {
+                                        Some(psk) => libp2p::pnet::PnetConfig::new(psk)
+                                            .handshake(socket)
+                                            .await
+                                            .map(Either::Left)
+                                            .map_err(std::io::Error::other),
+                                        None => Ok(Either::Right(socket)),
+                                    }
+                                })
+                                .upgrade(Version::V1Lazy)
+                                .authenticate(noise)
+                                .multiplex(yamux::Config::default())
+                                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+                                .boxed(),
+                        )
+                    },
                 )
                 .map_err(|e| tr(&e))?
-                .with_quic()
                 .with_dns()
                 .map_err(|e| tr(&e))?
                 .with_relay_client(noise::Config::new, yamux::Config::default)
