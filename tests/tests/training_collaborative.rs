@@ -68,9 +68,18 @@ async fn gradient_mode(
     state_every: Option<u64>,
     tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
 ) -> Vec<(Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>)> {
-    let cluster = LocalCluster::start(PEERS, NodeConfig::default())
-        .await
-        .unwrap();
+    gradient_mode_on(NodeConfig::default(), data, run, state_every, tamper).await
+}
+
+/// [`gradient_mode`] on nodes configured as `node_cfg`.
+async fn gradient_mode_on(
+    node_cfg: NodeConfig,
+    data: &Data,
+    run: &str,
+    state_every: Option<u64>,
+    tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
+) -> Vec<(Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>)> {
+    let cluster = LocalCluster::start(PEERS, node_cfg).await.unwrap();
     let nodes = cluster.nodes.clone();
     let runs = nodes.iter().enumerate().map(|(p, node)| async move {
         let mut params = model();
@@ -148,6 +157,34 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
             "swarm {a_swarm} vs one peer {a_single}"
         );
         assert!(a_swarm > 0.8, "the model learned ({a_swarm})");
+    })
+    .await;
+}
+
+/// The same swarm over a slow network (60 ms of simulated round-trip time): progress reads
+/// and reports then run beside compute instead of holding it up (each DHT operation takes
+/// a few round trips), and that must change nothing in what is averaged: every epoch in one
+/// group of all peers, every peer bit-identical after every epoch, the state round in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let mut node_cfg = NodeConfig::default();
+        node_cfg.simulated_rtt = Some(Duration::from_millis(60));
+        let results =
+            gradient_mode_on(node_cfg, &train, "digits-slow-net", Some(10), |_, _, _| {}).await;
+        for (p, (history, state)) in results.iter().enumerate().skip(1) {
+            for (e, params) in history.iter().enumerate() {
+                assert!(
+                    params == &results[0].0[e],
+                    "peer {p} differs from peer 0 after epoch {e}"
+                );
+            }
+            assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
+        }
+        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
+        assert_eq!(folded, [9]);
     })
     .await;
 }

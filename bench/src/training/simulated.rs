@@ -52,6 +52,11 @@ pub struct SimArgs {
     /// needs root; the bench runs inside the first one).
     #[arg(long, value_delimiter = ',')]
     pub netns: Vec<String>,
+    /// Simulated compute: a simulated round-trip time between the peers, in milliseconds
+    /// (`NodeConfig::simulated_rtt`: each peer's TCP reads are held back half of it; a
+    /// simulation for this kernel, which has no netem; QUIC is off).
+    #[arg(long, value_name = "MS")]
+    pub sim_rtt_ms: Option<u64>,
     /// Simulated compute: also list every measured step (each peer's samples, group size and
     /// time) in the result.
     #[arg(long)]
@@ -135,6 +140,8 @@ struct SimBench {
     codec: String,
     delayed_update: bool,
     netns: bool,
+    /// The simulated round-trip time between peers (`--sim-rtt-ms`), if any.
+    sim_rtt_ms: Option<u64>,
     sample_ms: f64,
     target_batch_size: u64,
     batch: u64,
@@ -191,6 +198,7 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
     let sample_ms = sim.sample_ms.context("--sample-ms")?;
     let mut node_cfg = NodeConfig::default().bootstrap_from(args.place.bootstrap.clone());
     node_cfg.listen.extend(args.place.listen.clone());
+    node_cfg.simulated_rtt = sim.sim_rtt_ms.map(Duration::from_millis);
     let node = Node::start(node_cfg).await?;
     let n = common.params;
     let mut params = ParamSet::new();
@@ -286,6 +294,12 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
             .args(["--warmup", &sim.warmup.to_string()])
             .args(sim.delayed_update.then_some("--delayed-update"))
             .args(sim.per_step.then_some("--per-step"))
+            .args(
+                sim.sim_rtt_ms
+                    .map(|ms| ["--sim-rtt-ms".to_string(), ms.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -427,6 +441,7 @@ fn summarize(
         codec: args.codec.clone(),
         delayed_update: sim.delayed_update,
         netns: !sim.netns.is_empty(),
+        sim_rtt_ms: sim.sim_rtt_ms,
         sample_ms,
         target_batch_size: sim.target,
         batch: sim.batch,

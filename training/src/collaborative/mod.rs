@@ -115,6 +115,14 @@ pub struct CollaborativeOptimizer {
     tracker: Arc<ProgressTracker>,
     /// A publication of this peer's progress in flight (see `publish_in_background`).
     publishing: Option<tokio::task::JoinHandle<Result<(), ProgressError>>>,
+    /// How long the last awaited publication and the last read of the progress took: on a
+    /// network where they are slow ([`pace::SLOW_PROGRESS`]), the ones between batches run in
+    /// the background instead of holding up compute.
+    publish_took: Duration,
+    fetch_took: Duration,
+    /// A read of the swarm's progress in the background (slow networks): the epoch it was
+    /// started in, and the task (its reading and how long it took).
+    fetching: Option<(u64, pace::Fetching)>,
     /// The least time matchmaking took in rounds that searched when the step began: how far ahead of the batch a round's search starts. `None` until measured.
     matchmaking_estimate: Option<Duration>,
     optimizer: Box<dyn Optimizer>,
@@ -255,6 +263,9 @@ impl CollaborativeOptimizer {
             gossip,
             tracker,
             publishing: None,
+            publish_took: Duration::ZERO,
+            fetch_took: Duration::ZERO,
+            fetching: None,
             matchmaking_estimate: None,
             optimizer,
             outer,
@@ -326,6 +337,9 @@ impl CollaborativeOptimizer {
             server.shutdown().await;
         }
         self.end_background_rounds().await;
+        if let Some((_, task)) = self.fetching.take() {
+            task.abort();
+        }
         let _ = self.settle_publication().await;
         if let Some(task) = self.serving.take() {
             // The last state refresh completes: a peer that leaves still serves it until then.
@@ -477,9 +491,21 @@ impl CollaborativeOptimizer {
         // that of the epoch the round ends (see `delayed`).
         if self.pending.is_none() {
             let local = self.local_progress();
-            if self.tracker.due(&local) {
+            if self.tracker.due(&local) && self.publish_took >= pace::SLOW_PROGRESS {
+                // A slow network: the report goes out beside compute (one at a time; a report
+                // due while the last is in flight waits for the next batch).
+                self.collect_publication()?;
+                if self.publishing.is_none() {
+                    let tracker = self.tracker.clone();
+                    let publish = async move { tracker.publish(local).await };
+                    self.publishing =
+                        Some(tokio::spawn(tracing::Instrument::in_current_span(publish)));
+                }
+            } else if self.tracker.due(&local) {
                 self.settle_publication().await?;
+                let started = Instant::now();
                 let reported = self.tracker.publish(local).await;
+                self.publish_took = started.elapsed();
                 self.tolerate(reported)?;
             } else {
                 self.collect_publication()?;

@@ -123,6 +123,7 @@ impl CollaborativeOptimizer {
     /// cut a publication short); the previous publication, if still in flight, ends first.
     pub(super) async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
         self.settle_publication().await?;
+        let started = Instant::now();
         let (tracker, local) = (self.tracker.clone(), self.local_progress());
         self.publishing = Some(tokio::spawn(async move { tracker.publish(local).await }));
         // Awaited: on a peer whose compute shares one core with its network tasks, a
@@ -130,7 +131,9 @@ impl CollaborativeOptimizer {
         // wait (MLP pair, 2 x 181 steps: 4.25 / 4.10 s in flight against 3.98 / 3.76 s
         // awaited). It also made a kill/restart test hang about one run in five
         // (training_sync's a_killed_peer_...), never understood.
-        self.settle_publication().await
+        let settled = self.settle_publication().await;
+        self.publish_took = started.elapsed();
+        settled
     }
 
     /// The outcome of a background publication of the progress that has ended, if any (one
