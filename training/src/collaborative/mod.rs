@@ -115,11 +115,11 @@ pub struct CollaborativeOptimizer {
     tracker: Arc<ProgressTracker>,
     /// A publication of this peer's progress in flight (see `publish_in_background`).
     publishing: Option<tokio::task::JoinHandle<Result<(), ProgressError>>>,
-    /// How long the last awaited publication and the last read of the progress took: on a
-    /// network where they are slow ([`pace::SLOW_PROGRESS`]), the ones between batches run in
-    /// the background instead of holding up compute.
-    publish_took: Duration,
-    fetch_took: Duration,
+    /// How long the last awaited publications and reads of the progress took: on a network
+    /// where they are slow ([`pace::SLOW_PROGRESS`]), the ones between batches run in the
+    /// background instead of holding up compute.
+    publish_took: pace::Latency,
+    fetch_took: pace::Latency,
     /// A read of the swarm's progress in the background (slow networks): the epoch it was
     /// started in, and the task (its reading and how long it took).
     fetching: Option<(u64, pace::Fetching)>,
@@ -263,8 +263,8 @@ impl CollaborativeOptimizer {
             gossip,
             tracker,
             publishing: None,
-            publish_took: Duration::ZERO,
-            fetch_took: Duration::ZERO,
+            publish_took: pace::Latency::default(),
+            fetch_took: pace::Latency::default(),
             fetching: None,
             matchmaking_estimate: None,
             optimizer,
@@ -491,7 +491,7 @@ impl CollaborativeOptimizer {
         // that of the epoch the round ends (see `delayed`).
         if self.pending.is_none() {
             let local = self.local_progress();
-            if self.tracker.due(&local) && self.publish_took >= pace::SLOW_PROGRESS {
+            if self.tracker.due(&local) && self.publish_took.slow() {
                 // A slow network: the report goes out beside compute (one at a time; a report
                 // due while the last is in flight waits for the next batch).
                 self.collect_publication()?;
@@ -505,7 +505,7 @@ impl CollaborativeOptimizer {
                 self.settle_publication().await?;
                 let started = Instant::now();
                 let reported = self.tracker.publish(local).await;
-                self.publish_took = started.elapsed();
+                self.publish_took.note(started.elapsed());
                 self.tolerate(reported)?;
             } else {
                 self.collect_publication()?;

@@ -26,6 +26,29 @@ const COMPUTE_WINDOW_BATCHES: u32 = 8;
 /// on the epoch) reads stay awaited.
 pub(super) const SLOW_PROGRESS: Duration = Duration::from_millis(20);
 
+/// How long the last few progress operations of one kind took. The network counts as slow
+/// only when every one of the last [`Latency::KEPT`] took [`SLOW_PROGRESS`] or more: a peer
+/// whose core is busy computing sees single slow operations on loopback too, and spawned ones
+/// then compete with its batches (the MLP pair on one core each ran slower with them).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Latency {
+    last: [Duration; Latency::KEPT],
+    next: usize,
+}
+
+impl Latency {
+    const KEPT: usize = 4;
+
+    pub(super) fn note(&mut self, took: Duration) {
+        self.last[self.next] = took;
+        self.next = (self.next + 1) % Self::KEPT;
+    }
+
+    pub(super) fn slow(&self) -> bool {
+        self.last.iter().all(|t| *t >= SLOW_PROGRESS)
+    }
+}
+
 /// A background read of the swarm's progress: its result and how long it took.
 pub(super) type Fetching =
     tokio::task::JoinHandle<(Result<SwarmProgress, ProgressError>, Duration)>;
@@ -149,7 +172,7 @@ impl CollaborativeOptimizer {
             if at.elapsed() < fresh_for && s.epoch == self.epoch {
                 return Ok(s.clone());
             }
-            if s.epoch == self.epoch && self.fetch_took >= SLOW_PROGRESS {
+            if s.epoch == self.epoch && self.fetch_took.slow() {
                 // A slow network: the reading of this epoch serves while a fresh one is read
                 // in the background.
                 if let Some(fresh) = self.collect_fetch()? {
@@ -173,7 +196,7 @@ impl CollaborativeOptimizer {
         }
         let started = Instant::now();
         let fetched = self.tracker.fetch().await;
-        self.fetch_took = started.elapsed();
+        self.fetch_took.note(started.elapsed());
         let s = match self.tolerate(fetched)? {
             Some(s) => {
                 self.last_read = Some(s.clone());
@@ -200,7 +223,7 @@ impl CollaborativeOptimizer {
         let Ok((fetched, took)) = ended else {
             return Ok(None); // aborted
         };
-        self.fetch_took = took;
+        self.fetch_took.note(took);
         if epoch != self.epoch {
             return Ok(None);
         }
@@ -364,5 +387,25 @@ impl CollaborativeOptimizer {
             own_samples_per_second: last.own_samples_per_second,
             ..swarm
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_network_is_slow_only_after_every_kept_operation_was() {
+        let mut l = Latency::default();
+        assert!(!l.slow(), "nothing measured yet");
+        for _ in 0..Latency::KEPT - 1 {
+            l.note(Duration::from_millis(150));
+            assert!(!l.slow());
+        }
+        l.note(Duration::from_millis(150));
+        assert!(l.slow());
+        // One fast operation (a loopback spike is the reverse case) ends it.
+        l.note(Duration::from_millis(2));
+        assert!(!l.slow());
     }
 }

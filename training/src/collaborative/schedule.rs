@@ -132,7 +132,7 @@ impl CollaborativeOptimizer {
         // awaited). It also made a kill/restart test hang about one run in five
         // (training_sync's a_killed_peer_...), never understood.
         let settled = self.settle_publication().await;
-        self.publish_took = started.elapsed();
+        self.publish_took.note(started.elapsed());
         settled
     }
 
