@@ -170,8 +170,10 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, _) = digits();
-        let mut node_cfg = NodeConfig::default();
-        node_cfg.simulated_rtt = Some(Duration::from_millis(60));
+        let node_cfg = NodeConfig {
+            simulated_rtt: Some(Duration::from_millis(60)),
+            ..NodeConfig::default()
+        };
         let results =
             gradient_mode_on(node_cfg, &train, "digits-slow-net", Some(10), |_, _, _| {}).await;
         for (p, (history, state)) in results.iter().enumerate().skip(1) {
