@@ -47,30 +47,38 @@ fn echo_server(node: &Node) -> tokio::task::JoinHandle<Vec<starling_node::PeerId
     })
 }
 
+/// Writes 5 MB of varied bytes on a lane to the echo server, in odd sizes while the echo comes
+/// back, closes it, and checks that every byte came back in order.
+async fn echoes_five_megabytes(
+    mut rd: starling_node::FastReader,
+    mut wr: starling_node::FastWriter,
+) {
+    let data: Vec<u8> = (0..5_000_003u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let d = data.clone();
+    let writer = tokio::spawn(async move {
+        for c in d.chunks(77_777) {
+            wr.write_all(c).await.unwrap();
+        }
+        wr.close().await.unwrap();
+    });
+    let mut back = Vec::new();
+    rd.read_to_end(&mut back).await.unwrap();
+    writer.await.unwrap();
+    assert!(back == data, "echo differs");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lanes_carry_data_both_ways_between_authenticated_peers() {
     init_tracing();
     bounded(Duration::from_secs(60), async {
         let (server, client) = pair(cfg()).await;
         let echo = echo_server(&server);
-        // 5 MB of varied bytes, written in odd sizes while the echo comes back.
-        let data: Vec<u8> = (0..5_000_003u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-            .collect();
         for _ in 0..2 {
             let lane = client.open_fast(server.peer_id(), ECHO).await.unwrap();
-            let (mut rd, mut wr) = lane.into_split();
-            let d = data.clone();
-            let writer = tokio::spawn(async move {
-                for c in d.chunks(77_777) {
-                    wr.write_all(c).await.unwrap();
-                }
-                wr.close().await.unwrap();
-            });
-            let mut back = Vec::new();
-            rd.read_to_end(&mut back).await.unwrap();
-            writer.await.unwrap();
-            assert!(back == data, "echo differs");
+            let (rd, wr) = lane.into_split();
+            echoes_five_megabytes(rd, wr).await;
         }
         // Nothing is routed for a protocol without a handler: a clear refusal.
         match client.open_fast(server.peer_id(), OTHER).await {
@@ -251,20 +259,7 @@ async fn a_simulated_round_trip_time_delays_streams_and_lanes_and_loses_nothing(
         let took = start.elapsed();
         assert_eq!(b, [5]);
         assert!(took >= rtt, "a lane's round trip took {took:?}");
-        let data: Vec<u8> = (0..5_000_003u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-            .collect();
-        let d = data.clone();
-        let writer = tokio::spawn(async move {
-            for c in d.chunks(77_777) {
-                wr.write_all(c).await.unwrap();
-            }
-            wr.close().await.unwrap();
-        });
-        let mut back = Vec::new();
-        rd.read_to_end(&mut back).await.unwrap();
-        writer.await.unwrap();
-        assert!(back == data, "echo differs");
+        echoes_five_megabytes(rd, wr).await;
         server.shutdown().await;
         client.shutdown().await;
         echo.abort();

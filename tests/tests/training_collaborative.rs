@@ -58,6 +58,10 @@ fn stale_single_peer_baseline(data: &Data) -> Vec<f32> {
     params.params().to_vec()
 }
 
+/// One peer's [`gradient_mode`] run: its parameters after each epoch (and whether that step's
+/// round averaged the state), and its final optimizer state.
+type PeerRun = (Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>);
+
 /// Runs `epochs` global steps of gradient mode on every peer, averaging parameters and
 /// optimizer state every `state_every` epochs; `tamper(peer, epoch, params)` runs after each
 /// peer's step. Returns each peer's parameters after each epoch (and whether that step's round
@@ -67,7 +71,7 @@ async fn gradient_mode(
     run: &str,
     state_every: Option<u64>,
     tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
-) -> Vec<(Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>)> {
+) -> Vec<PeerRun> {
     gradient_mode_on(NodeConfig::default(), data, run, state_every, tamper).await
 }
 
@@ -78,7 +82,7 @@ async fn gradient_mode_on(
     run: &str,
     state_every: Option<u64>,
     tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
-) -> Vec<(Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>)> {
+) -> Vec<PeerRun> {
     let cluster = LocalCluster::start(PEERS, node_cfg).await.unwrap();
     let nodes = cluster.nodes.clone();
     let runs = nodes.iter().enumerate().map(|(p, node)| async move {
@@ -130,21 +134,27 @@ async fn gradient_mode_on(
     results
 }
 
+/// Every peer of a [`gradient_mode`] run held peer 0's parameters after every epoch and ends
+/// with its optimizer state.
+fn assert_identical(results: &[PeerRun]) {
+    for (p, (history, state)) in results.iter().enumerate().skip(1) {
+        for (e, params) in history.iter().enumerate() {
+            assert!(
+                params == &results[0].0[e],
+                "peer {p} differs from peer 0 after epoch {e}"
+            );
+        }
+        assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, val) = digits();
         let results = gradient_mode(&train, "digits-gradients", Some(10), |_, _, _| {}).await;
-        for (p, (history, state)) in results.iter().enumerate().skip(1) {
-            for (e, params) in history.iter().enumerate() {
-                assert!(
-                    params == &results[0].0[e],
-                    "peer {p} differs from peer 0 after epoch {e}"
-                );
-            }
-            assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
-        }
+        assert_identical(&results);
         // Epoch 10's round averaged the state too, in the same round (EPOCHS = 12).
         let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
         assert_eq!(folded, [9]);
@@ -176,15 +186,7 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
         };
         let results =
             gradient_mode_on(node_cfg, &train, "digits-slow-net", Some(10), |_, _, _| {}).await;
-        for (p, (history, state)) in results.iter().enumerate().skip(1) {
-            for (e, params) in history.iter().enumerate() {
-                assert!(
-                    params == &results[0].0[e],
-                    "peer {p} differs from peer 0 after epoch {e}"
-                );
-            }
-            assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
-        }
+        assert_identical(&results);
         let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
         assert_eq!(folded, [9]);
     })
