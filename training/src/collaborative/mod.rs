@@ -152,7 +152,11 @@ pub struct CollaborativeOptimizer {
     /// Samples per second while computing: batches over the time between batches of one
     /// epoch (waiting and averaging excluded); 0 until measured.
     compute_rate: f64,
-    /// The previous batch's arrival and its epoch (compute intervals are within one epoch).
+    /// When the previous `step` call returned, and the epoch it was called in: the caller computed the
+    /// next batch from then on (compute intervals are within one epoch, and leave out the time
+    /// spent inside `step`: progress reads, a delayed round's application, averaging; counted
+    /// as compute, a long wait there made the others' samples look several times more than
+    /// they were and the swarm step at half its batch).
     last_batch: Option<(Instant, u64)>,
     /// The compute rate's current window: seconds, samples and batch intervals.
     compute_window: (f64, u64, u32),
@@ -417,6 +421,7 @@ impl CollaborativeOptimizer {
         batch_samples: u64,
     ) -> Result<StepReport, TrainingError> {
         same_len(self.len, params)?;
+        let called_in = self.epoch;
         self.note_batch(batch_samples);
         self.metrics.samples.inc_by(batch_samples);
         let report = match self.cfg.mode {
@@ -425,6 +430,11 @@ impl CollaborativeOptimizer {
         };
         let report = self.with_errors(report);
         self.record(&report);
+        // Stamped with the epoch the call began in: after a call that stepped, the next
+        // batch's interval is not measured (a caller that computes one batch per epoch and
+        // then waits would otherwise publish the rate of its compute alone, and the others
+        // would schedule matchmaking as if its share were already in).
+        self.last_batch = Some((Instant::now(), called_in));
         report
     }
 

@@ -94,8 +94,9 @@ impl CollaborativeOptimizer {
         self.samples += batch_samples;
         self.last_batch_samples = batch_samples;
         let now = Instant::now();
-        // The compute rate: only intervals between batches of one epoch (the first batch after
-        // a step waited for the step's averaging), over windows of a quarter second or of
+        // The compute rate: only the caller's time between a `step` call's return and the
+        // next batch, within one epoch (the first batch after a step waited for the step's
+        // averaging; time inside `step` is not computing), over windows of a quarter second or of
         // `COMPUTE_WINDOW_BATCHES` intervals, whichever fills first: a peer that computes only a
         // few fast batches per epoch would otherwise keep its first measurement (often a slow
         // start) for hundreds of epochs, and the others would count it several times too slow.
@@ -115,7 +116,6 @@ impl CollaborativeOptimizer {
                 }
             }
         }
-        self.last_batch = Some((now, self.epoch));
         self.epoch_start.get_or_insert(now);
         let Some((start, samples)) = self.rate_window.as_mut() else {
             // The first batch's time is unknown: the window starts at its end.
