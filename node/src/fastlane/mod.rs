@@ -109,7 +109,7 @@ pub(crate) struct FastLane {
     live: Mutex<Vec<Weak<LaneGuard>>>,
     rng: SystemRandom,
     /// Reads on new lanes are held back this long (a simulation, see [`crate::simdelay`]).
-    read_delay: Mutex<Option<Duration>>,
+    read_delay: Option<Duration>,
 }
 
 /// Unsent bytes a lane's socket holds before a write waits (`TCP_NOTSENT_LOWAT`), where the
@@ -141,8 +141,7 @@ impl FastLane {
         live.retain(|w| w.strong_count() > 0);
         live.push(Arc::downgrade(&guard));
         drop(live);
-        let delay = *lock(&self.read_delay);
-        FastStream::new(tcp, keys, dialer, 1, Some(guard), delay)
+        FastStream::new(tcp, keys, dialer, 1, Some(guard), self.read_delay)
     }
 
     fn with_parts(
@@ -150,6 +149,7 @@ impl FastLane {
         timeout: Duration,
         route_queue: usize,
         peer_ip: Option<PeerIpLookup>,
+        read_delay: Option<Duration>,
     ) -> Self {
         FastLane {
             addrs,
@@ -162,29 +162,32 @@ impl FastLane {
             tasks: Mutex::new(Vec::new()),
             live: Mutex::new(Vec::new()),
             rng: SystemRandom::new(),
-            read_delay: Mutex::new(None),
+            read_delay,
         }
     }
 
-    /// Holds back what new lanes read by `delay` (`NodeConfig::simulated_rtt`'s half).
-    pub(crate) fn with_read_delay(self: Arc<Self>, delay: Option<Duration>) -> Arc<Self> {
-        *lock(&self.read_delay) = delay;
-        self
-    }
-
-    /// A lane state that only dials (client mode).
-    pub(crate) fn dial_only(timeout: Duration) -> Arc<Self> {
-        Arc::new(Self::with_parts(Vec::new(), timeout, ROUTE_QUEUE, None))
+    /// A lane state that only dials (client mode). Its lanes hold back what they read by
+    /// `read_delay` (`NodeConfig::simulated_rtt`'s half, a simulation: see [`crate::simdelay`]).
+    pub(crate) fn dial_only(timeout: Duration, read_delay: Option<Duration>) -> Arc<Self> {
+        Arc::new(Self::with_parts(
+            Vec::new(),
+            timeout,
+            ROUTE_QUEUE,
+            None,
+            read_delay,
+        ))
     }
 
     /// Binds a listener on each of `ips` (see [`lane_ips`]), all on `port` where possible,
-    /// and starts the accept loops; `peer_ip` tells where an offering peer connects from.
+    /// and starts the accept loops; `peer_ip` tells where an offering peer connects from. Its
+    /// lanes hold back what they read by `read_delay` (see [`Self::dial_only`]).
     pub(crate) async fn listen(
         ips: &[IpAddr],
         port: u16,
         timeout: Duration,
         control: crate::StreamControl,
         peer_ip: PeerIpLookup,
+        read_delay: Option<Duration>,
     ) -> Result<Arc<Self>, NodeError> {
         let listeners = listener::bind(ips, port)?;
         let addrs = listeners
@@ -197,6 +200,7 @@ impl FastLane {
             timeout,
             ROUTE_QUEUE,
             Some(peer_ip),
+            read_delay,
         ));
         // The loops and the handshakes they spawn run in the caller's span (the node's).
         let offers = listener::serve_offers(Arc::downgrade(&lane), control);

@@ -27,6 +27,7 @@ async fn listening(queue: usize) -> (Arc<FastLane>, IncomingFast, SocketAddr) {
         Duration::from_secs(5),
         queue,
         None,
+        None,
     ));
     let task = tokio::spawn(serve_connections(Arc::downgrade(&lane), l));
     lock(&lane.tasks).push(task);
@@ -57,6 +58,7 @@ async fn offers_are_bounded_per_peer_and_tokens_are_single_use() {
         vec!["127.0.0.1:9".parse().unwrap()],
         Duration::from_secs(5),
         1,
+        None,
         None,
     );
     let _rx = lane.accept(&StreamProtocol::new(PROTO)).unwrap();
@@ -99,6 +101,7 @@ async fn the_listener_adds_its_own_randomness_to_the_keys() {
         Duration::from_secs(5),
         1,
         None,
+        None,
     );
     let _rx = lane.accept(&StreamProtocol::new(PROTO)).unwrap();
     let peer = PeerId::random();
@@ -125,6 +128,7 @@ async fn a_connection_gets_one_short_deadline_for_its_token_and_hello() {
         vec!["127.0.0.1:9".parse().unwrap()],
         Duration::from_secs(5),
         1,
+        None,
         None,
     );
     let _rx = lane.accept(&StreamProtocol::new(PROTO)).unwrap();
@@ -158,7 +162,7 @@ async fn a_hello_of_the_wrong_size_or_key_is_refused_without_waiting_for_more() 
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
     }
     // A failed proof does not burn the offer: its real dialer still gets the lane.
-    let dialer = FastLane::dial_only(Duration::from_secs(5));
+    let dialer = FastLane::dial_only(Duration::from_secs(5), None);
     let mut lane_out = dialer.connect(addr, &token, &keys).await.unwrap();
     let (from, mut lane_in) = incoming.recv().await.unwrap();
     assert_eq!(from, peer);
@@ -176,7 +180,7 @@ async fn a_hello_of_the_wrong_size_or_key_is_refused_without_waiting_for_more() 
 #[tokio::test]
 async fn no_ready_without_a_place_in_the_handlers_queue() {
     let (lane, mut incoming, addr) = listening(1).await;
-    let dialer = FastLane::dial_only(Duration::from_secs(5));
+    let dialer = FastLane::dial_only(Duration::from_secs(5), None);
     let peer = PeerId::random();
     let (t1, k1) = offered(&lane, peer, None);
     let (t2, k2) = offered(&lane, peer, None);
@@ -201,6 +205,7 @@ async fn strangers_filling_every_place_do_not_keep_out_a_peer_with_an_offer() {
         vec!["127.0.0.1:9".parse().unwrap()],
         Duration::from_secs(5),
         1,
+        None,
         None,
     );
     let _rx = lane.accept(&StreamProtocol::new(PROTO)).unwrap();

@@ -759,8 +759,7 @@ async fn start_fast_lane(
     }
     let read_delay = cfg.simulated_rtt.map(|rtt| rtt / 2);
     if cfg.client_mode {
-        let lane = FastLane::dial_only(cfg.request_timeout);
-        return Ok(Some(lane.with_read_delay(read_delay)));
+        return Ok(Some(FastLane::dial_only(cfg.request_timeout, read_delay)));
     }
     let ips = lane_ips(listen.iter().filter_map(transport::tcp_ip));
     let lane = FastLane::listen(
@@ -769,9 +768,10 @@ async fn start_fast_lane(
         cfg.request_timeout,
         stream,
         peer_ip,
+        read_delay,
     )
     .await?;
-    Ok(Some(lane.with_read_delay(read_delay)))
+    Ok(Some(lane))
 }
 
 /// How the fast lane asks the swarm task where a peer connects from. Holds the command channel

@@ -25,23 +25,22 @@ use crate::{NodeConfig, NodeError};
 /// How long start-up waits for listeners to report their addresses.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Refuses QUIC addresses (to listen on or to bootstrap from) in a private swarm.
+/// Refuses QUIC addresses (to listen on or to bootstrap from) where QUIC would bypass what the
+/// config asks of every connection: a private swarm's key, a simulated round-trip time.
 pub(super) fn check_private_swarm(cfg: &NodeConfig, listen: &[Multiaddr]) -> Result<(), NodeError> {
-    if cfg.simulated_rtt.is_some() && cfg.swarm_key.is_none() {
-        if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
-            return Err(NodeError::Config(format!(
-                "{a}: QUIC cannot be used with a simulated round-trip time (UDP would pass around the delay)"
-            )));
-        }
+    let reason = if cfg.swarm_key.is_some() {
+        "in a private swarm (the pre-shared key protects TCP only)"
+    } else if cfg.simulated_rtt.is_some() {
+        "with a simulated round-trip time (UDP would pass around the delay)"
+    } else {
+        return Ok(());
+    };
+    match listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
+        Some(a) => Err(NodeError::Config(format!(
+            "{a}: QUIC cannot be used {reason}"
+        ))),
+        None => Ok(()),
     }
-    if cfg.swarm_key.is_some() {
-        if let Some(a) = listen.iter().chain(&cfg.bootstrap).find(|a| is_quic(a)) {
-            return Err(NodeError::Config(format!(
-                "{a}: QUIC cannot be used in a private swarm (the pre-shared key protects TCP only)"
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// Builds the swarm: the private (TCP + pnet) or public (TCP + QUIC) transport stack, DNS, the
@@ -253,6 +252,40 @@ pub(super) fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quic_is_refused_where_it_would_bypass_the_key_or_the_delay() {
+        let tcp: Multiaddr = "/ip4/127.0.0.1/tcp/0".parse().unwrap();
+        let quic: Multiaddr = "/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap();
+        let refusal =
+            |cfg: &NodeConfig, listen: &[Multiaddr]| match check_private_swarm(cfg, listen) {
+                Err(NodeError::Config(m)) => Some(m),
+                Err(e) => panic!("unexpected error {e}"),
+                Ok(()) => None,
+            };
+        let public = NodeConfig::default();
+        assert_eq!(refusal(&public, &[tcp.clone(), quic.clone()]), None);
+        let private = NodeConfig {
+            swarm_key: Some(crate::SwarmKey::generate()),
+            ..NodeConfig::default()
+        };
+        assert_eq!(refusal(&private, std::slice::from_ref(&tcp)), None);
+        let m = refusal(&private, &[tcp.clone(), quic.clone()]).unwrap();
+        assert!(m.contains("private swarm") && m.contains("quic-v1"), "{m}");
+        let delayed = NodeConfig {
+            simulated_rtt: Some(Duration::from_millis(50)),
+            bootstrap: vec![quic.clone()],
+            ..NodeConfig::default()
+        };
+        let m = refusal(&delayed, std::slice::from_ref(&tcp)).unwrap();
+        assert!(m.contains("simulated round-trip"), "{m}");
+        let both = NodeConfig {
+            swarm_key: Some(crate::SwarmKey::generate()),
+            ..delayed
+        };
+        let m = refusal(&both, &[tcp]).unwrap();
+        assert!(m.contains("private swarm"), "{m}");
+    }
 
     #[test]
     fn address_helpers_pick_the_right_parts() {

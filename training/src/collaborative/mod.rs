@@ -501,7 +501,9 @@ impl CollaborativeOptimizer {
         // that of the epoch the round ends (see `delayed`).
         if self.pending.is_none() {
             let local = self.local_progress();
-            if self.tracker.due(&local) && self.publish_took.slow() {
+            if !self.tracker.due(&local) {
+                self.collect_publication()?;
+            } else if self.publish_took.slow() {
                 // A slow network: the report goes out beside compute (one at a time; a report
                 // due while the last is in flight waits for the next batch).
                 self.collect_publication()?;
@@ -511,14 +513,12 @@ impl CollaborativeOptimizer {
                     self.publishing =
                         Some(tokio::spawn(tracing::Instrument::in_current_span(publish)));
                 }
-            } else if self.tracker.due(&local) {
+            } else {
                 self.settle_publication().await?;
                 let started = Instant::now();
                 let reported = self.tracker.publish(local).await;
                 self.publish_took.note(started.elapsed());
                 self.tolerate(reported)?;
-            } else {
-                self.collect_publication()?;
             }
         }
         self.try_global_step(params).await
