@@ -84,6 +84,11 @@ pub struct Averager {
     /// The schema this peer last announced, and until when the announcement lasts.
     announced: Mutex<Option<(u64, Instant)>>,
     busy: AtomicBool,
+    /// A step's matchmaking is running (from the step's start until its group formed or the
+    /// search failed): no search may be prepared meanwhile.
+    searching: AtomicBool,
+    /// Steps whose matchmaking has ended (see [`Averager::searches_done`]).
+    searches_done: std::sync::atomic::AtomicU64,
     /// A search started ahead of its step (see [`Averager::prepare`]).
     prepared: Mutex<Option<Prepared>>,
     /// Peers expected to search in the next rounds (0: no hint), see [`Averager::expect_peers`].
@@ -111,12 +116,15 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// Clears the busy flag when a step ends, also when its future is dropped half-way.
-struct BusyGuard<'a>(&'a AtomicBool);
+/// Clears the flags it holds when a step ends (or its search does), also when its future is
+/// dropped half-way.
+struct FlagGuard<'a>(&'a [&'a AtomicBool]);
 
-impl Drop for BusyGuard<'_> {
+impl Drop for FlagGuard<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        for flag in self.0 {
+            flag.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -154,6 +162,8 @@ impl Averager {
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
+            searching: AtomicBool::new(false),
+            searches_done: std::sync::atomic::AtomicU64::new(0),
             prepared: Mutex::new(None),
             expected_peers: AtomicUsize::new(0),
             round_tag: std::sync::atomic::AtomicU64::new(0),
@@ -352,7 +362,10 @@ impl Averager {
         if self.busy.swap(true, Ordering::AcqRel) {
             return Err(AveragerError::StepInProgress);
         }
-        let _busy = BusyGuard(&self.busy);
+        // Searching until `form_group` ends (a step that fails before it searched nothing).
+        self.searching.store(true, Ordering::Release);
+        let flags = [&self.busy, &self.searching];
+        let _busy = FlagGuard(&flags);
         let node = self.transport.node();
         if node.is_closed() {
             return Err(NodeError::Closed.into());
@@ -501,6 +514,44 @@ impl Averager {
     /// for it, or a new one. Returns the group, the time matchmaking took, and whether it was
     /// prepared.
     async fn form_group(
+        &self,
+        schema: &Schema,
+        deadline: Instant,
+    ) -> Result<(Group, std::time::Duration, bool), AveragerError> {
+        let flags = [&self.searching];
+        let searching = FlagGuard(&flags);
+        let formed = self.search(schema, deadline).await;
+        // The search is over (a search for the next step may be prepared from now on) once
+        // the flag is down: counted after it.
+        drop(searching);
+        self.searches_done.fetch_add(1, Ordering::AcqRel);
+        formed
+    }
+
+    /// How many steps' matchmaking has ended, with a group or without: a caller that runs a
+    /// step in a background task (a delayed update) reads it before it starts the step, and
+    /// once it has grown, that step's search is over and [`Averager::prepare`] may start the
+    /// next one while the step's all-reduce still runs.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: std::sync::Arc<starling_averager::Averager>, mut grads: Vec<f32>) {
+    /// use std::time::{Duration, Instant};
+    /// let before = averager.searches_done();
+    /// let deadline = Instant::now() + Duration::from_secs(30);
+    /// let a = averager.clone();
+    /// let len = grads.len();
+    /// let round = tokio::spawn(async move { a.step(&mut [&mut grads[..]], 1.0, deadline).await });
+    /// // ... compute ...
+    /// if averager.searches_done() > before {
+    ///     averager.prepare(&[len], deadline); // the next round's group forms meanwhile
+    /// }
+    /// # let _ = round.await; }
+    /// ```
+    pub fn searches_done(&self) -> u64 {
+        self.searches_done.load(Ordering::Acquire)
+    }
+
+    async fn search(
         &self,
         schema: &Schema,
         deadline: Instant,

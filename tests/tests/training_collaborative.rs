@@ -193,6 +193,106 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
     .await;
 }
 
+/// Over a slow network (60 ms of simulated round trips) with the delayed update, a round
+/// outlasts the next epoch's share of the batch (a share computes in about 20 ms): the peers
+/// wait for it rather than compute past the batch (before, they computed on until it ended,
+/// several times the target), so every global batch from the fourth epoch on (the first
+/// ones measure the compute rates, and a read takes longer than an epoch) is within one batch
+/// per peer of the target (before: 1024 for 256). Once a round's group
+/// has formed, the next round's search starts beside its all-reduce: most rounds' groups come
+/// from such searches. Every round in one group of all peers; the peers end bit-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_round_that_outlasts_the_share_is_waited_for_and_the_next_search_overlaps_it() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let node_cfg = NodeConfig {
+            simulated_rtt: Some(Duration::from_millis(60)),
+            ..NodeConfig::default()
+        };
+        let cluster = LocalCluster::start(PEERS, node_cfg).await.unwrap();
+        let train = &train;
+        let target = collab_cfg("-", Mode::Gradients).target_batch_size;
+        let runs = cluster
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(p, node)| async move {
+                let mut params = model();
+                let opt = Sgd::new(sgd(), params.len()).unwrap();
+                let mut cfg = collab_cfg("digits-delayed-slow", Mode::Gradients);
+                cfg.delayed_update = true;
+                cfg.projected_batch = true;
+                cfg.state_averaging_every = None;
+                let mut collab =
+                    CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
+                        .await
+                        .unwrap();
+                // (epoch reached, this peer's samples in it, group from a search started ahead)
+                let mut steps = Vec::new();
+                let mut note = |r: starling_training::StepReport| {
+                    assert_eq!(
+                        r.group_size,
+                        Some(PEERS),
+                        "peer {p}: {:?}",
+                        r.averaging_error
+                    );
+                    let prepared = r.round.as_ref().is_some_and(|round| round.prepared);
+                    steps.push((r.epoch, r.samples, prepared));
+                };
+                let mut k = 0;
+                while collab.epoch() < EPOCHS as u64 {
+                    let values = params.params().to_vec();
+                    let e = collab.epoch() as usize;
+                    gradient(
+                        &values,
+                        train,
+                        &batch(train, p, e, k % BATCHES_PER_EPOCH),
+                        params.grads_mut(),
+                    );
+                    k += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let r = collab.step(&mut params, BATCH as u64).await.unwrap();
+                    if r.stepped {
+                        note(r);
+                    }
+                }
+                if let Some(r) = collab.flush(&mut params).await.unwrap() {
+                    note(r);
+                }
+                (params.params().to_vec(), steps)
+            });
+        let results = futures::future::join_all(runs).await;
+        cluster.shutdown().await;
+        for (p, (values, _)) in results.iter().enumerate() {
+            assert!(values == &results[0].0, "peer {p} ended apart");
+        }
+        let mut prepared = 0;
+        // (`epoch`: the epoch a step reached, so the samples of epoch `epoch - 1`.)
+        for epoch in 4..=EPOCHS as u64 {
+            let global: u64 = results
+                .iter()
+                .flat_map(|(_, steps)| steps.iter().filter(|s| s.0 == epoch))
+                .map(|s| s.1)
+                .sum();
+            // (Each peer stops within half a batch of its projected share: the global batch
+            // lands on the target on average, a batch per peer at most either side.)
+            let slack = (PEERS * BATCH) as u64;
+            assert!(
+                global + slack >= target && global <= target + slack,
+                "epoch {epoch}: global batch {global} for a target of {target}"
+            );
+            prepared += usize::from(results[0].1.iter().any(|s| s.0 == epoch && s.2));
+        }
+        assert!(
+            prepared * 2 >= EPOCHS - 3,
+            "{prepared} of {} rounds searched beside the last one",
+            EPOCHS - 3
+        );
+    })
+    .await;
+}
+
 /// A peer whose parameters left the swarm's (as a round that failed on it and let it step
 /// alone would leave them) stays apart through plain gradient rounds, and is brought back to
 /// bit-identical values by the next round that also averages the state (every 4 epochs here),

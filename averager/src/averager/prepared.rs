@@ -30,8 +30,10 @@ impl Averager {
     /// these sizes (and the codec in force); otherwise it ends it and searches afresh. The
     /// members of a group formed ahead wait for this peer's tensors in the all-reduce, so
     /// prepare only a step that will follow soon, and [`Averager::cancel_prepared`] one that
-    /// will not. Returns `false`, starting nothing, while a step runs, when a search for the
-    /// same tensors is already prepared, for empty tensors or a deadline already past.
+    /// will not. Returns `false`, starting nothing, while a step's own matchmaking runs (once
+    /// its group has formed, the next step's search may start during its all-reduce: see
+    /// [`Averager::searches_done`]), when a search for the same tensors is already prepared,
+    /// for empty tensors or a deadline already past.
     ///
     /// ```no_run
     /// # async fn demo(averager: starling_averager::Averager, mut grads: Vec<f32>) -> Result<(), starling_averager::AveragerError> {
@@ -51,7 +53,7 @@ impl Averager {
 
     /// [`Averager::prepare`] for a step averaging `schema`.
     pub(super) fn prepare_schema(&self, schema: Schema, deadline: std::time::Instant) -> bool {
-        if self.busy.load(Ordering::Acquire) || deadline <= std::time::Instant::now() {
+        if self.searching.load(Ordering::Acquire) || deadline <= std::time::Instant::now() {
             return false;
         }
         let cfg = &self.config;

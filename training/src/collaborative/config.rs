@@ -107,7 +107,11 @@ pub struct CollaborativeConfig {
     /// (on the parameters from before that round); its optimizer step is applied one epoch late,
     /// at the first call after it finished (or, at the latest, before the next round starts).
     /// Communication then overlaps compute entirely when a round takes less than an epoch's
-    /// compute, at the price of gradients one step stale. Every peer still applies the same
+    /// compute, at the price of gradients one step stale. A round that outlasts the next
+    /// epoch's share of the batch is waited for (the swarm does not compute past the batch it
+    /// was asked for), and once its group has formed, the next round's search starts beside
+    /// its all-reduce (pre-scheduled as usual), so a slow link costs the all-reduce, not the
+    /// all-reduce plus matchmaking. Every peer still applies the same
     /// averaged gradient to the same parameters (bit-identical with codec `none`), so peers
     /// with and without it can train together. Call
     /// `CollaborativeOptimizer::flush` before reading the parameters as the run's result

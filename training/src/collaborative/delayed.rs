@@ -40,6 +40,11 @@ pub(super) struct Pending {
     report: StepReport,
     /// The epoch the step reaches.
     epoch_after: u64,
+    /// When the round was launched (Unix ms): when the next epoch began for its members.
+    launched_ms: u64,
+    /// The averager's `searches_done` before the round began: once it has grown, the round's
+    /// group has formed, and the next round's search may start beside its all-reduce.
+    searches_before: u64,
 }
 
 /// What a background round hands back.
@@ -66,6 +71,13 @@ pub(super) struct Launch {
     pub deadline: Instant,
     /// The report of the step so far (progress, waiting time).
     pub report: StepReport,
+}
+
+impl Pending {
+    /// Whether the round has ended (its result waits to be applied).
+    pub(super) fn task_finished(&self) -> bool {
+        self.task.is_finished()
+    }
 }
 
 impl CollaborativeOptimizer {
@@ -99,6 +111,7 @@ impl CollaborativeOptimizer {
             self.compressor.take()
         };
         let averager = Arc::clone(&self.averager);
+        let searches_before = averager.searches_done();
         let task = tokio::spawn(
             async move {
                 let began = Instant::now();
@@ -136,7 +149,17 @@ impl CollaborativeOptimizer {
             task,
             report,
             epoch_after: self.epoch,
+            launched_ms: starling_dht::now_ms(),
+            searches_before,
         });
+    }
+
+    /// Whether the round in flight, if any, has formed its group (or failed to): the next
+    /// round's search may then start beside its all-reduce.
+    pub(super) fn pending_searched(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| self.averager.searches_done() > p.searches_before)
     }
 
     /// Applies the round in flight if it has finished; `None` when none was (or it still runs).
@@ -207,6 +230,15 @@ impl CollaborativeOptimizer {
         report.timings.optimizer = applied_at.elapsed();
         self.spare = finished.grads;
         self.refresh_served_state(params).await;
+        if self
+            .swarm
+            .as_ref()
+            .is_none_or(|(_, s)| s.epoch != self.epoch)
+        {
+            // Every member launched the round, and began this epoch, about when this peer
+            // did: over a slow network the next batch then need not wait for a DHT read.
+            self.swarm = self.progress_after_round(&report, pending.launched_ms);
+        }
         // Now the others may read that this peer moved on (every member of the round has
         // started it by now), with the samples it computed meanwhile.
         self.publish_in_background().await?;

@@ -113,8 +113,9 @@ pub struct CollaborativeOptimizer {
     gossip: Option<GossipAverager>,
     /// Shared with the background publication of the progress after a step.
     tracker: Arc<ProgressTracker>,
-    /// A publication of this peer's progress in flight (see `publish_in_background`).
-    publishing: Option<tokio::task::JoinHandle<Result<(), ProgressError>>>,
+    /// A publication of this peer's progress in flight (see `publish_in_background`), and
+    /// what it took once it ends.
+    publishing: Option<tokio::task::JoinHandle<(Result<(), ProgressError>, Duration)>>,
     /// How long the last awaited publications and reads of the progress took: on a network
     /// where they are slow ([`pace::SLOW_PROGRESS`]), the ones between batches run in the
     /// background instead of holding up compute.
@@ -508,10 +509,7 @@ impl CollaborativeOptimizer {
                 // due while the last is in flight waits for the next batch).
                 self.collect_publication()?;
                 if self.publishing.is_none() {
-                    let tracker = self.tracker.clone();
-                    let publish = async move { tracker.publish(local).await };
-                    self.publishing =
-                        Some(tokio::spawn(tracing::Instrument::in_current_span(publish)));
+                    self.spawn_publication();
                 }
             } else {
                 self.settle_publication().await?;
@@ -605,8 +603,33 @@ impl CollaborativeOptimizer {
             return Ok(r);
         }
         self.catch_up();
-        if self.pending.is_some() && self.samples < self.cfg.target_batch_size {
-            return Ok(applied.unwrap_or_else(|| self.idle_report()));
+        if self.pending.is_some() {
+            if !self.share_ready() {
+                if let Some(swarm) = self.pipelined_progress() {
+                    self.schedule_matchmaking(&swarm);
+                }
+                return Ok(applied.unwrap_or_else(|| self.idle_report()));
+            }
+            // This peer's share of the batch is in while the last round still runs (a round
+            // that outlasts an epoch's compute): it waits for that round rather than compute
+            // past the batch it was asked for (the others do the same). Once the round's group
+            // has formed, the next round's search starts beside its all-reduce.
+            if self.pipelined_progress_possible() {
+                while self.pending.as_ref().is_some_and(|p| !p.task_finished())
+                    && !self.pending_searched()
+                {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                if let Some(swarm) = self.pipelined_progress() {
+                    self.schedule_matchmaking(&swarm);
+                }
+            }
+            if let Some(r) = self.apply_pending(params).await? {
+                if r.behind {
+                    return Ok(r);
+                }
+                applied = Some(r);
+            }
         }
         let read_at = Instant::now();
         let mut swarm = self.swarm_progress().await?;
@@ -758,16 +781,7 @@ impl CollaborativeOptimizer {
         self.fresh_sync = None;
         self.accumulated.fill(0.0);
         self.samples = 0;
-        let everyone = report
-            .round
-            .as_ref()
-            .filter(|r| report.averaging_error.is_none() && r.failed_peers.is_empty())
-            .map_or(0, |r| r.group.len());
-        // (Dated as the last DHT read: made-up readings in a row must not put the next read off
-        // for good, or a swarm stepping faster than `fetch_interval` never sees a joiner, which
-        // then misses every round until the next state round reads the progress again.)
-        let read_at = self.last_read_at.unwrap_or_else(Instant::now);
-        self.swarm = self.progress_after_round(everyone).map(|s| (read_at, s));
+        self.swarm = self.progress_after_round(&report, starling_dht::now_ms());
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         let stepped_at = Instant::now();

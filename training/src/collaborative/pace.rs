@@ -227,12 +227,20 @@ impl CollaborativeOptimizer {
             return Ok(None); // aborted
         };
         self.fetch_took.note(took);
-        if epoch != self.epoch {
-            return Ok(None);
-        }
         let Some(s) = self.tolerate(fetched)? else {
             return Ok(None);
         };
+        if epoch != self.epoch {
+            // Its samples are an earlier epoch's, but its rates are the latest known: where
+            // epochs end faster than a read (a slow network), no read ends in the epoch it
+            // began in, and without these the swarm's rates would stay those of the first
+            // reading (zero, before anyone had measured its compute) for the whole run.
+            if let Some(last) = self.last_read.as_mut().filter(|l| l.peers == s.peers) {
+                last.samples_per_second = s.samples_per_second;
+                last.own_samples_per_second = s.own_samples_per_second;
+            }
+            return Ok(None);
+        }
         self.last_read = Some(s.clone());
         self.last_read_at = Some(Instant::now());
         self.swarm = Some((Instant::now(), s.clone()));
@@ -358,15 +366,28 @@ impl CollaborativeOptimizer {
 }
 
 impl CollaborativeOptimizer {
-    /// The swarm's progress right after a step whose round averaged with every live peer of
-    /// the last reading: all of them are in the new epoch with no samples yet, computing at the
-    /// rates they reported. Exactly what a read would return once their post-step reports land,
-    /// known without one, so the next epoch starts computing at once instead of waiting out a
-    /// DHT read (about a millisecond on loopback, a round trip between hosts). The next read is
-    /// due `fetch_interval` after the last actual read (a peer that joined meanwhile is seen
-    /// then); `None` (read as usual) after a round
-    /// that missed a live peer, or with no reading to go on.
-    pub(super) fn progress_after_round(&self, group: usize) -> Option<SwarmProgress> {
+    /// The swarm's progress right after a step whose round (`report`'s) averaged with every
+    /// live peer of the last reading: all of them are in the new epoch with no samples at
+    /// `since_ms` (when the epoch began: the step, or a delayed round's launch), computing at
+    /// the rates they reported. Exactly what a read would return once their post-step reports
+    /// land, known without one, so the next epoch starts computing at once instead of waiting
+    /// out a DHT read (about a millisecond on loopback, several round trips between hosts).
+    /// Dated as the last actual read, so the next read is due `fetch_interval` after it (a
+    /// peer that joined meanwhile is seen then; made-up readings in a row must not put the
+    /// next read off for good, or a swarm stepping faster than `fetch_interval` never sees a
+    /// joiner, which then misses every round until the next state round reads the progress
+    /// again). `None` (read as usual) after a round that missed a live peer, or with no
+    /// reading to go on.
+    pub(super) fn progress_after_round(
+        &self,
+        report: &StepReport,
+        since_ms: u64,
+    ) -> Option<(Instant, SwarmProgress)> {
+        let group = report
+            .round
+            .as_ref()
+            .filter(|r| report.averaging_error.is_none() && r.failed_peers.is_empty())
+            .map_or(0, |r| r.group.len());
         let last = self.last_read.as_ref()?;
         if group < 2 || group != last.peers || last.peers_in_epoch != last.peers {
             return None;
@@ -379,17 +400,21 @@ impl CollaborativeOptimizer {
                 epoch: self.epoch,
                 samples: 0,
                 samples_per_second: last.samples_per_second,
-                time_ms: now,
+                time_ms: since_ms.min(now),
             }],
             self.cfg.target_batch_size,
             now,
         );
-        Some(SwarmProgress {
-            peers_in_epoch: group,
-            peers: group,
-            own_samples_per_second: last.own_samples_per_second,
-            ..swarm
-        })
+        let read_at = self.last_read_at.unwrap_or_else(Instant::now);
+        Some((
+            read_at,
+            SwarmProgress {
+                peers_in_epoch: group,
+                peers: group,
+                own_samples_per_second: last.own_samples_per_second,
+                ..swarm
+            },
+        ))
     }
 }
 

@@ -36,6 +36,56 @@ impl CollaborativeOptimizer {
         // this peer's own report may not have reached the DHT yet.)
         (swarm.ready && swarm.epoch >= self.epoch) || self.samples >= target || projected
     }
+
+    /// While a delayed update's round is in flight and has formed its group: the swarm as the
+    /// last reading saw it, now in this epoch with no samples reported, for
+    /// [`Self::schedule_matchmaking`] (the next round's search starts beside the all-reduce
+    /// when the projected batch is near, as it would after the round). `None` (nothing
+    /// starts) while the round still searches, with a compressor (the round in flight holds
+    /// it), in a grid of groups (the round's end picks the next cell), or with no reading.
+    pub(super) fn pipelined_progress(&self) -> Option<SwarmProgress> {
+        if !self.pending_searched() || !self.pipelined_progress_possible() {
+            return None;
+        }
+        let last = self.last_read.as_ref()?;
+        Some(SwarmProgress {
+            epoch: self.epoch,
+            samples: 0,
+            own_samples: 0,
+            peers_in_epoch: last.peers,
+            ..last.clone()
+        })
+    }
+
+    /// Whether the next round's search may start beside a delayed update's round at all (see
+    /// [`Self::pipelined_progress`]).
+    pub(super) fn pipelined_progress_possible(&self) -> bool {
+        self.cfg.scheduled_matchmaking
+            && self.compressor_spec.is_none()
+            && self.cfg.averager.group_bits == 0
+            && self.last_read.is_some()
+    }
+
+    /// While a delayed update's round is in flight (the others publish this epoch only when
+    /// it ends, so nothing can be read of it): whether this peer has computed its share of the
+    /// batch, projected at the rates of the last reading (its own samples against the
+    /// others' rates, as [`Self::batch_ready`] does with no report of theirs yet).
+    pub(super) fn share_ready(&self) -> bool {
+        let target = self.cfg.target_batch_size;
+        if self.samples >= target {
+            return true;
+        }
+        let Some(last) = self.last_read.as_ref().filter(|_| self.cfg.projected_batch) else {
+            return false;
+        };
+        let nobody_yet = SwarmProgress {
+            samples: 0,
+            own_samples: 0,
+            ..last.clone()
+        };
+        let ahead = self.samples + self.last_batch_samples / 2;
+        nobody_yet.projected_with(ahead, self.compute_rate) >= target
+    }
 }
 
 impl CollaborativeOptimizer {
@@ -60,7 +110,7 @@ impl CollaborativeOptimizer {
             return;
         };
         if !self.cfg.scheduled_matchmaking
-            || self.pending.is_some()
+            || (self.pending.is_some() && !self.pending_searched())
             || self.samples == 0
             || swarm.peers <= 1
             || swarm.epoch != self.epoch
@@ -123,17 +173,29 @@ impl CollaborativeOptimizer {
     /// cut a publication short); the previous publication, if still in flight, ends first.
     pub(super) async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
         self.settle_publication().await?;
-        let started = Instant::now();
-        let (tracker, local) = (self.tracker.clone(), self.local_progress());
-        self.publishing = Some(tokio::spawn(async move { tracker.publish(local).await }));
+        self.spawn_publication();
+        if self.publish_took.slow() {
+            // A slow network: the next batches start now; the publication ends beside them
+            // (collected, or waited for before the next one).
+            return Ok(());
+        }
         // Awaited: on a peer whose compute shares one core with its network tasks, a
         // publication left in flight competes with the next batches and cost more than the
         // wait (MLP pair, 2 x 181 steps: 4.25 / 4.10 s in flight against 3.98 / 3.76 s
         // awaited). It also made a kill/restart test hang about one run in five
         // (training_sync's a_killed_peer_...), never understood.
-        let settled = self.settle_publication().await;
-        self.publish_took.note(started.elapsed());
-        settled
+        self.settle_publication().await
+    }
+
+    /// Starts publishing this peer's progress in a task that times it (`publish_took` learns
+    /// the time when the task is collected or settled).
+    pub(super) fn spawn_publication(&mut self) {
+        let (tracker, local) = (self.tracker.clone(), self.local_progress());
+        let publish = async move {
+            let started = Instant::now();
+            (tracker.publish(local).await, started.elapsed())
+        };
+        self.publishing = Some(tokio::spawn(tracing::Instrument::in_current_span(publish)));
     }
 
     /// The outcome of a background publication of the progress that has ended, if any (one
@@ -146,12 +208,7 @@ impl CollaborativeOptimizer {
             return Ok(());
         };
         self.publishing = None;
-        let published = ended.unwrap_or_else(|e| {
-            Err(ProgressError::Invalid(format!(
-                "the publishing task ended: {e}"
-            )))
-        });
-        self.tolerate(published).map(|_| ())
+        self.publication_ended(ended)
     }
 
     /// Waits for a background publication of the progress, if any, so that what this peer
@@ -160,8 +217,19 @@ impl CollaborativeOptimizer {
         let Some(task) = self.publishing.take() else {
             return Ok(());
         };
-        let published = match task.await {
-            Ok(r) => r,
+        let ended = task.await;
+        self.publication_ended(ended)
+    }
+
+    fn publication_ended(
+        &mut self,
+        ended: Result<(Result<(), ProgressError>, Duration), tokio::task::JoinError>,
+    ) -> Result<(), TrainingError> {
+        let published = match ended {
+            Ok((r, took)) => {
+                self.publish_took.note(took);
+                r
+            }
             Err(e) => Err(ProgressError::Invalid(format!(
                 "the publishing task ended: {e}"
             ))),
