@@ -171,6 +171,14 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
     .await;
 }
 
+/// Nodes whose connections see 60 ms of simulated round-trip time.
+fn slow_network() -> NodeConfig {
+    NodeConfig {
+        simulated_rtt: Some(Duration::from_millis(60)),
+        ..NodeConfig::default()
+    }
+}
+
 /// The same swarm over a slow network (60 ms of simulated round-trip time): progress reads
 /// and reports then run beside compute instead of holding it up (each DHT operation takes
 /// a few round trips), and that must change nothing in what is averaged: every epoch in one
@@ -180,12 +188,14 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, _) = digits();
-        let node_cfg = NodeConfig {
-            simulated_rtt: Some(Duration::from_millis(60)),
-            ..NodeConfig::default()
-        };
-        let results =
-            gradient_mode_on(node_cfg, &train, "digits-slow-net", Some(10), |_, _, _| {}).await;
+        let results = gradient_mode_on(
+            slow_network(),
+            &train,
+            "digits-slow-net",
+            Some(10),
+            |_, _, _| {},
+        )
+        .await;
         assert_identical(&results);
         let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
         assert_eq!(folded, [9]);
@@ -206,11 +216,7 @@ async fn a_delayed_round_that_outlasts_the_share_is_waited_for_and_the_next_sear
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, _) = digits();
-        let node_cfg = NodeConfig {
-            simulated_rtt: Some(Duration::from_millis(60)),
-            ..NodeConfig::default()
-        };
-        let cluster = LocalCluster::start(PEERS, node_cfg).await.unwrap();
+        let cluster = LocalCluster::start(PEERS, slow_network()).await.unwrap();
         let train = &train;
         let target = collab_cfg("-", Mode::Gradients).target_batch_size;
         let runs = cluster
