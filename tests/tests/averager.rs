@@ -579,6 +579,96 @@ async fn a_search_prepared_ahead_gives_its_step_the_group() {
     .await;
 }
 
+/// The next round's search may start beside a running all-reduce (a delayed update's round
+/// runs in the background of compute): while a peer's own step searches, `prepare` refuses;
+/// once `searches_done` has grown (its group formed), `prepare` starts the next search while
+/// the step's all-reduce of 32 MB is still running, and the next steps take those groups and
+/// hold the exact mean, as the first did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_search_starts_while_a_step_still_reduces() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(2, NodeConfig::default(), |_| {
+            let mut cfg = AveragerConfig::new("pipelined");
+            cfg.target_group_size = 2;
+            cfg.matchmaking_time = Duration::from_secs(10);
+            cfg
+        })
+        .await
+        .unwrap();
+        let averagers = swarm.averagers();
+        for a in averagers {
+            a.expect_peers(Some(2));
+        }
+        let sizes = [8_000_000];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut data: Vec<Vec<Vec<f32>>> = (0..2).map(|p| normal_tensors(&sizes, 70 + p)).collect();
+        let expected = exact_weighted_mean(&data, &[1.0, 1.0]);
+        let before: Vec<u64> = averagers.iter().map(Averager::searches_done).collect();
+        let reduced = std::sync::atomic::AtomicUsize::new(0);
+        let (first, second) = data.split_at_mut(1);
+        let (t0, t1) = (&mut first[0], &mut second[0]);
+        let step0 = async {
+            let mut views: Vec<&mut [f32]> = t0.iter_mut().map(Vec::as_mut_slice).collect();
+            let r = averagers[0].step(&mut views, 1.0, deadline).await;
+            reduced.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            r
+        };
+        let step1 = async {
+            // Peer 0 searches alone meanwhile: no search may be prepared beside its own.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(
+                !averagers[0].prepare(&sizes, deadline),
+                "prepared while the step searched"
+            );
+            let mut views: Vec<&mut [f32]> = t1.iter_mut().map(Vec::as_mut_slice).collect();
+            let r = averagers[1].step(&mut views, 1.0, deadline).await;
+            reduced.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            r
+        };
+        let next = async {
+            let mut beside = 0;
+            for (p, a) in averagers.iter().enumerate() {
+                while a.searches_done() == before[p] {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                let still_reducing = reduced.load(std::sync::atomic::Ordering::SeqCst) < 2;
+                assert!(a.prepare(&sizes, deadline), "peer {p}: not prepared");
+                beside += usize::from(still_reducing);
+            }
+            beside
+        };
+        let (r0, r1, beside) = futures::join!(step0, step1, next);
+        for (p, r) in [r0, r1].into_iter().enumerate() {
+            let r = r.unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            assert_eq!(r.group.len(), 2);
+            assert!(rel_error(&data[p][0], &expected[0]) < 1e-6, "peer {p}");
+        }
+        assert!(
+            beside > 0,
+            "no search started while the round still reduced"
+        );
+        // The next round takes the groups searched for beside the first.
+        let mut data: Vec<Vec<Vec<f32>>> = (0..2).map(|p| normal_tensors(&sizes, 80 + p)).collect();
+        let expected = exact_weighted_mean(&data, &[1.0, 1.0]);
+        let steps = averagers
+            .iter()
+            .zip(data.iter_mut())
+            .map(|(a, t)| async move {
+                let mut views: Vec<&mut [f32]> = t.iter_mut().map(Vec::as_mut_slice).collect();
+                a.step(&mut views, 1.0, deadline).await
+            });
+        let reports = futures::future::join_all(steps).await;
+        for (p, r) in reports.iter().enumerate() {
+            let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
+            assert!(r.prepared, "peer {p}: searched afresh");
+            assert!(rel_error(&data[p][0], &expected[0]) < 1e-6, "peer {p}");
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
 /// Robust aggregation across reducers: five peers (equal weights) average 5000 values under
 /// `median` and `trimmed-mean:0.2`, and every peer holds the coordinate-wise rule computed over
 /// the whole vectors (each reducer applies it to its span); under `centered-clip` one peer
