@@ -587,6 +587,7 @@ async fn a_search_prepared_ahead_gives_its_step_the_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_search_starts_while_a_step_still_reduces() {
     init_tracing();
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     bounded(Duration::from_secs(120), async {
         let swarm = AveragingSwarm::start(2, NodeConfig::default(), |_| {
             let mut cfg = AveragerConfig::new("pipelined");
@@ -605,13 +606,13 @@ async fn the_next_search_starts_while_a_step_still_reduces() {
         let mut data: Vec<Vec<Vec<f32>>> = (0..2).map(|p| normal_tensors(&sizes, 70 + p)).collect();
         let expected = exact_weighted_mean(&data, &[1.0, 1.0]);
         let before: Vec<u64> = averagers.iter().map(Averager::searches_done).collect();
-        let reduced = std::sync::atomic::AtomicUsize::new(0);
+        let reduced = AtomicUsize::new(0);
         let (first, second) = data.split_at_mut(1);
         let (t0, t1) = (&mut first[0], &mut second[0]);
         let step0 = async {
             let mut views: Vec<&mut [f32]> = t0.iter_mut().map(Vec::as_mut_slice).collect();
             let r = averagers[0].step(&mut views, 1.0, deadline).await;
-            reduced.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            reduced.fetch_add(1, SeqCst);
             r
         };
         let step1 = async {
@@ -623,7 +624,7 @@ async fn the_next_search_starts_while_a_step_still_reduces() {
             );
             let mut views: Vec<&mut [f32]> = t1.iter_mut().map(Vec::as_mut_slice).collect();
             let r = averagers[1].step(&mut views, 1.0, deadline).await;
-            reduced.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            reduced.fetch_add(1, SeqCst);
             r
         };
         let next = async {
@@ -632,7 +633,7 @@ async fn the_next_search_starts_while_a_step_still_reduces() {
                 while a.searches_done() == before[p] {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                let still_reducing = reduced.load(std::sync::atomic::Ordering::SeqCst) < 2;
+                let still_reducing = reduced.load(SeqCst) < 2;
                 assert!(a.prepare(&sizes, deadline), "peer {p}: not prepared");
                 beside += usize::from(still_reducing);
             }
@@ -651,14 +652,7 @@ async fn the_next_search_starts_while_a_step_still_reduces() {
         // The next round takes the groups searched for beside the first.
         let mut data: Vec<Vec<Vec<f32>>> = (0..2).map(|p| normal_tensors(&sizes, 80 + p)).collect();
         let expected = exact_weighted_mean(&data, &[1.0, 1.0]);
-        let steps = averagers
-            .iter()
-            .zip(data.iter_mut())
-            .map(|(a, t)| async move {
-                let mut views: Vec<&mut [f32]> = t.iter_mut().map(Vec::as_mut_slice).collect();
-                a.step(&mut views, 1.0, deadline).await
-            });
-        let reports = futures::future::join_all(steps).await;
+        let reports = swarm.step_all(&mut data, &[1.0, 1.0], deadline).await;
         for (p, r) in reports.iter().enumerate() {
             let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
             assert!(r.prepared, "peer {p}: searched afresh");

@@ -73,11 +73,12 @@ pub(super) struct Launch {
     pub report: StepReport,
 }
 
-impl Pending {
-    /// Whether the round has ended (its result waits to be applied).
-    pub(super) fn task_finished(&self) -> bool {
-        self.task.is_finished()
-    }
+/// Where a call stands with a delayed update's round in flight ([`CollaborativeOptimizer::round_in_flight`]).
+pub(super) enum InFlight {
+    /// This peer's share of the batch is not in: it computes on while the round runs.
+    Computing,
+    /// No round is in flight any more: the one applied now, if any, and its report.
+    Settled(Option<Box<StepReport>>),
 }
 
 impl CollaborativeOptimizer {
@@ -160,6 +161,36 @@ impl CollaborativeOptimizer {
         self.pending
             .as_ref()
             .is_some_and(|p| self.averager.searches_done() > p.searches_before)
+    }
+
+    /// A call while a delayed update's round is in flight. Until this peer's share of the
+    /// batch is in, it computes on (and, once the round's group has formed, the next round's
+    /// search may start beside its all-reduce). With its share in while the round still runs
+    /// (a round that outlasts an epoch's compute), it waits for that round rather than compute
+    /// past the batch it was asked for (the others do the same), starting the next search as
+    /// soon as the round's group has formed, and applies it.
+    pub(super) async fn round_in_flight(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<InFlight, TrainingError> {
+        if self.pending.is_none() {
+            return Ok(InFlight::Settled(None));
+        }
+        if !self.share_ready() {
+            self.schedule_beside_pending();
+            return Ok(InFlight::Computing);
+        }
+        if self.pipelined_progress_possible() {
+            while self.pending.as_ref().is_some_and(|p| !p.task.is_finished())
+                && !self.pending_searched()
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            self.schedule_beside_pending();
+        }
+        Ok(InFlight::Settled(
+            self.apply_pending(params).await?.map(Box::new),
+        ))
     }
 
     /// Applies the round in flight if it has finished; `None` when none was (or it still runs).

@@ -603,33 +603,12 @@ impl CollaborativeOptimizer {
             return Ok(r);
         }
         self.catch_up();
-        if self.pending.is_some() {
-            if !self.share_ready() {
-                if let Some(swarm) = self.pipelined_progress() {
-                    self.schedule_matchmaking(&swarm);
-                }
+        match self.round_in_flight(params).await? {
+            delayed::InFlight::Computing => {
                 return Ok(applied.unwrap_or_else(|| self.idle_report()));
             }
-            // This peer's share of the batch is in while the last round still runs (a round
-            // that outlasts an epoch's compute): it waits for that round rather than compute
-            // past the batch it was asked for (the others do the same). Once the round's group
-            // has formed, the next round's search starts beside its all-reduce.
-            if self.pipelined_progress_possible() {
-                while self.pending.as_ref().is_some_and(|p| !p.task_finished())
-                    && !self.pending_searched()
-                {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                if let Some(swarm) = self.pipelined_progress() {
-                    self.schedule_matchmaking(&swarm);
-                }
-            }
-            if let Some(r) = self.apply_pending(params).await? {
-                if r.behind {
-                    return Ok(r);
-                }
-                applied = Some(r);
-            }
+            delayed::InFlight::Settled(Some(r)) if r.behind => return Ok(*r),
+            delayed::InFlight::Settled(r) => applied = r.map(|r| *r).or(applied),
         }
         let read_at = Instant::now();
         let mut swarm = self.swarm_progress().await?;

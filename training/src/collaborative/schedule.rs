@@ -37,16 +37,25 @@ impl CollaborativeOptimizer {
         (swarm.ready && swarm.epoch >= self.epoch) || self.samples >= target || projected
     }
 
-    /// While a delayed update's round is in flight and has formed its group: the swarm as the
-    /// last reading saw it, now in this epoch with no samples reported, for
-    /// [`Self::schedule_matchmaking`] (the next round's search starts beside the all-reduce
-    /// when the projected batch is near, as it would after the round). `None` (nothing
-    /// starts) while the round still searches, with a compressor (the round in flight holds
-    /// it), in a grid of groups (the round's end picks the next cell), or with no reading.
-    pub(super) fn pipelined_progress(&self) -> Option<SwarmProgress> {
+    /// While a delayed update's round is in flight and has formed its group: starts the next
+    /// round's search beside its all-reduce when the projected batch is near, as
+    /// [`Self::schedule_matchmaking`] would after the round, from the swarm as the last reading
+    /// saw it, now in this epoch with nothing reported. Nothing starts while the round still
+    /// searches, with a compressor (the round in flight holds it), in a grid of groups (the
+    /// round's end picks the next cell), or with no reading.
+    pub(super) fn schedule_beside_pending(&self) {
         if !self.pending_searched() || !self.pipelined_progress_possible() {
-            return None;
+            return;
         }
+        if let Some(swarm) = self.nothing_reported_yet() {
+            self.schedule_matchmaking(&swarm);
+        }
+    }
+
+    /// The last reading's swarm (its peers and their rates) in this epoch with no samples
+    /// reported yet: what a delayed update's round in flight leaves to go on, since the others
+    /// publish this epoch only when it ends.
+    fn nothing_reported_yet(&self) -> Option<SwarmProgress> {
         let last = self.last_read.as_ref()?;
         Some(SwarmProgress {
             epoch: self.epoch,
@@ -58,7 +67,7 @@ impl CollaborativeOptimizer {
     }
 
     /// Whether the next round's search may start beside a delayed update's round at all (see
-    /// [`Self::pipelined_progress`]).
+    /// [`Self::schedule_beside_pending`]).
     pub(super) fn pipelined_progress_possible(&self) -> bool {
         self.cfg.scheduled_matchmaking
             && self.compressor_spec.is_none()
@@ -75,16 +84,14 @@ impl CollaborativeOptimizer {
         if self.samples >= target {
             return true;
         }
-        let Some(last) = self.last_read.as_ref().filter(|_| self.cfg.projected_batch) else {
+        let Some(swarm) = self
+            .nothing_reported_yet()
+            .filter(|_| self.cfg.projected_batch)
+        else {
             return false;
         };
-        let nobody_yet = SwarmProgress {
-            samples: 0,
-            own_samples: 0,
-            ..last.clone()
-        };
         let ahead = self.samples + self.last_batch_samples / 2;
-        nobody_yet.projected_with(ahead, self.compute_rate) >= target
+        swarm.projected_with(ahead, self.compute_rate) >= target
     }
 }
 
