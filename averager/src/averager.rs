@@ -28,7 +28,9 @@ use starling_node::lock::lock;
 
 mod compressed;
 mod prepared;
+mod reconcile;
 mod schema;
+pub use reconcile::Reconciliation;
 pub(crate) use schema::group_schema_hash;
 
 /// Elements flattened and checked at a time (fits in L1/L2).
@@ -99,6 +101,8 @@ pub struct Averager {
     runtime: tokio::runtime::Handle,
     /// Peers proven to have lied (see [`crate::verify`]): refused in matchmaking and rounds.
     banned: Banned,
+    /// The latest rounds' groups, for [`Averager::reconcile`].
+    recent_groups: Mutex<std::collections::VecDeque<Group>>,
 }
 
 /// A task that ends when its handle is dropped.
@@ -171,6 +175,7 @@ impl Averager {
             runtime: tokio::runtime::Handle::current(),
             config,
             banned,
+            recent_groups: reconcile::no_groups(),
         })
     }
 
@@ -521,6 +526,9 @@ impl Averager {
         let flags = [&self.searching];
         let searching = FlagGuard(&flags);
         let formed = self.search(schema, deadline).await;
+        if let Ok((group, ..)) = &formed {
+            self.remember_group(group);
+        }
         // The search is over (a search for the next step may be prepared from now on) once
         // the flag is down: counted after it.
         drop(searching);

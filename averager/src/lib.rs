@@ -167,7 +167,7 @@ pub mod verify;
 pub mod wire;
 
 pub use aggregation::Aggregation;
-pub use averager::Averager;
+pub use averager::{Averager, Reconciliation};
 pub use config::{AveragerConfig, AveragingMode};
 #[cfg(feature = "testing")]
 pub use config::{Fault, Rogue};

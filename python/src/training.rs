@@ -484,7 +484,10 @@ pub(crate) struct PyStepReport {
     group_size: Option<usize>,
     /// Samples behind this peer's contribution to the step.
     samples: u64,
-    /// Whether the parameters and optimizer state were averaged too.
+    /// Whether the round brought its group to one parameters and optimizer state (compared
+    /// their digests and found them equal, or averaged them).
+    state_checked: bool,
+    /// Whether the parameters and optimizer state were averaged too (some member's differed).
     state_averaged: bool,
     /// True when this peer is behind the swarm (it should load state from peers).
     behind: bool,
@@ -516,6 +519,7 @@ impl From<&StepReport> for PyStepReport {
             stepped: r.stepped,
             group_size: r.group_size,
             samples: r.samples,
+            state_checked: r.state_checked,
             state_averaged: r.state_averaged,
             behind: r.behind,
             swarm_epoch: r.swarm.as_ref().map(|s| s.epoch),

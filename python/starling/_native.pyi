@@ -136,6 +136,7 @@ class StepReport:
     stepped: bool
     group_size: Optional[int]
     samples: int
+    state_checked: bool
     state_averaged: bool
     behind: bool
     swarm_epoch: Optional[int]

@@ -74,7 +74,12 @@ pub enum Event {
         /// Bytes it received in that round.
         #[serde(default)]
         bytes_received: u64,
-        /// Whether that round also averaged the parameters and optimizer state.
+        /// Whether that round brought its group to one parameters and optimizer state
+        /// (compared digests and found them equal, or averaged them).
+        #[serde(default)]
+        state_checked: bool,
+        /// Whether that round averaged the parameters and optimizer state (some member's
+        /// differed).
         #[serde(default)]
         state_averaged: bool,
         /// Peers it averaged with (itself included), when it did.

@@ -481,6 +481,7 @@ impl Trainer {
             averaging_seconds: report.timings.averaging.as_secs_f64(),
             bytes_sent: report.round.as_ref().map_or(0, |r| r.bytes_sent),
             bytes_received: report.round.as_ref().map_or(0, |r| r.bytes_received),
+            state_checked: report.state_checked,
             state_averaged: report.state_averaged,
             group_size: report.group_size,
             averaging_error: report.averaging_error.clone(),

@@ -309,3 +309,90 @@ async fn four_peers_hold_the_inverse_transform_of_the_mean_sparse_coefficients()
     })
     .await;
 }
+
+/// After a round, its members compare digests of their state and average the state only where
+/// one differs: identical states cost a few hundred bytes and stay as they were; one member's
+/// state changed by hand is caught and every member ends with the exact weighted mean (the
+/// same bits everywhere); a caller that knows the states differ (no digest) averages at once;
+/// a round this averager never took is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_average_their_state_only_where_their_digests_differ() {
+    init_tracing();
+    const STATE: usize = 50_000;
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg("reconcile", 4))
+            .await
+            .unwrap();
+        let weights = [1.0f32, 2.0, 3.0, 4.0];
+        let digest = |s: &[f32]| {
+            s.iter()
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3))
+        };
+        // Three rounds: the states equal; peer 2's changed; no digests at all.
+        for (case, tamper, with_digest) in [(0, None, true), (1, Some(2usize), true), (2, None, false)] {
+            let mut grads: Vec<Vec<Vec<f32>>> = (0..4).map(|p| vec![normal_vec(1000, 10 * case + p)]).collect();
+            let deadline = Instant::now() + Duration::from_secs(40);
+            let rounds = swarm.step_all(&mut grads, &weights, deadline).await;
+            let common = normal_vec(STATE, 77);
+            let mut states: Vec<Vec<f32>> = (0..4)
+                .map(|p| match tamper {
+                    Some(t) if t == p => normal_vec(STATE, 78),
+                    _ if case == 2 => normal_vec(STATE, 90 + p as u64),
+                    _ => common.clone(),
+                })
+                .collect();
+            let mut want = starling_tests::WeightedMean::default();
+            for (s, w) in states.iter().zip(weights) {
+                want.add(std::slice::from_ref(s), w);
+            }
+            let want = want.finish().remove(0);
+            let before = states.clone();
+            let done = futures::future::join_all(
+                swarm
+                    .averagers()
+                    .iter()
+                    .zip(&rounds)
+                    .zip(&mut states)
+                    .zip(weights)
+                    .map(|(((a, r), s), w)| {
+                        let r = r.as_ref().expect("the round formed");
+                        let d = with_digest.then(|| digest(s));
+                        async move { a.reconcile(r, d, &mut [&mut s[..]], w, deadline).await }
+                    }),
+            )
+            .await;
+            for (p, d) in done.iter().enumerate() {
+                let d = d.as_ref().unwrap_or_else(|e| panic!("case {case} peer {p}: {e}"));
+                assert!(d.error.is_none(), "case {case} peer {p}: {:?}", d.error);
+                if case == 0 {
+                    assert!(d.agreed && d.averaged_fraction == 0.0, "peer {p}: {d:?}");
+                    assert!(d.bytes_sent < 2_000, "peer {p} sent {} bytes to compare", d.bytes_sent);
+                    assert!(states[p] == before[p], "peer {p}'s agreed state changed");
+                } else {
+                    assert!(!d.agreed && d.averaged_fraction == 1.0, "case {case} peer {p}: {d:?}");
+                    assert!(d.bytes_sent > (STATE * 4 / 2) as u64);
+                    assert!(states[p] == states[0], "case {case}: peer {p} holds other bits than peer 0");
+                }
+            }
+            if case > 0 {
+                let e = rel(&states[0], &want);
+                assert!(e < 1e-6, "case {case}: {e} from the exact weighted mean");
+            }
+        }
+        // A round this averager never took.
+        let mut grads: Vec<Vec<Vec<f32>>> = (0..4).map(|p| vec![normal_vec(1000, p)]).collect();
+        let deadline = Instant::now() + Duration::from_secs(40);
+        let mut r = swarm.step_all(&mut grads, &weights, deadline).await.remove(0).unwrap();
+        r.round_id ^= 1;
+        let mut s = normal_vec(10, 1);
+        let refused = swarm.averagers()[0].reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline).await;
+        assert!(matches!(refused, Err(AveragerError::Config(_))), "{refused:?}");
+        // NaN in the state is refused before anything goes out.
+        s[3] = f32::NAN;
+        let r = swarm.step_all(&mut grads, &weights, deadline).await.remove(0).unwrap();
+        let refused = swarm.averagers()[0].reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline).await;
+        assert!(matches!(refused, Err(AveragerError::NonFinite(_))), "{refused:?}");
+        swarm.shutdown().await;
+    })
+    .await;
+}

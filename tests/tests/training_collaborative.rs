@@ -59,10 +59,10 @@ fn stale_single_peer_baseline(data: &Data) -> Vec<f32> {
 }
 
 /// One peer's [`gradient_mode`] run: its parameters after each epoch (and whether that step's
-/// round averaged the state), and its final optimizer state.
-type PeerRun = (Vec<(Vec<f32>, bool)>, Vec<Vec<f32>>);
+/// round compared the state, and averaged it), and its final optimizer state.
+type PeerRun = (Vec<(Vec<f32>, bool, bool)>, Vec<Vec<f32>>);
 
-/// Runs `epochs` global steps of gradient mode on every peer, averaging parameters and
+/// Runs `epochs` global steps of gradient mode on every peer, reconciling parameters and
 /// optimizer state every `state_every` epochs; `tamper(peer, epoch, params)` runs after each
 /// peer's step. Returns each peer's parameters after each epoch (and whether that step's round
 /// averaged the state) and its final optimizer state.
@@ -119,7 +119,7 @@ async fn gradient_mode_on(
             );
             assert!(r.averaging_error.is_none(), "{:?}", r.averaging_error);
             tamper(p, e, &mut params);
-            history.push((params.params().to_vec(), r.state_averaged));
+            history.push((params.params().to_vec(), r.state_checked, r.state_averaged));
         }
         let state = collab
             .optimizer()
@@ -155,9 +155,11 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
         let (train, val) = digits();
         let results = gradient_mode(&train, "digits-gradients", Some(10), |_, _, _| {}).await;
         assert_identical(&results);
-        // Epoch 10's round averaged the state too, in the same round (EPOCHS = 12).
-        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
-        assert_eq!(folded, [9]);
+        // Epoch 10's round compared the state too, in the same group (EPOCHS = 12), and found
+        // every peer's the same: nothing was averaged.
+        let checked: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
+        assert_eq!(checked, [9]);
+        assert!(results.iter().all(|(h, _)| h.iter().all(|e| !e.2)));
         let swarm_model = &results[0].0.last().unwrap().0;
         let single = single_peer_baseline(&train);
         let (a_swarm, a_single) = (accuracy(swarm_model, &val), accuracy(&single, &val));
@@ -197,8 +199,9 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
         )
         .await;
         assert_identical(&results);
-        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
-        assert_eq!(folded, [9]);
+        let checked: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
+        assert_eq!(checked, [9]);
+        assert!(results.iter().all(|(h, _)| h.iter().all(|e| !e.2)));
     })
     .await;
 }
@@ -314,8 +317,14 @@ async fn a_peer_that_stepped_apart_is_brought_back_by_the_next_state_round() {
             }
         };
         let results = gradient_mode(&train, "digits-drift", Some(4), drift).await;
-        let folded: Vec<usize> = (0..EPOCHS).filter(|&e| results[0].0[e].1).collect();
-        assert_eq!(folded, [3, 7, 11], "epochs 4, 8, 12 average the state");
+        // Epochs 4, 8 and 12 compare the state; at 4 the drifted peer's differs and the
+        // state is averaged, at 8 and 12 every peer's is the same again.
+        for (p, (history, _)) in results.iter().enumerate() {
+            let checked: Vec<usize> = (0..EPOCHS).filter(|&e| history[e].1).collect();
+            assert_eq!(checked, [3, 7, 11], "peer {p}: epochs 4, 8, 12 compare the state");
+            let averaged: Vec<usize> = (0..EPOCHS).filter(|&e| history[e].2).collect();
+            assert_eq!(averaged, [3], "peer {p}: only epoch 4 averages it");
+        }
         let (apart, others) = (&results[PEERS - 1].0, &results[0].0);
         for e in 0..3 {
             assert!(
@@ -398,10 +407,12 @@ async fn the_delayed_update_applies_every_step_once_in_order_and_keeps_peers_ide
             }
             let with_state: Vec<u64> = applied
                 .iter()
-                .filter(|r| r.state_averaged)
+                .filter(|r| r.state_checked)
                 .map(|r| r.epoch)
                 .collect();
             assert_eq!(with_state, [5, 10], "peer {p}");
+            // Every peer held the same state: compared, not averaged.
+            assert!(applied.iter().all(|r| !r.state_averaged), "peer {p}");
             assert!(values == &results[0].0, "peer {p}'s parameters differ");
             assert!(state == &results[0].2, "peer {p}'s optimizer state differs");
         }
@@ -510,6 +521,9 @@ async fn local_sgd_state_rounds_bring_a_drifted_phase_start_back() {
                 let r = collab.step(&mut params, BATCH as u64).await.unwrap();
                 if r.stepped {
                     assert_eq!(r.group_size, Some(PEERS), "{:?}", r.averaging_error);
+                    // Peer 1's phase start left the others' at epoch 1: the state is compared
+                    // and averaged at epoch 4.
+                    assert_eq!(r.state_checked, r.epoch == 4, "epoch {}", r.epoch);
                     assert_eq!(r.state_averaged, r.epoch == 4, "epoch {}", r.epoch);
                     if p == 1 && r.epoch == 1 {
                         params.params_mut()[0] += 0.5;

@@ -89,12 +89,16 @@ pub struct CollaborativeConfig {
     pub projected_batch: bool,
     /// DiLoCo's outer optimizer (local-SGD mode).
     pub outer: SgdConfig,
-    /// Every this many epochs, the gradient round also averages the parameters and the
-    /// optimizer state (in the same round, weighted by samples like the gradients, with the
-    /// exact codec whatever `averager.codec` says; in local SGD with group averaging, the
-    /// phase start and the outer optimizer's state), so
-    /// that groups smaller than the swarm, or rounds that failed or averaged only part of the
-    /// gradients, do not let peers drift apart for good. `None` never does.
+    /// Every this many epochs, the gradient round's group also brings its members to one
+    /// parameters and optimizer state (in local SGD with group averaging, the phase start and
+    /// the outer optimizer's state), so that groups smaller than the swarm, or rounds that
+    /// failed or averaged only part of the gradients, do not let peers drift apart for good.
+    /// After the gradients, in the same group, the members compare 64-bit digests of that
+    /// state (a few hundred bytes) and average it (weighted by samples like the gradients,
+    /// with the exact codec whatever `averager.codec` says) only if one differs; after a
+    /// lossy codec's round, which leaves members apart, it is averaged without comparing.
+    /// See [`Averager::reconcile`](starling_averager::Averager::reconcile). `None` never
+    /// does.
     pub state_averaging_every: Option<u64>,
     /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
     /// with error feedback: what quantization dropped of this peer's contribution in one round
@@ -275,8 +279,12 @@ pub struct StepReport {
     /// reads or writes that failed (the last reading was used instead). None of them ends
     /// training; only this peer's own node stopping does.
     pub errors: Vec<String>,
-    /// Whether this step's round also averaged the parameters and the optimizer state
-    /// (every `state_averaging_every` epochs).
+    /// Whether this step's round brought its members to one state (every
+    /// `state_averaging_every` epochs): they compared digests of their parameters and
+    /// optimizer state and found them equal, or averaged them.
+    pub state_checked: bool,
+    /// Whether this step's round averaged the parameters and the optimizer state: some
+    /// member's differed from the others' (or a lossy codec left them apart).
     pub state_averaged: bool,
     /// Samples this peer had accumulated when it stepped (or has accumulated so far).
     pub samples: u64,

@@ -23,13 +23,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use starling_averager::{AveragerError, Residuals, RoundReport};
+use starling_averager::{AveragerError, Reconciliation, Residuals, RoundReport};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use super::{
-    average_gradients, behind_of, note_round, CollaborativeOptimizer, Compressor, StepReport,
-    TrainingError,
+    average_gradients, behind_of, note_reconciled, note_round, reconcile_state,
+    CollaborativeOptimizer, Compressor, StepReport, TrainingError,
 };
 use crate::params::ParamSet;
 
@@ -58,6 +58,8 @@ pub(super) struct Finished {
     /// The compressor the round took along.
     compressor: Option<Compressor>,
     result: Result<RoundReport, AveragerError>,
+    /// What reconciling the state did, when the round carried it and formed a group.
+    reconciled: Option<Result<Reconciliation, AveragerError>>,
     took: Duration,
 }
 
@@ -101,38 +103,38 @@ impl CollaborativeOptimizer {
                 .collect();
             (params.params().to_vec(), optimizer)
         });
-        // The gradients' residual goes with a gradient round and comes back with it; a round
-        // that carries the state averages without feedback, like the synchronous one.
-        let mut residuals =
-            (self.cfg.error_feedback && !with_state).then(|| std::mem::take(&mut self.residuals));
-        let mut compressor = if with_state {
-            None
-        } else {
-            // (Built by the caller if a dropped round took it.)
-            self.compressor.take()
-        };
+        // The gradients' residual goes with the round and comes back with it.
+        let mut residuals = self
+            .cfg
+            .error_feedback
+            .then(|| std::mem::take(&mut self.residuals));
+        // (Built by the caller if a dropped round took it.)
+        let mut compressor = self.compressor.take();
+        let exact = self.exact_rounds();
         let averager = Arc::clone(&self.averager);
         let searches_before = averager.searches_done();
         let task = tokio::spawn(
             async move {
                 let began = Instant::now();
-                let result = match state.as_mut() {
+                let result = average_gradients(
+                    &averager,
+                    compressor.as_mut(),
+                    residuals.as_mut(),
+                    &mut grads,
+                    weight,
+                    deadline,
+                )
+                .await;
+                // The state (a copy taken at the launch: the parameters change only when
+                // this round is applied), after the gradients in the same group.
+                let reconciled = match state.as_mut() {
                     Some((values, optimizer)) => {
-                        let mut buffers: Vec<&mut [f32]> = vec![&mut grads[..], &mut values[..]];
+                        let mut buffers: Vec<&mut [f32]> = vec![&mut values[..]];
                         buffers.extend(optimizer.iter_mut().map(|b| &mut b[..]));
-                        averager.step_exact(&mut buffers, weight, deadline).await
+                        reconcile_state(&averager, &result, exact, &mut buffers, weight, deadline)
+                            .await
                     }
-                    None => {
-                        average_gradients(
-                            &averager,
-                            compressor.as_mut(),
-                            residuals.as_mut(),
-                            &mut grads,
-                            weight,
-                            deadline,
-                        )
-                        .await
-                    }
+                    None => None,
                 };
                 Finished {
                     grads,
@@ -140,6 +142,7 @@ impl CollaborativeOptimizer {
                     residuals,
                     compressor,
                     result,
+                    reconciled,
                     took: began.elapsed(),
                 }
             }
@@ -234,10 +237,9 @@ impl CollaborativeOptimizer {
         if let Some(c) = finished.compressor {
             self.compressor = Some(c);
         }
-        let carried_state = finished.state.is_some();
-        let averaged = finished.result.is_ok();
         let ahead = behind_of(&finished.result);
         note_round(&mut report, finished.result)?;
+        note_reconciled(&mut report, finished.reconciled)?;
         self.learn_matchmaking(&report);
         report.timings.averaging = finished.took;
         if let Some(theirs) = ahead {
@@ -249,13 +251,12 @@ impl CollaborativeOptimizer {
             return Ok(Some(report));
         }
         let applied_at = Instant::now();
-        if let Some((values, optimizer)) = finished.state {
+        if let Some((values, optimizer)) = finished.state.filter(|_| report.state_averaged) {
             // Spans the round did not cover hold this peer's own values: nothing changed them.
             params.params_mut().copy_from_slice(&values);
             for ((_, dst), src) in self.optimizer.state_mut().into_iter().zip(&optimizer) {
                 dst.copy_from_slice(src);
             }
-            report.state_averaged = carried_state && averaged;
         }
         self.optimizer.step(params.params_mut(), &finished.grads)?;
         report.timings.optimizer = applied_at.elapsed();

@@ -27,6 +27,7 @@ impl CollaborativeOptimizer {
         self.catch_up();
         self.averager.set_round_tag(self.epoch);
         let with_state = self.state_due();
+        let exact = self.exact_rounds();
         let Some((outer, anchor)) = self.outer.as_mut() else {
             return Ok(report);
         };
@@ -45,21 +46,6 @@ impl CollaborativeOptimizer {
             let mut both: [&mut [f32]; 2] = [&mut anchor[..], &mut delta[..]];
             let averaged = gossip.step(&mut both, weight, deadline).await;
             note_gossip(&mut report, averaged)?;
-        } else if with_state {
-            // Every `state_averaging_every` outer steps the phase start and the outer
-            // optimizer's state ride along, exact: otherwise a peer whose earlier round ran in
-            // a smaller group (a joiner's first ones) or failed keeps its own phase start for
-            // good, applying the same averaged step to it (4 DiLoCo peers on the glyphs ended
-            // with three different models).
-            let mut buffers: Vec<&mut [f32]> = vec![&mut delta[..], &mut anchor[..]];
-            buffers.extend(outer.state_mut().into_iter().map(|(_, b)| b));
-            let averaged = self
-                .averager
-                .step_exact(&mut buffers, weight, deadline)
-                .await;
-            report.state_averaged = averaged.is_ok();
-            ahead = behind_of(&averaged);
-            note_round(&mut report, averaged)?;
         } else {
             let averaged = average_gradients(
                 &self.averager,
@@ -70,8 +56,22 @@ impl CollaborativeOptimizer {
                 deadline,
             )
             .await;
+            // Every `state_averaging_every` outer steps the group brings its members to one
+            // phase start and outer optimizer state, exact (see `reconcile_state`):
+            // otherwise a peer whose earlier round ran in a smaller group (a joiner's first
+            // ones) or failed keeps its own phase start for good, applying the same averaged
+            // step to it (4 DiLoCo peers on the glyphs ended with three different models).
+            let reconciled = if with_state {
+                let mut state: Vec<&mut [f32]> = vec![&mut anchor[..]];
+                state.extend(outer.state_mut().into_iter().map(|(_, b)| b));
+                reconcile_state(&self.averager, &averaged, exact, &mut state, weight, deadline)
+                    .await
+            } else {
+                None
+            };
             ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
+            note_reconciled(&mut report, reconciled)?;
         }
         if let Some(theirs) = ahead {
             // The others took this outer step already: no step here (the phase's local

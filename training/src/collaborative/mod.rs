@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use starling_averager::gossip::{GossipAverager, GossipReport};
-use starling_averager::{Averager, AveragerError, Residuals, RoundReport};
+use starling_averager::{Averager, AveragerError, Reconciliation, Residuals, RoundReport};
 use starling_compression::dct::{DctTopK, DctValues};
 use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
 
@@ -94,8 +94,8 @@ pub use config::{
     TrainingError,
 };
 use rounds::{
-    average_gradients, behind_of, note_gossip, note_round, same_len, swarm_peers, Compressor,
-    CompressorSpec,
+    average_gradients, behind_of, note_gossip, note_reconciled, note_round, reconcile_state,
+    same_len, swarm_peers, Compressor, CompressorSpec,
 };
 
 /// Why a step used only local values when the progress records show no other peer.
@@ -560,6 +560,7 @@ impl CollaborativeOptimizer {
             group_size: None,
             averaging_error: None,
             errors: Vec::new(),
+            state_checked: false,
             state_averaged: false,
             samples: self.samples,
             swarm: self.swarm.as_ref().map(|(_, s)| s.clone()),
@@ -577,6 +578,13 @@ impl CollaborativeOptimizer {
         self.cfg
             .state_averaging_every
             .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
+    }
+
+    /// Whether a gradient round leaves every member of its group the same bits (the exact
+    /// codec, PowerSGD, DCT top-k: the reducers send the mean itself), so that members whose
+    /// state was the same before it still have the same state after it.
+    fn exact_rounds(&self) -> bool {
+        self.compressor_spec.is_some() || self.averager.config().codec.is_lossless()
     }
 
     /// Whether the round after this epoch's carries the state: a peer an epoch behind the
@@ -716,35 +724,30 @@ impl CollaborativeOptimizer {
             self.averager.cancel_prepared();
             report.averaging_error = Some(ALONE.into());
         } else {
-            let averaged = if with_state {
-                // Weighted by samples like the gradients (any weights give every member the
-                // same values). No error feedback: the residual is the gradients' own and
-                // carries over to the next gradient round unchanged. Exact whatever the codec:
-                // a lossy codec's deltas leave members apart (what this round is for), and
-                // quantizing Adam's second moment to around zero made its steps explode (the
-                // 4-peer u4 run of #28 diverged).
-                let (values, grads) = params.buffers_mut();
-                let mut buffers: Vec<&mut [f32]> = vec![grads, values];
-                buffers.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-                let averaged = self
-                    .averager
-                    .step_exact(&mut buffers, weight, deadline)
-                    .await;
-                report.state_averaged = averaged.is_ok();
-                averaged
+            let averaged = average_gradients(
+                &self.averager,
+                compressor(&mut self.compressor, &self.compressor_spec)?,
+                self.cfg.error_feedback.then_some(&mut self.residuals),
+                params.grads_mut(),
+                weight,
+                deadline,
+            )
+            .await;
+            let reconciled = if with_state {
+                // The parameters and the optimizer state, in the same group, weighted by
+                // samples like the gradients; sent only if some member's differ from the
+                // others' (see `reconcile_state`).
+                let exact = self.exact_rounds();
+                let mut state: Vec<&mut [f32]> = vec![params.params_mut()];
+                state.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
+                reconcile_state(&self.averager, &averaged, exact, &mut state, weight, deadline)
+                    .await
             } else {
-                average_gradients(
-                    &self.averager,
-                    compressor(&mut self.compressor, &self.compressor_spec)?,
-                    self.cfg.error_feedback.then_some(&mut self.residuals),
-                    params.grads_mut(),
-                    weight,
-                    deadline,
-                )
-                .await
+                None
             };
             let ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
+            note_reconciled(&mut report, reconciled)?;
             self.learn_matchmaking(&report);
             if let Some(theirs) = ahead {
                 // The others are past this epoch: applying its gradients here would leave

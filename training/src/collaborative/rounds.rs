@@ -44,6 +44,79 @@ pub(super) async fn average_gradients(
     }
 }
 
+/// A digest of a state: the bits of every buffer, in order (the first 8 bytes of their
+/// BLAKE3 hash). Peers with the same parameters and optimizer state have the same digest.
+pub(super) fn state_digest(buffers: &[&[f32]]) -> u64 {
+    let mut hasher = blake3::Hasher::new();
+    let mut bytes = [0u8; 4096];
+    for b in buffers {
+        hasher.update(&(b.len() as u64).to_le_bytes());
+        for piece in b.chunks(bytes.len() / 4) {
+            for (dst, v) in bytes.chunks_exact_mut(4).zip(piece) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+            hasher.update(&bytes[..piece.len() * 4]);
+        }
+    }
+    let hash = hasher.finalize();
+    u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// After a round that carries the state: if its group formed, the members compare digests of
+/// `state` and average it only where one differs ([`Averager::reconcile`]). `exact`: the round
+/// leaves every member the same bits (the exact codec, PowerSGD, DCT top-k), so equal states
+/// stay equal; after a lossy codec's round they never are, and the state is averaged without
+/// comparing. `None` when the round formed no group.
+pub(super) async fn reconcile_state(
+    averager: &Averager,
+    round: &Result<RoundReport, AveragerError>,
+    exact: bool,
+    state: &mut [&mut [f32]],
+    weight: f32,
+    deadline: Instant,
+) -> Option<Result<Reconciliation, AveragerError>> {
+    let round = round.as_ref().ok()?;
+    let digest = exact.then(|| {
+        let views: Vec<&[f32]> = state.iter().map(|b| &**b).collect();
+        state_digest(&views)
+    });
+    Some(
+        averager
+            .reconcile(round, digest, state, weight, deadline)
+            .await,
+    )
+}
+
+/// Records in `report` (after [`note_round`]) what reconciling the state did: compared,
+/// averaged, its bytes in the round's, and why it fell short when it did.
+pub(super) fn note_reconciled(
+    report: &mut StepReport,
+    reconciled: Option<Result<Reconciliation, AveragerError>>,
+) -> Result<(), TrainingError> {
+    match reconciled {
+        None => {}
+        Some(Ok(r)) => {
+            report.state_checked = r.agreed || r.averaged_fraction >= 1.0;
+            report.state_averaged = r.averaged_fraction > 0.0;
+            if let Some(round) = report.round.as_mut() {
+                round.bytes_sent += r.bytes_sent;
+                round.bytes_received += r.bytes_received;
+                round.allreduce_time += r.time;
+            }
+            if let Some(e) = r.error {
+                report.errors.push(e);
+            }
+        }
+        Some(Err(AveragerError::Node(NodeError::Closed))) => {
+            return Err(AveragerError::Node(NodeError::Closed).into())
+        }
+        Some(Err(e)) => report
+            .errors
+            .push(format!("the state was not reconciled: {e}")),
+    }
+    Ok(())
+}
+
 /// How to build a run's [`Compressor`] (again, when a delayed update's round that held it was
 /// dropped, or the state was replaced by a sync).
 #[derive(Debug, Clone)]

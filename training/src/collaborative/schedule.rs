@@ -96,17 +96,6 @@ impl CollaborativeOptimizer {
 }
 
 impl CollaborativeOptimizer {
-    /// The sizes of the tensors the round that ends this epoch averages: the gradients, and in
-    /// a round that carries the state the parameters and the optimizer state after them.
-    pub(super) fn round_sizes(&self, with_state: bool) -> Vec<usize> {
-        let mut sizes = vec![self.len];
-        if with_state {
-            sizes.push(self.len);
-            sizes.extend(self.optimizer.state().iter().map(|(_, b)| b.len()));
-        }
-        sizes
-    }
-
     /// Pre-scheduled matchmaking: once the swarm is projected to reach its batch within about
     /// twice the least time matchmaking took (at most half the start grace; plus one batch,
     /// the time until this is checked again), the round's search starts in the background, so that its group is ready when
@@ -141,17 +130,13 @@ impl CollaborativeOptimizer {
         }
         self.averager.expect_peers(swarm_peers(Some(swarm)));
         self.averager.set_round_tag(self.epoch);
-        let with_state = self.state_due();
         let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
-        let prepared = match self.compressor.as_ref().filter(|_| !with_state) {
+        // (A round that carries the state averages the gradients as any other does, and
+        // the state after them in the same group: the search is the same.)
+        let prepared = match self.compressor.as_ref() {
             Some(Compressor::PowerSgd(state)) => self.averager.prepare_low_rank(state, deadline),
             Some(Compressor::Dct(state)) => self.averager.prepare_sparse(state, deadline),
-            None if with_state => self
-                .averager
-                .prepare_exact(&self.round_sizes(with_state), deadline),
-            None => self
-                .averager
-                .prepare(&self.round_sizes(with_state), deadline),
+            None => self.averager.prepare(&[self.len], deadline),
         };
         if prepared {
             tracing::trace!(
