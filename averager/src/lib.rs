@@ -130,6 +130,21 @@
 //! differences larger than measurement noise; reducers send deltas rather than averaged values;
 //! a failed reducer's span is re-delegated within the round.
 //!
+//! # Reconciling state after a round
+//!
+//! [`Averager::reconcile`] runs after a step, in the same group (no matchmaking), under round
+//! ids derived from the step's. The members first average 64 digest bits of their state, each
+//! bit as 0.0 or 1.0, every member weighted alike, with the plain mean whatever the configured
+//! aggregator: a bit's mean is exactly 0 or 1 only where every member sent the same bit, and
+//! otherwise at least `1/n` from both. If every member's bits were in and all agreed, nothing
+//! more is sent (about a kilobyte per member in all). Otherwise the members average the state
+//! itself with the exact codec and the configured aggregator. Every member that saw the whole
+//! comparison makes the same choice. A member that did not see all of it keeps its state and
+//! says so. If the others then average without it, they wait for its span until their
+//! timeouts, as with any member that leaves mid-round. What it cannot catch: a member that
+//! lies about its digest (use [`AveragerConfig::verify`] and a robust aggregator for liars),
+//! and two different states with colliding 64-bit digests (about 2^-64 per pair).
+//!
 //! # Gossip
 //!
 //! [`gossip::GossipAverager`] averages with a few neighbours chosen by a topology over the

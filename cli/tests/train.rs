@@ -176,6 +176,10 @@ fn the_mlp_trains_from_idx_files() {
         "250",
         "--seed",
         "2",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-epochs",
+        "10",
     ]);
     let (addr, creator) = address(&a);
     let b = train(&[
@@ -198,6 +202,26 @@ fn the_mlp_trains_from_idx_files() {
         // 0.34 points, and two processes average at moments that vary from run to run, so the
         // bar leaves a few images of room (one run ended at 0.899 against a bar of 0.9).
         assert!(acc >= 0.85, "{who}: test accuracy {acc}");
+        // Every step's rate is the schedule's for its epoch, on both peers (the joiner took the
+        // schedule from the manifest): 10 epochs of warmup to 0.005, then a cosine down to 0.
+        let want = |epoch: f64| {
+            let s = epoch - 1.0;
+            if s < 10.0 {
+                0.005 * (s + 1.0) / 10.0
+            } else {
+                0.005 * 0.5 * (1.0 + (std::f64::consts::PI * (s - 10.0) / 240.0).cos())
+            }
+        };
+        let steps = events(&lines, "step");
+        assert!(steps.len() > 100, "{who}: {} steps", steps.len());
+        for s in &steps {
+            let (epoch, lr) = (s["epoch"].as_f64().unwrap(), s["lr"].as_f64().unwrap());
+            assert!(
+                (lr - want(epoch)).abs() < 1e-9,
+                "{who}: epoch {epoch}: lr {lr}, not {}",
+                want(epoch)
+            );
+        }
         let params = events(&lines, "started")[0]["params"].as_u64().unwrap();
         assert_eq!(
             params,

@@ -67,6 +67,9 @@ pub enum Event {
         waiting_seconds: f64,
         /// Seconds of averaging (matchmaking and all-reduce).
         averaging_seconds: f64,
+        /// The learning rate of the step just taken (`--lr`, or where `--lr-schedule` put it).
+        #[serde(default)]
+        lr: f64,
         /// Bytes this peer sent in the step's averaging round (its group's all-reduces; 0
         /// without one).
         #[serde(default)]

@@ -167,6 +167,21 @@ pub struct OptimizerSpec {
     pub weight_decay: f64,
     /// SGD momentum (ignored by AdamW).
     pub momentum: f64,
+    /// The learning rate over the run (absent: `lr` throughout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleSpec>,
+}
+
+/// A learning-rate schedule over the run's epochs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ScheduleSpec {
+    /// Linear warmup to `lr` over `warmup_epochs`, then a half cosine from `lr` down to 0 at
+    /// the run's last epoch.
+    Cosine {
+        /// Epochs of warmup (0: start at `lr`).
+        warmup_epochs: u64,
+    },
 }
 
 /// The optimizer kinds.
@@ -230,6 +245,14 @@ impl RunManifest {
         positive_at_most("--lr", self.optimizer.lr, 10.0)?;
         in_range("--weight-decay", self.optimizer.weight_decay, 0.0, 1.0)?;
         in_range("--momentum", self.optimizer.momentum, 0.0, 0.999)?;
+        if let Some(ScheduleSpec::Cosine { warmup_epochs }) = self.optimizer.schedule {
+            in_range(
+                "--warmup-epochs",
+                warmup_epochs as f64,
+                0.0,
+                self.epochs as f64,
+            )?;
+        }
         starling_training::GradientCompression::parse_codec(&self.codec)
             .map_err(|e| anyhow!("--codec {:?}: {e}", self.codec))?;
         let aggregation = starling_averager::Aggregation::from_str(&self.aggregation)
@@ -618,6 +641,7 @@ pub(crate) fn test_manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
             lr: 0.01,
             weight_decay: 0.0,
             momentum: 0.0,
+            schedule: None,
         },
         mode: ModeSpec::Gradients,
         codec: "none".into(),

@@ -13,13 +13,15 @@ use starling_node::Node;
 use starling_training::state::{StateTarget, StateView};
 use starling_training::{
     sync_state, AdamWConfig, CollaborativeConfig, CollaborativeOptimizer, GradientCompression,
-    Mode, OptimizerConfig, ParamSet, SgdConfig, StateServer, StateServerConfig, StepReport,
-    SyncConfig, SyncError, VarBinding,
+    LrSchedule, Mode, OptimizerConfig, ParamSet, SgdConfig, StateServer, StateServerConfig,
+    StepReport, SyncConfig, SyncError, VarBinding,
 };
 
 use crate::data::Dataset;
 use crate::event::{split, Event, Reporter};
-use crate::manifest::{self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, SignedManifest};
+use crate::manifest::{
+    self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, ScheduleSpec, SignedManifest,
+};
 use crate::model::{Built, Eval, Net, Sampler};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
@@ -107,6 +109,14 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         .map_err(|e| anyhow!("aggregation {:?}: {e}", m.aggregation))?;
     cfg.averager.verify = m.verify;
     cfg.averaging_timeout = Duration::from_secs(15);
+    cfg.lr_schedule = m.optimizer.schedule.map(|s| match s {
+        ScheduleSpec::Cosine { warmup_epochs } => LrSchedule::WarmupCosine {
+            peak_lr: m.optimizer.lr,
+            min_lr: 0.0,
+            warmup_steps: warmup_epochs,
+            total_steps: m.epochs,
+        },
+    });
     if let ModeSpec::Diloco {
         outer_lr,
         outer_momentum,
@@ -479,6 +489,7 @@ impl Trainer {
             samples: report.samples,
             waiting_seconds: report.timings.waiting.as_secs_f64(),
             averaging_seconds: report.timings.averaging.as_secs_f64(),
+            lr: self.collab.optimizer().lr(),
             bytes_sent: report.round.as_ref().map_or(0, |r| r.bytes_sent),
             bytes_received: report.round.as_ref().map_or(0, |r| r.bytes_received),
             state_checked: report.state_checked,

@@ -11,7 +11,7 @@ use starling_node::Node;
 use crate::data::Dataset;
 use crate::manifest::{
     DataSpec, ModeSpec, ModelSpec, MoeSpec, OptimizerKind, OptimizerSpec, RunManifest,
-    KNOWN_MODELS, MANIFEST_FORMAT,
+    ScheduleSpec, KNOWN_MODELS, MANIFEST_FORMAT,
 };
 use crate::model::{Built, Eval, Sampler};
 use crate::session::optimizer_config;
@@ -28,6 +28,11 @@ pub struct Hyper {
     pub weight_decay: Option<f64>,
     /// SGD momentum (default 0.9).
     pub momentum: Option<f64>,
+    /// Learning rate over the run: constant (default) or cosine (warmup, then a half cosine
+    /// down to 0 at the last epoch).
+    pub lr_schedule: Option<String>,
+    /// With --lr-schedule cosine: epochs of linear warmup (default 0).
+    pub warmup_epochs: Option<u64>,
     /// Samples per local batch (default: mlp 32, charlm 16).
     pub batch_size: Option<u64>,
     /// Samples per global step, over the whole swarm (default: mlp 256, charlm 64).
@@ -145,6 +150,7 @@ pub fn new_manifest(name: &str, model: &str, h: &Hyper, data: DataSpec) -> Resul
             lr: h.lr.unwrap_or(if lm { 3e-3 } else { 5e-3 }),
             weight_decay: h.weight_decay.unwrap_or(0.0),
             momentum: h.momentum.unwrap_or(0.9),
+            schedule: schedule(h)?,
         },
         mode,
         codec: h.codec.clone().unwrap_or_else(|| "none".into()),
@@ -280,4 +286,46 @@ pub fn train_alone(m: &RunManifest, data: &Dataset, global_batch: u64) -> Result
         built.binding.params_to_vars(&built.params)?;
     }
     built.net.evaluate(data)
+}
+
+/// The schedule `--lr-schedule` and `--warmup-epochs` ask for.
+fn schedule(h: &Hyper) -> Result<Option<ScheduleSpec>> {
+    match (h.lr_schedule.as_deref(), h.warmup_epochs) {
+        (None | Some("constant"), None) => Ok(None),
+        (None | Some("constant"), Some(_)) => {
+            anyhow::bail!("--warmup-epochs needs --lr-schedule cosine")
+        }
+        (Some("cosine"), warmup) => Ok(Some(ScheduleSpec::Cosine {
+            warmup_epochs: warmup.unwrap_or(0),
+        })),
+        (Some(other), _) => anyhow::bail!("unknown --lr-schedule {other:?}: constant or cosine"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lr_schedule_flags_give_a_schedule_or_say_what_is_wrong() {
+        let h = |s: Option<&str>, w: Option<u64>| Hyper {
+            lr_schedule: s.map(Into::into),
+            warmup_epochs: w,
+            ..Hyper::default()
+        };
+        assert_eq!(schedule(&h(None, None)).unwrap(), None);
+        assert_eq!(schedule(&h(Some("constant"), None)).unwrap(), None);
+        assert_eq!(
+            schedule(&h(Some("cosine"), None)).unwrap(),
+            Some(ScheduleSpec::Cosine { warmup_epochs: 0 })
+        );
+        assert_eq!(
+            schedule(&h(Some("cosine"), Some(5))).unwrap(),
+            Some(ScheduleSpec::Cosine { warmup_epochs: 5 })
+        );
+        let err = schedule(&h(None, Some(5))).unwrap_err().to_string();
+        assert!(err.contains("--lr-schedule cosine"), "{err}");
+        let err = schedule(&h(Some("step"), None)).unwrap_err().to_string();
+        assert!(err.contains("constant or cosine"), "{err}");
+    }
 }

@@ -325,12 +325,17 @@ async fn members_average_their_state_only_where_their_digests_differ() {
             .unwrap();
         let weights = [1.0f32, 2.0, 3.0, 4.0];
         let digest = |s: &[f32]| {
-            s.iter()
-                .fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3))
+            s.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+                (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+            })
         };
         // Three rounds: the states equal; peer 2's changed; no digests at all.
-        for (case, tamper, with_digest) in [(0, None, true), (1, Some(2usize), true), (2, None, false)] {
-            let mut grads: Vec<Vec<Vec<f32>>> = (0..4).map(|p| vec![normal_vec(1000, 10 * case + p)]).collect();
+        for (case, tamper, with_digest) in
+            [(0, None, true), (1, Some(2usize), true), (2, None, false)]
+        {
+            let mut grads: Vec<Vec<Vec<f32>>> = (0..4)
+                .map(|p| vec![normal_vec(1000, 10 * case + p)])
+                .collect();
             let deadline = Instant::now() + Duration::from_secs(40);
             let rounds = swarm.step_all(&mut grads, &weights, deadline).await;
             let common = normal_vec(STATE, 77);
@@ -362,16 +367,28 @@ async fn members_average_their_state_only_where_their_digests_differ() {
             )
             .await;
             for (p, d) in done.iter().enumerate() {
-                let d = d.as_ref().unwrap_or_else(|e| panic!("case {case} peer {p}: {e}"));
+                let d = d
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("case {case} peer {p}: {e}"));
                 assert!(d.error.is_none(), "case {case} peer {p}: {:?}", d.error);
                 if case == 0 {
                     assert!(d.agreed && d.averaged_fraction == 0.0, "peer {p}: {d:?}");
-                    assert!(d.bytes_sent < 2_000, "peer {p} sent {} bytes to compare", d.bytes_sent);
+                    assert!(
+                        d.bytes_sent < 2_000,
+                        "peer {p} sent {} bytes to compare",
+                        d.bytes_sent
+                    );
                     assert!(states[p] == before[p], "peer {p}'s agreed state changed");
                 } else {
-                    assert!(!d.agreed && d.averaged_fraction == 1.0, "case {case} peer {p}: {d:?}");
+                    assert!(
+                        !d.agreed && d.averaged_fraction == 1.0,
+                        "case {case} peer {p}: {d:?}"
+                    );
                     assert!(d.bytes_sent > (STATE * 4 / 2) as u64);
-                    assert!(states[p] == states[0], "case {case}: peer {p} holds other bits than peer 0");
+                    assert!(
+                        states[p] == states[0],
+                        "case {case}: peer {p} holds other bits than peer 0"
+                    );
                 }
             }
             if case > 0 {
@@ -382,16 +399,34 @@ async fn members_average_their_state_only_where_their_digests_differ() {
         // A round this averager never took.
         let mut grads: Vec<Vec<Vec<f32>>> = (0..4).map(|p| vec![normal_vec(1000, p)]).collect();
         let deadline = Instant::now() + Duration::from_secs(40);
-        let mut r = swarm.step_all(&mut grads, &weights, deadline).await.remove(0).unwrap();
+        let mut r = swarm
+            .step_all(&mut grads, &weights, deadline)
+            .await
+            .remove(0)
+            .unwrap();
         r.round_id ^= 1;
         let mut s = normal_vec(10, 1);
-        let refused = swarm.averagers()[0].reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline).await;
-        assert!(matches!(refused, Err(AveragerError::Config(_))), "{refused:?}");
+        let refused = swarm.averagers()[0]
+            .reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline)
+            .await;
+        assert!(
+            matches!(refused, Err(AveragerError::Config(_))),
+            "{refused:?}"
+        );
         // NaN in the state is refused before anything goes out.
         s[3] = f32::NAN;
-        let r = swarm.step_all(&mut grads, &weights, deadline).await.remove(0).unwrap();
-        let refused = swarm.averagers()[0].reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline).await;
-        assert!(matches!(refused, Err(AveragerError::NonFinite(_))), "{refused:?}");
+        let r = swarm
+            .step_all(&mut grads, &weights, deadline)
+            .await
+            .remove(0)
+            .unwrap();
+        let refused = swarm.averagers()[0]
+            .reconcile(&r, Some(1), &mut [&mut s[..]], 1.0, deadline)
+            .await;
+        assert!(
+            matches!(refused, Err(AveragerError::NonFinite(_))),
+            "{refused:?}"
+        );
         swarm.shutdown().await;
     })
     .await;

@@ -321,7 +321,11 @@ async fn a_peer_that_stepped_apart_is_brought_back_by_the_next_state_round() {
         // state is averaged, at 8 and 12 every peer's is the same again.
         for (p, (history, _)) in results.iter().enumerate() {
             let checked: Vec<usize> = (0..EPOCHS).filter(|&e| history[e].1).collect();
-            assert_eq!(checked, [3, 7, 11], "peer {p}: epochs 4, 8, 12 compare the state");
+            assert_eq!(
+                checked,
+                [3, 7, 11],
+                "peer {p}: epochs 4, 8, 12 compare the state"
+            );
             let averaged: Vec<usize> = (0..EPOCHS).filter(|&e| history[e].2).collect();
             assert_eq!(averaged, [3], "peer {p}: only epoch 4 averages it");
         }

@@ -242,13 +242,15 @@ enum Verdict {
 fn verdict(group: &Group, round: &Outcome) -> Verdict {
     let covered: usize = round.patches.iter().map(|(r, _)| r.len()).sum();
     if round.spans.is_empty() || covered < DIGEST_BITS {
-        return Verdict::Unknown(match round.spans.iter().find_map(|s| match &s.outcome {
-            crate::SpanOutcome::KeptLocal { reason } => Some(reason.clone()),
-            _ => None,
-        }) {
-            Some(reason) => reason,
-            None => "nothing came back".into(),
-        });
+        return Verdict::Unknown(
+            match round.spans.iter().find_map(|s| match &s.outcome {
+                crate::SpanOutcome::KeptLocal { reason } => Some(reason.clone()),
+                _ => None,
+            }) {
+                Some(reason) => reason,
+                None => "nothing came back".into(),
+            },
+        );
     }
     let contributing = group
         .members

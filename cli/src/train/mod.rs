@@ -98,6 +98,13 @@ pub struct HyperArgs {
     /// SGD momentum (default 0.9).
     #[arg(long)]
     pub(crate) momentum: Option<f64>,
+    /// Learning rate over the run: constant (default) or cosine (warmup, then a half cosine
+    /// down to 0 at the last epoch).
+    #[arg(long, value_parser = ["constant", "cosine"])]
+    pub(crate) lr_schedule: Option<String>,
+    /// With --lr-schedule cosine: epochs of linear warmup (default 0).
+    #[arg(long)]
+    pub(crate) warmup_epochs: Option<u64>,
     /// Samples per local batch (default: mlp 32, charlm 16).
     #[arg(long)]
     pub(crate) batch_size: Option<u64>,
@@ -174,6 +181,8 @@ impl HyperArgs {
             lr: self.lr,
             weight_decay: self.weight_decay,
             momentum: self.momentum,
+            lr_schedule: self.lr_schedule.clone(),
+            warmup_epochs: self.warmup_epochs,
             batch_size: self.batch_size,
             target_batch_size: self.target_batch_size,
             epochs: self.epochs,
@@ -209,6 +218,8 @@ impl HyperArgs {
         note(self.lr.is_some(), "--lr");
         note(self.weight_decay.is_some(), "--weight-decay");
         note(self.momentum.is_some(), "--momentum");
+        note(self.lr_schedule.is_some(), "--lr-schedule");
+        note(self.warmup_epochs.is_some(), "--warmup-epochs");
         note(self.batch_size.is_some(), "--batch-size");
         note(self.target_batch_size.is_some(), "--target-batch-size");
         note(self.epochs.is_some(), "--epochs");

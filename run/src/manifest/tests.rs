@@ -122,3 +122,23 @@ fn choose_honours_pins_and_refuses_ambiguity_and_forgeries() {
     assert!("bad name!".parse::<RunRef>().is_err());
     assert!("r@notakey".parse::<RunRef>().is_err());
 }
+
+#[test]
+fn a_cosine_schedule_travels_in_the_manifest_and_a_constant_rate_leaves_it_as_before() {
+    // A constant rate writes no `schedule` field: manifests of runs without one read as before.
+    let text = serde_json::to_string(&manifest("r", 1)).unwrap();
+    assert!(!text.contains("schedule"), "{text}");
+    let mut m = manifest("r", 1);
+    m.optimizer.schedule = Some(ScheduleSpec::Cosine { warmup_epochs: 3 });
+    let text = serde_json::to_string(&m).unwrap();
+    assert!(
+        text.contains(r#""schedule":{"kind":"cosine","warmup_epochs":3}"#),
+        "{text}"
+    );
+    assert_eq!(RunManifest::from_json(&text).unwrap(), m);
+    m.optimizer.schedule = Some(ScheduleSpec::Cosine {
+        warmup_epochs: m.epochs + 1,
+    });
+    let err = m.validate().unwrap_err().to_string();
+    assert!(err.contains("--warmup-epochs"), "{err}");
+}

@@ -7,7 +7,7 @@ use starling_averager::gossip::{GossipConfig, GossipReport};
 use starling_averager::{AveragerConfig, AveragerError, RoundReport};
 use starling_compression::Codec;
 
-use crate::optim::{OptimError, SgdConfig};
+use crate::optim::{LrSchedule, OptimError, SgdConfig};
 use crate::progress::{ProgressConfig, ProgressError, SwarmProgress};
 
 /// How the peers train together.
@@ -129,6 +129,20 @@ pub struct CollaborativeConfig {
     /// How (pseudo-)gradient rounds compress: through the averager's codec (the default), in
     /// low rank (PowerSGD) or as DCT top-k coefficients; see [`GradientCompression`].
     pub compression: GradientCompression,
+    /// The optimizer's learning rate as a function of the epoch (`None`: the rate it was built
+    /// with, throughout). Set before every step, from the epoch the step ends (in local SGD,
+    /// the epoch of the phase, for every inner step), so every peer uses the same rate on the
+    /// same step whenever it joined.
+    ///
+    /// ```
+    /// use starling_training::{CollaborativeConfig, LrSchedule, Mode};
+    /// let mut cfg = CollaborativeConfig::new("run", 256, Mode::Gradients);
+    /// // 600 epochs: 30 of warmup, then a half cosine down to 0.
+    /// cfg.lr_schedule = Some(LrSchedule::WarmupCosine {
+    ///     peak_lr: 0.005, min_lr: 0.0, warmup_steps: 30, total_steps: 600,
+    /// });
+    /// ```
+    pub lr_schedule: Option<LrSchedule>,
 }
 
 impl CollaborativeConfig {
@@ -156,12 +170,14 @@ impl CollaborativeConfig {
             delayed_update: false,
             scheduled_matchmaking: true,
             compression: GradientCompression::Codec,
+            lr_schedule: None,
         }
     }
 }
 
-/// How the collaborative optimizer's (pseudo-)gradient rounds compress. Rounds that carry the
-/// parameters and optimizer state always go through the averager's codec.
+/// How the collaborative optimizer's (pseudo-)gradient rounds compress. The parameters and
+/// optimizer state that rounds reconcile (`CollaborativeConfig::state_averaging_every`) are
+/// compared by digest and, where they differ, averaged exact.
 ///
 /// ```
 /// use starling_training::{CollaborativeConfig, GradientCompression, Mode};

@@ -258,6 +258,7 @@ impl CollaborativeOptimizer {
                 dst.copy_from_slice(src);
             }
         }
+        self.schedule_lr(pending.epoch_after - 1);
         self.optimizer.step(params.params_mut(), &finished.grads)?;
         report.timings.optimizer = applied_at.elapsed();
         self.spare = finished.grads;

@@ -11,6 +11,7 @@ impl CollaborativeOptimizer {
         params: &mut ParamSet,
         inner_steps: u64,
     ) -> Result<StepReport, TrainingError> {
+        self.schedule_lr(self.epoch);
         self.optimizer.step_set(params)?;
         self.inner += 1;
         let reported = self.tracker.report(self.local_progress()).await;
@@ -64,8 +65,15 @@ impl CollaborativeOptimizer {
             let reconciled = if with_state {
                 let mut state: Vec<&mut [f32]> = vec![&mut anchor[..]];
                 state.extend(outer.state_mut().into_iter().map(|(_, b)| b));
-                reconcile_state(&self.averager, &averaged, exact, &mut state, weight, deadline)
-                    .await
+                reconcile_state(
+                    &self.averager,
+                    &averaged,
+                    exact,
+                    &mut state,
+                    weight,
+                    deadline,
+                )
+                .await
             } else {
                 None
             };

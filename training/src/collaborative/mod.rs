@@ -214,6 +214,9 @@ impl CollaborativeOptimizer {
                     .into(),
             ));
         }
+        if let Some(s) = &cfg.lr_schedule {
+            s.validate()?;
+        }
         if cfg.delayed_update {
             // The round runs behind compute: waiting for a member that is late (peers start
             // their rounds at their own batch boundaries, up to a batch apart) costs nothing
@@ -580,6 +583,13 @@ impl CollaborativeOptimizer {
             .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
     }
 
+    /// Sets the optimizer's rate for the step that ends `epoch`, if the run has a schedule.
+    fn schedule_lr(&mut self, epoch: u64) {
+        if let Some(s) = &self.cfg.lr_schedule {
+            self.optimizer.set_lr(s.lr_at(epoch));
+        }
+    }
+
     /// Whether a gradient round leaves every member of its group the same bits (the exact
     /// codec, PowerSGD, DCT top-k: the reducers send the mean itself), so that members whose
     /// state was the same before it still have the same state after it.
@@ -740,8 +750,15 @@ impl CollaborativeOptimizer {
                 let exact = self.exact_rounds();
                 let mut state: Vec<&mut [f32]> = vec![params.params_mut()];
                 state.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-                reconcile_state(&self.averager, &averaged, exact, &mut state, weight, deadline)
-                    .await
+                reconcile_state(
+                    &self.averager,
+                    &averaged,
+                    exact,
+                    &mut state,
+                    weight,
+                    deadline,
+                )
+                .await
             } else {
                 None
             };
@@ -758,6 +775,7 @@ impl CollaborativeOptimizer {
         }
         let averaged_at = Instant::now();
         report.timings.averaging = averaged_at - began;
+        self.schedule_lr(self.epoch);
         self.optimizer.step_set(params)?;
         self.epoch += 1;
         self.fresh_sync = None;
