@@ -3,6 +3,11 @@
 //! orthonormal DCT-II, and only its `k` largest coefficients by magnitude are kept (their
 //! values rounded to f16, or replaced by their sign times one scale for the whole buffer).
 //! What was not sent is added back next round (error feedback, in the coefficient domain).
+//! With a momentum `beta < 1` ([`DctTopK::momentum`]) what was not sent decays by `beta`
+//! before each round's gradient is added: the residual is then DeMo's decoupled momentum
+//! (each peer's own, never averaged), of which only the largest frequencies travel; paired
+//! with a sign update of the averaged result (`starling_training`'s `SgdConfig::sign`) it is
+//! the DeMo optimizer.
 //!
 //! [`DctTopK::begin`] gives the sparse coefficient vector to average (zeros elsewhere: it is
 //! meant to travel through a lossless stage that removes them, such as the frames' zstd
@@ -58,6 +63,9 @@ pub struct DctTopK {
     residual: Vec<f32>,
     /// The residual the round in progress leaves, committed by `finish`.
     pending: Vec<f32>,
+    /// What the residual is multiplied by before a round adds its gradient (1: plain error
+    /// feedback).
+    momentum: f32,
 }
 
 impl DctTopK {
@@ -80,7 +88,34 @@ impl DctTopK {
             tail_basis: if tail > 0 { basis(tail) } else { Vec::new() },
             residual: vec![0.0; len],
             pending: Vec::new(),
+            momentum: 1.0,
         })
+    }
+
+    /// Keeps what was not sent as a momentum that decays by `beta` (0 < `beta` <= 1) each round
+    /// (1, the default: plain error feedback, nothing is lost). With `beta` about 0.999 and a
+    /// sign update of the averaged result, this is DeMo (Peng et al., 2024).
+    ///
+    /// ```
+    /// use starling_compression::dct::{DctTopK, DctValues};
+    /// let state = DctTopK::new(1000, 128, 1, DctValues::F16)?.momentum(0.999)?;
+    /// assert_eq!(state.beta(), 0.999);
+    /// assert!(DctTopK::new(1000, 128, 1, DctValues::F16)?.momentum(1.5).is_err());
+    /// # Ok::<(), starling_compression::Error>(())
+    /// ```
+    pub fn momentum(mut self, beta: f32) -> Result<Self> {
+        if !(beta > 0.0 && beta <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "the DCT top-k momentum must be within (0, 1], not {beta}"
+            )));
+        }
+        self.momentum = beta;
+        Ok(self)
+    }
+
+    /// The momentum what was not sent decays by each round (1: plain error feedback).
+    pub fn beta(&self) -> f32 {
+        self.momentum
     }
 
     /// Values in the buffer.
@@ -128,7 +163,8 @@ impl DctTopK {
         }
     }
 
-    /// Starts a round: transforms `grads` (plus the residual) chunk by chunk and writes the
+    /// Starts a round: transforms `grads` (plus the residual, times the momentum) chunk by
+    /// chunk and writes the
     /// kept coefficients into `out` (`len()` values, zeros elsewhere). Refuses NaN/Inf and
     /// wrong sizes; the residual changes only when the round [finishes](Self::finish).
     pub fn begin(&mut self, grads: &[f32], out: &mut [f32]) -> Result<()> {
@@ -154,7 +190,7 @@ impl DctTopK {
                 .iter_mut()
                 .zip(&self.residual[range.clone()])
             {
-                *c += r;
+                *c += self.momentum * r;
             }
             let coeffs = &pending[range.clone()];
             let k = self.kept(n);

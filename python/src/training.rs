@@ -64,16 +64,17 @@ impl Hyper {
                 eps: self.eps,
                 weight_decay: self.weight_decay,
             }),
-            "sgd" => OptimizerConfig::Sgd(SgdConfig {
+            "sgd" | "sign" => OptimizerConfig::Sgd(SgdConfig {
                 lr: self.lr,
                 momentum: self.momentum,
                 dampening: self.dampening,
                 nesterov: self.nesterov,
                 weight_decay: self.weight_decay,
+                sign: self.kind == "sign",
             }),
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "optimizer {other:?}: Starling steps with \"adamw\" or \"sgd\""
+                    "optimizer {other:?}: Starling steps with \"adamw\", \"sgd\" or \"sign\""
                 )))
             }
         };

@@ -159,7 +159,7 @@ pub enum DataSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerSpec {
-    /// `adamw` or `sgd`.
+    /// `adamw`, `sgd` or `sign`.
     pub kind: OptimizerKind,
     /// Learning rate.
     pub lr: f64,
@@ -192,6 +192,10 @@ pub enum OptimizerKind {
     Adamw,
     /// SGD with (Nesterov) momentum.
     Sgd,
+    /// Steps by the sign of the (averaged) gradient, or of its momentum; decoupled weight
+    /// decay. With `--codec dct-topk:C:K:momentum=B` (the momentum in the compressor) it is
+    /// DeMo.
+    Sign,
 }
 
 impl FromStr for OptimizerKind {
@@ -201,7 +205,8 @@ impl FromStr for OptimizerKind {
         match s {
             "adamw" => Ok(OptimizerKind::Adamw),
             "sgd" => Ok(OptimizerKind::Sgd),
-            other => bail!("unknown optimizer {other:?}: adamw or sgd"),
+            "sign" => Ok(OptimizerKind::Sign),
+            other => bail!("unknown optimizer {other:?}: adamw, sgd or sign"),
         }
     }
 }

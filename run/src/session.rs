@@ -91,6 +91,12 @@ pub fn optimizer_config(m: &RunManifest) -> OptimizerConfig {
                 .nesterov(o.momentum > 0.0)
                 .weight_decay(o.weight_decay),
         ),
+        OptimizerKind::Sign => OptimizerConfig::Sgd(
+            SgdConfig::new(o.lr)
+                .momentum(o.momentum)
+                .weight_decay(o.weight_decay)
+                .sign(true),
+        ),
     }
 }
 

@@ -20,13 +20,14 @@ use crate::session::optimizer_config;
 /// the manifest). `starling train` fills it from its flags, whose names the messages use.
 #[derive(Debug, Clone, Default)]
 pub struct Hyper {
-    /// Optimizer: adamw or sgd (Nesterov momentum when --momentum > 0). Default adamw.
+    /// Optimizer: adamw, sgd (Nesterov momentum when --momentum > 0) or sign (steps by the
+    /// sign; with --codec dct-topk:C:K:momentum=B it is DeMo). Default adamw.
     pub optimizer: Option<OptimizerKind>,
     /// Learning rate (default: mlp 0.005, charlm 0.003).
     pub lr: Option<f64>,
     /// Weight decay (default 0).
     pub weight_decay: Option<f64>,
-    /// SGD momentum (default 0.9).
+    /// SGD momentum (default 0.9; sign: 0).
     pub momentum: Option<f64>,
     /// Learning rate over the run: constant (default) or cosine (warmup, then a half cosine
     /// down to 0 at the last epoch).
@@ -149,7 +150,11 @@ pub fn new_manifest(name: &str, model: &str, h: &Hyper, data: DataSpec) -> Resul
             kind: h.optimizer.unwrap_or(OptimizerKind::Adamw),
             lr: h.lr.unwrap_or(if lm { 3e-3 } else { 5e-3 }),
             weight_decay: h.weight_decay.unwrap_or(0.0),
-            momentum: h.momentum.unwrap_or(0.9),
+            // (A sign step takes its momentum from the compressor when it is DeMo's.)
+            momentum: h.momentum.unwrap_or(match h.optimizer {
+                Some(OptimizerKind::Sign) => 0.0,
+                _ => 0.9,
+            }),
             schedule: schedule(h)?,
         },
         mode,

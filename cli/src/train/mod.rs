@@ -86,7 +86,8 @@ pub struct TrainArgs {
 /// Hyper-parameters of a new run (a joiner takes them from the manifest).
 #[derive(Args, Debug, Default)]
 pub struct HyperArgs {
-    /// Optimizer: adamw or sgd (Nesterov momentum when --momentum > 0). Default adamw.
+    /// Optimizer: adamw, sgd (Nesterov momentum when --momentum > 0) or sign (steps by the
+    /// sign; with --codec dct-topk:C:K:momentum=B it is DeMo). Default adamw.
     #[arg(long)]
     pub(crate) optimizer: Option<OptimizerKind>,
     /// Learning rate (default: mlp 0.005, charlm 0.003).
@@ -95,7 +96,7 @@ pub struct HyperArgs {
     /// Weight decay (default 0).
     #[arg(long)]
     pub(crate) weight_decay: Option<f64>,
-    /// SGD momentum (default 0.9).
+    /// SGD momentum (default 0.9; sign: 0).
     #[arg(long)]
     pub(crate) momentum: Option<f64>,
     /// Learning rate over the run: constant (default) or cosine (warmup, then a half cosine

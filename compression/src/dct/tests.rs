@@ -118,6 +118,57 @@ fn error_feedback_sends_every_coefficient_eventually() {
     }
 }
 
+/// With a momentum `beta`, what was not sent is `beta` times the last residual plus this
+/// round's transformed gradient, less what went out (DeMo's decoupled momentum), checked
+/// against that recurrence in f64 over 30 rounds.
+#[test]
+fn a_momentum_decays_what_was_not_sent() {
+    let len = 300;
+    let beta = 0.9f32;
+    let mut s = DctTopK::new(len, 64, 3, DctValues::F32)
+        .unwrap()
+        .momentum(beta)
+        .unwrap();
+    let b = basis(64);
+    let tail = basis(len % 64);
+    let mut momentum = vec![0.0f64; len];
+    for round in 0..30 {
+        let g = random(len, 500 + round);
+        let mut c = vec![0.0; len];
+        s.begin(&g, &mut c).unwrap();
+        for (start, n) in s.chunks() {
+            let mut coeffs = vec![0.0; n];
+            let basis = if n == 64 { &b } else { &tail };
+            transform(basis, n, &g[start..start + n], &mut coeffs);
+            for (i, m) in momentum[start..start + n].iter_mut().enumerate() {
+                *m = f64::from(beta) * *m + f64::from(coeffs[i]) - f64::from(c[start + i]);
+            }
+        }
+        let mut out = vec![0.0; len];
+        s.finish(&c, &mut out).unwrap();
+        for (i, (m, r)) in momentum.iter().zip(s.residual()).enumerate() {
+            assert!(
+                (m - f64::from(*r)).abs() < 1e-4,
+                "round {round} [{i}]: {m} vs {r}"
+            );
+        }
+    }
+    // Without the decay the sum would keep growing; with it the residual stays bounded.
+    let norm: f64 = s
+        .residual()
+        .iter()
+        .map(|r| f64::from(*r).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(norm < 10.0 * (len as f64).sqrt(), "{norm}");
+    for bad in [0.0, -0.5, 1.01, f32::NAN] {
+        assert!(DctTopK::new(len, 64, 3, DctValues::F32)
+            .unwrap()
+            .momentum(bad)
+            .is_err());
+    }
+}
+
 #[test]
 fn sign_values_take_one_magnitude_and_f16_values_are_half_precision() {
     let g = random(640, 3);

@@ -184,7 +184,7 @@ impl CollaborativeConfig {
 /// let mut cfg = CollaborativeConfig::new("run", 256, Mode::Gradients);
 /// cfg.compression = GradientCompression::PowerSgd { rank: 4 };
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum GradientCompression {
     /// Through the averager's codec (`AveragerConfig::codec`), with error feedback when
     /// `CollaborativeConfig::error_feedback` is on and the codec is lossy.
@@ -209,6 +209,10 @@ pub enum GradientCompression {
         k: usize,
         /// Send signs times one scale instead of f16 values.
         sign: bool,
+        /// What was not sent decays by this factor each round (1: plain error feedback; about
+        /// 0.999 with a sign step, `SgdConfig::sign`: DeMo). See
+        /// `starling_compression::dct::DctTopK::momentum`.
+        momentum: f32,
     },
 }
 
@@ -216,7 +220,8 @@ impl GradientCompression {
     /// The averager codec and the gradient compression a codec name stands for, as
     /// `starling train --codec` takes it: a tensor codec (`none`, `f16`, `u8`, `u4`, ...) that
     /// every round goes through, or a compressor, `powersgd:RANK` (1..=256) or
-    /// `dct-topk:CHUNK:K[:sign]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK), whose rounds keep peers
+    /// `dct-topk:CHUNK:K[:sign][:momentum=B]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK,
+    /// 0 < B <= 1, default 1), whose rounds keep peers
     /// bit-identical (the averager's codec is then the exact `none`, for the rounds that carry
     /// the state). The error says what is wrong with the name.
     ///
@@ -227,8 +232,13 @@ impl GradientCompression {
     /// assert_eq!(G::parse_codec("powersgd:4")?, (Codec::None, G::PowerSgd { rank: 4 }));
     /// assert_eq!(
     ///     G::parse_codec("dct-topk:64:2:sign")?.1,
-    ///     G::DctTopK { chunk: 64, k: 2, sign: true }
+    ///     G::DctTopK { chunk: 64, k: 2, sign: true, momentum: 1.0 }
     /// );
+    /// assert_eq!(
+    ///     G::parse_codec("dct-topk:256:1:momentum=0.999")?.1,
+    ///     G::DctTopK { chunk: 256, k: 1, sign: false, momentum: 0.999 }
+    /// );
+    /// assert!(G::parse_codec("dct-topk:256:1:momentum=2").is_err());
     /// assert!(G::parse_codec("powersgd:0").is_err());
     /// assert!(G::parse_codec("dct-topk:64:65").is_err());
     /// # Ok::<(), String>(())
@@ -247,23 +257,33 @@ impl GradientCompression {
             return Ok((Codec::None, GradientCompression::PowerSgd { rank }));
         }
         if let Some(rest) = name.strip_prefix("dct-topk:") {
-            let usage = || format!("dct-topk:CHUNK:K[:sign] needs whole numbers, not {rest:?}");
+            let usage = || {
+                format!("dct-topk:CHUNK:K[:sign][:momentum=B] needs whole numbers, not {rest:?}")
+            };
             let mut parts = rest.split(':');
             let mut number = || -> Result<usize, String> {
                 parts.next().and_then(|p| p.parse().ok()).ok_or_else(usage)
             };
             let (chunk, k) = (number()?, number()?);
-            let sign = match parts.next() {
-                None => false,
-                Some("sign") => true,
-                Some(other) => {
-                    return Err(format!(
-                        "dct-topk: {other:?} is not a value mode (sign, or nothing for f16)"
-                    ))
+            let (mut sign, mut momentum) = (false, 1.0f32);
+            for (i, part) in parts.enumerate() {
+                match (i, part, part.strip_prefix("momentum=")) {
+                    (0, "sign", _) if !sign => sign = true,
+                    (_, _, Some(b)) if momentum == 1.0 => {
+                        momentum = b
+                            .parse::<f32>()
+                            .ok()
+                            .filter(|b| *b > 0.0 && *b <= 1.0)
+                            .ok_or_else(|| {
+                                format!("dct-topk: the momentum must be within (0, 1], not {b:?}")
+                            })?;
+                    }
+                    _ => {
+                        return Err(format!(
+                            "dct-topk:CHUNK:K[:sign][:momentum=B], not dct-topk:{rest} ({part:?})"
+                        ))
+                    }
                 }
-            };
-            if parts.next().is_some() {
-                return Err(format!("dct-topk:CHUNK:K[:sign], not dct-topk:{rest}"));
             }
             let max = starling_compression::dct::MAX_CHUNK;
             if !((2..=max).contains(&chunk) && (1..=chunk).contains(&k)) {
@@ -271,10 +291,18 @@ impl GradientCompression {
                     "dct-topk needs 2 <= CHUNK <= {max} and 1 <= K <= CHUNK, not {chunk} and {k}"
                 ));
             }
-            return Ok((Codec::None, GradientCompression::DctTopK { chunk, k, sign }));
+            return Ok((
+                Codec::None,
+                GradientCompression::DctTopK {
+                    chunk,
+                    k,
+                    sign,
+                    momentum,
+                },
+            ));
         }
         let codec = name.parse::<Codec>().map_err(|e| {
-            format!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign] for compressed gradients)")
+            format!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign][:momentum=B] for compressed gradients)")
         })?;
         Ok((codec, GradientCompression::Codec))
     }

@@ -132,6 +132,7 @@ pub(super) enum CompressorSpec {
         chunk: usize,
         k: usize,
         values: DctValues,
+        momentum: f32,
     },
 }
 
@@ -168,7 +169,12 @@ impl CompressorSpec {
                     seed,
                 }
             }
-            GradientCompression::DctTopK { chunk, k, sign } => CompressorSpec::Dct {
+            GradientCompression::DctTopK {
+                chunk,
+                k,
+                sign,
+                momentum,
+            } => CompressorSpec::Dct {
                 len: params.len(),
                 chunk,
                 k,
@@ -177,6 +183,7 @@ impl CompressorSpec {
                 } else {
                     DctValues::F16
                 },
+                momentum,
             },
         };
         spec.build()?;
@@ -200,7 +207,12 @@ impl CompressorSpec {
                 chunk,
                 k,
                 values,
-            } => Compressor::Dct(DctTopK::new(*len, *chunk, *k, *values).map_err(err)?),
+                momentum,
+            } => Compressor::Dct(
+                DctTopK::new(*len, *chunk, *k, *values)
+                    .and_then(|s| s.momentum(*momentum))
+                    .map_err(err)?,
+            ),
         })
     }
 }

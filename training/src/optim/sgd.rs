@@ -23,8 +23,14 @@ pub struct SgdConfig {
     pub dampening: f64,
     /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
     pub nesterov: bool,
-    /// L2 penalty added to the gradient (`g + weight_decay * p`), >= 0.
+    /// L2 penalty added to the gradient (`g + weight_decay * p`), >= 0. With `sign`, decoupled
+    /// instead: `p -= lr * (sign(d) + weight_decay * p)`.
     pub weight_decay: f64,
+    /// Step by the sign of the direction (signSGD; with momentum, signum): every parameter
+    /// moves by `lr` (0 where the direction is exactly 0). Paired with a DCT top-k compressor
+    /// that keeps a momentum (`starling_compression::dct::DctTopK::momentum`), this is DeMo.
+    #[serde(default)]
+    pub sign: bool,
 }
 
 impl Default for SgdConfig {
@@ -35,6 +41,7 @@ impl Default for SgdConfig {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            sign: false,
         }
     }
 }
@@ -79,6 +86,21 @@ impl SgdConfig {
     /// ```
     pub fn nesterov(mut self, nesterov: bool) -> Self {
         self.nesterov = nesterov;
+        self
+    }
+
+    /// Steps by the sign of the direction (see [`SgdConfig::sign`]).
+    ///
+    /// ```
+    /// use starling_training::{Optimizer, Sgd, SgdConfig};
+    /// let mut opt = Sgd::new(SgdConfig::new(0.01).sign(true), 3)?;
+    /// let mut p = [1.0f32, 1.0, 1.0];
+    /// opt.step(&mut p, &[0.5, -2e-6, 0.0])?;
+    /// assert_eq!(p, [0.99, 1.01, 1.0]);
+    /// # Ok::<(), starling_training::OptimError>(())
+    /// ```
+    pub fn sign(mut self, sign: bool) -> Self {
+        self.sign = sign;
         self
     }
 
@@ -206,19 +228,37 @@ impl Optimizer for Sgd {
         let momentum = c.momentum as f32;
         let keep = (1.0 - c.dampening) as f32;
         let first = self.steps == 0;
+        // The update from a direction `d`: `lr * d`, or with `sign` `lr * (sign(d) + wd * p)`
+        // (decoupled decay, so not also in the direction).
+        let sign = c.sign;
+        let update = |p: f32, d: f32| {
+            if sign {
+                let s = if d > 0.0 {
+                    1.0
+                } else if d < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
+                lr * (s + wd * p)
+            } else {
+                lr * d
+            }
+        };
+        let l2 = if sign { 0.0 } else { wd };
         if momentum == 0.0 {
             for (p, &g) in params.iter_mut().zip(grads) {
-                let d = if wd != 0.0 { g + wd * *p } else { g };
-                *p -= lr * d;
+                let d = if l2 != 0.0 { g + l2 * *p } else { g };
+                *p -= update(*p, d);
             }
         } else {
             let bufs = &mut self.momentum_buffer;
             for ((p, &g), buf) in params.iter_mut().zip(grads).zip(bufs.iter_mut()) {
-                let d = if wd != 0.0 { g + wd * *p } else { g };
+                let d = if l2 != 0.0 { g + l2 * *p } else { g };
                 let b = if first { d } else { momentum * *buf + keep * d };
                 *buf = b;
                 let d = if c.nesterov { d + momentum * b } else { b };
-                *p -= lr * d;
+                *p -= update(*p, d);
             }
         }
         self.steps += 1;
