@@ -126,16 +126,20 @@ pub enum AuditOutcome {
 impl RoundReport {
     /// Fraction of this peer's elements that were averaged with at least one other peer.
     pub fn averaged_fraction(&self) -> f64 {
-        let total: usize = self.spans.iter().map(|s| s.range.len()).sum();
-        if total == 0 {
-            return 0.0;
-        }
-        let done: usize = self
-            .spans
-            .iter()
-            .filter(|s| s.outcome.contributors().is_some_and(|c| c.len() > 1))
-            .map(|s| s.range.len())
-            .sum();
-        done as f64 / total as f64
+        averaged_fraction(&self.spans)
     }
+}
+
+/// Fraction of the elements `spans` cover that were averaged with at least one other peer.
+pub(crate) fn averaged_fraction(spans: &[SpanReport]) -> f64 {
+    let total: usize = spans.iter().map(|s| s.range.len()).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let done: usize = spans
+        .iter()
+        .filter(|s| s.outcome.contributors().is_some_and(|c| c.len() > 1))
+        .map(|s| s.range.len())
+        .sum();
+    done as f64 / total as f64
 }

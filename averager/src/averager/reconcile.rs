@@ -154,7 +154,6 @@ impl Averager {
             ..(*self.config).clone()
         });
         let flat = self.flatten(state)?;
-        let total = flat.len();
         let second = Group {
             round_id: group.round_id ^ STATE,
             ..group.clone()
@@ -170,14 +169,8 @@ impl Averager {
                 write_flat(state, range.start, values);
             }
         }
-        let averaged: usize = round
-            .spans
-            .iter()
-            .filter(|s| s.outcome.contributors().is_some_and(|c| c.len() > 1))
-            .map(|s| s.range.len())
-            .sum();
-        done.averaged_fraction = averaged as f64 / total.max(1) as f64;
-        if averaged < total {
+        done.averaged_fraction = crate::report::averaged_fraction(&round.spans);
+        if done.averaged_fraction < 1.0 {
             done.error = Some(format!(
                 "only {:.0}% of the state was averaged",
                 100.0 * done.averaged_fraction

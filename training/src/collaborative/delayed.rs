@@ -127,15 +127,13 @@ impl CollaborativeOptimizer {
                 .await;
                 // The state (a copy taken at the launch: the parameters change only when
                 // this round is applied), after the gradients in the same group.
-                let reconciled = match state.as_mut() {
-                    Some((values, optimizer)) => {
-                        let mut buffers: Vec<&mut [f32]> = vec![&mut values[..]];
-                        buffers.extend(optimizer.iter_mut().map(|b| &mut b[..]));
-                        reconcile_state(&averager, &result, exact, &mut buffers, weight, deadline)
-                            .await
-                    }
-                    None => None,
-                };
+                let buffers = state.as_mut().map(|(values, optimizer)| {
+                    let mut buffers: Vec<&mut [f32]> = vec![&mut values[..]];
+                    buffers.extend(optimizer.iter_mut().map(|b| &mut b[..]));
+                    buffers
+                });
+                let reconciled =
+                    reconcile_state(&averager, &result, exact, buffers, weight, deadline).await;
                 Finished {
                     grads,
                     state,

@@ -62,21 +62,9 @@ impl CollaborativeOptimizer {
             // otherwise a peer whose earlier round ran in a smaller group (a joiner's first
             // ones) or failed keeps its own phase start for good, applying the same averaged
             // step to it (4 DiLoCo peers on the glyphs ended with three different models).
-            let reconciled = if with_state {
-                let mut state: Vec<&mut [f32]> = vec![&mut anchor[..]];
-                state.extend(outer.state_mut().into_iter().map(|(_, b)| b));
-                reconcile_state(
-                    &self.averager,
-                    &averaged,
-                    exact,
-                    &mut state,
-                    weight,
-                    deadline,
-                )
-                .await
-            } else {
-                None
-            };
+            let state = with_state.then(|| state_buffers(&mut anchor[..], outer.state_mut()));
+            let reconciled =
+                reconcile_state(&self.averager, &averaged, exact, state, weight, deadline).await;
             ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
             note_reconciled(&mut report, reconciled)?;

@@ -95,7 +95,7 @@ pub use config::{
 };
 use rounds::{
     average_gradients, behind_of, note_gossip, note_reconciled, note_round, reconcile_state,
-    same_len, swarm_peers, Compressor, CompressorSpec,
+    same_len, state_buffers, swarm_peers, Compressor, CompressorSpec,
 };
 
 /// Why a step used only local values when the progress records show no other peer.
@@ -575,36 +575,6 @@ impl CollaborativeOptimizer {
         }
     }
 
-    /// Whether the round that ends this epoch also averages the parameters and the optimizer
-    /// state (every `state_averaging_every` epochs).
-    fn state_due(&self) -> bool {
-        self.cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
-    }
-
-    /// Sets the optimizer's rate for the step that ends `epoch`, if the run has a schedule.
-    fn schedule_lr(&mut self, epoch: u64) {
-        if let Some(s) = &self.cfg.lr_schedule {
-            self.optimizer.set_lr(s.lr_at(epoch));
-        }
-    }
-
-    /// Whether a gradient round leaves every member of its group the same bits (the exact
-    /// codec, PowerSGD, DCT top-k: the reducers send the mean itself), so that members whose
-    /// state was the same before it still have the same state after it.
-    fn exact_rounds(&self) -> bool {
-        self.compressor_spec.is_some() || self.averager.config().codec.is_lossless()
-    }
-
-    /// Whether the round after this epoch's carries the state: a peer an epoch behind the
-    /// others would be in this one.
-    fn state_due_next(&self) -> bool {
-        self.cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && (self.epoch + 2).is_multiple_of(n))
-    }
-
     /// Steps if the swarm (or this peer alone) has the global batch: averages the mean
     /// gradient with the group, weighted by samples, and applies the shared optimizer step.
     async fn try_global_step(
@@ -743,25 +713,14 @@ impl CollaborativeOptimizer {
                 deadline,
             )
             .await;
-            let reconciled = if with_state {
-                // The parameters and the optimizer state, in the same group, weighted by
-                // samples like the gradients; sent only if some member's differ from the
-                // others' (see `reconcile_state`).
-                let exact = self.exact_rounds();
-                let mut state: Vec<&mut [f32]> = vec![params.params_mut()];
-                state.extend(self.optimizer.state_mut().into_iter().map(|(_, b)| b));
-                reconcile_state(
-                    &self.averager,
-                    &averaged,
-                    exact,
-                    &mut state,
-                    weight,
-                    deadline,
-                )
-                .await
-            } else {
-                None
-            };
+            // The parameters and the optimizer state, in the same group, weighted by samples
+            // like the gradients; sent only if some member's differ from the others' (see
+            // `reconcile_state`).
+            let exact = self.exact_rounds();
+            let state =
+                with_state.then(|| state_buffers(params.params_mut(), self.optimizer.state_mut()));
+            let reconciled =
+                reconcile_state(&self.averager, &averaged, exact, state, weight, deadline).await;
             let ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
             note_reconciled(&mut report, reconciled)?;

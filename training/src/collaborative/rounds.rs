@@ -1,4 +1,5 @@
-//! How a round's outcome lands in a step's report, and the averaging calls the steps share.
+//! How a round's outcome lands in a step's report, the averaging calls the steps share, and which
+//! rounds carry the state.
 
 use super::*;
 
@@ -62,19 +63,65 @@ pub(super) fn state_digest(buffers: &[&[f32]]) -> u64 {
     u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
-/// After a round that carries the state: if its group formed, the members compare digests of
-/// `state` and average it only where one differs ([`Averager::reconcile`]). `exact`: the round
-/// leaves every member the same bits (the exact codec, PowerSGD, DCT top-k), so equal states
-/// stay equal; after a lossy codec's round they never are, and the state is averaged without
-/// comparing. `None` when the round formed no group.
+/// Which rounds carry the state, whether rounds keep members identical, and each step's rate.
+impl CollaborativeOptimizer {
+    /// Whether the round that ends this epoch also averages the parameters and the optimizer
+    /// state (every `state_averaging_every` epochs).
+    pub(super) fn state_due(&self) -> bool {
+        self.cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
+    }
+
+    /// Sets the optimizer's rate for the step that ends `epoch`, if the run has a schedule.
+    pub(super) fn schedule_lr(&mut self, epoch: u64) {
+        if let Some(s) = &self.cfg.lr_schedule {
+            self.optimizer.set_lr(s.lr_at(epoch));
+        }
+    }
+
+    /// Whether a gradient round leaves every member of its group the same bits (the exact
+    /// codec, PowerSGD, DCT top-k: the reducers send the mean itself), so that members whose
+    /// state was the same before it still have the same state after it.
+    pub(super) fn exact_rounds(&self) -> bool {
+        self.compressor_spec.is_some() || self.averager.config().codec.is_lossless()
+    }
+
+    /// Whether the round after this epoch's carries the state: a peer an epoch behind the
+    /// others would be in this one.
+    pub(super) fn state_due_next(&self) -> bool {
+        self.cfg
+            .state_averaging_every
+            .is_some_and(|n| n > 0 && (self.epoch + 2).is_multiple_of(n))
+    }
+}
+
+/// The buffers a state round reconciles: `first` (the parameters, or DiLoCo's phase start),
+/// then the optimizer's state.
+pub(super) fn state_buffers<'a>(
+    first: &'a mut [f32],
+    optimizer: Vec<(&'static str, &'a mut [f32])>,
+) -> Vec<&'a mut [f32]> {
+    let mut buffers = vec![first];
+    buffers.extend(optimizer.into_iter().map(|(_, b)| b));
+    buffers
+}
+
+/// After a round that carries the state (`state` given): if its group formed, the members
+/// compare digests of `state` and average it only where one differs
+/// ([`Averager::reconcile`]). `exact`: the round leaves every member the same bits (the exact
+/// codec, PowerSGD, DCT top-k), so equal states stay equal; after a lossy codec's round they
+/// never are, and the state is averaged without comparing. `None` when the round carried no
+/// state or formed no group.
 pub(super) async fn reconcile_state(
     averager: &Averager,
     round: &Result<RoundReport, AveragerError>,
     exact: bool,
-    state: &mut [&mut [f32]],
+    state: Option<Vec<&mut [f32]>>,
     weight: f32,
     deadline: Instant,
 ) -> Option<Result<Reconciliation, AveragerError>> {
+    let mut state = state?;
     let round = round.as_ref().ok()?;
     let digest = exact.then(|| {
         let views: Vec<&[f32]> = state.iter().map(|b| &**b).collect();
@@ -82,7 +129,7 @@ pub(super) async fn reconcile_state(
     });
     Some(
         averager
-            .reconcile(round, digest, state, weight, deadline)
+            .reconcile(round, digest, &mut state, weight, deadline)
             .await,
     )
 }
