@@ -4,6 +4,11 @@
 //! averaged too; every member then holds the same approximation `P Qᵀ` of the mean gradient.
 //! `Q` is warm-started from the previous round (one power iteration per round), and what the
 //! approximation missed of this peer's gradient is added back next round (error feedback).
+//! With a momentum `beta < 1` ([`PowerSgd::momentum`]) what was missed decays by `beta` before
+//! each round's gradient is added: the residual is then each peer's own momentum, of which the
+//! top-`rank` subspace travels (DeMo's decoupled momentum, Peng et al. 2024, with a low-rank
+//! instead of a DCT selection); paired with a sign update of the averaged result
+//! (`starling_training`'s `SgdConfig::sign`).
 //!
 //! [`PowerSgd`] keeps that state for one flat gradient buffer whose matrices are described by
 //! [`LowRankMatrix`]; everything else in the buffer (biases, matrices too small to gain) travels
@@ -97,6 +102,9 @@ pub struct PowerSgd {
     residual: Vec<f32>,
     /// `gradient + residual` of the round in progress.
     corrected: Vec<f32>,
+    /// What the residual is multiplied by before a round's gradient is added (1: plain error
+    /// feedback).
+    momentum: f32,
 }
 
 impl PowerSgd {
@@ -152,7 +160,35 @@ impl PowerSgd {
             q,
             residual: vec![0.0; len],
             corrected: Vec::new(),
+            momentum: 1.0,
         })
+    }
+
+    /// Keeps what the approximations missed as a momentum that decays by `beta`
+    /// (0 < `beta` <= 1) each round: a round compresses `beta * residual + gradient`. 1, the
+    /// default, is plain error feedback. The error says what is wrong with `beta`.
+    ///
+    /// ```
+    /// use starling_compression::lowrank::{LowRankMatrix, PowerSgd};
+    /// let layout = [LowRankMatrix { offset: 0, rows: 64, cols: 32 }];
+    /// let state = PowerSgd::new(4, 64 * 32, &layout, 7)?.momentum(0.999)?;
+    /// assert_eq!(state.beta(), 0.999);
+    /// assert!(PowerSgd::new(4, 64 * 32, &layout, 7)?.momentum(0.0).is_err());
+    /// # Ok::<(), starling_compression::Error>(())
+    /// ```
+    pub fn momentum(mut self, beta: f32) -> Result<Self> {
+        if !(beta > 0.0 && beta <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "the PowerSGD momentum must be within (0, 1], not {beta}"
+            )));
+        }
+        self.momentum = beta;
+        Ok(self)
+    }
+
+    /// The momentum what was missed decays by each round (1: plain error feedback).
+    pub fn beta(&self) -> f32 {
+        self.momentum
     }
 
     /// The rank of the approximations.
@@ -204,7 +240,7 @@ impl PowerSgd {
         fill_normal(&mut self.q, seed);
     }
 
-    /// Starts a round: adds the residual to `grads` and writes the first vector to average,
+    /// Starts a round: adds the residual (times the momentum) to `grads` and writes the first vector to average,
     /// `[P of each compressed matrix | the uncompressed rest]`, into `out`
     /// ([`phase_one_len`](Self::phase_one_len) elements). Refuses NaN/Inf gradients and wrong
     /// sizes; changes no state but the round in progress.
@@ -219,7 +255,7 @@ impl PowerSgd {
                 .iter_mut()
                 .zip(&self.residual[m.range()])
             {
-                *c += r;
+                *c += self.momentum * r;
             }
         }
         let mut at = 0;

@@ -82,12 +82,10 @@ def _hyper_from(optimizer: Any, params: List[torch.Tensor], hyper: Dict[str, Any
         optimizer = optimizer(params)  # hivemind's style: lambda params: torch.optim.Adam(params)
     if isinstance(optimizer, str):
         kind = optimizer.lower()
-        if kind not in ("adamw", "adam", "sgd"):
-            raise ValueError(f"optimizer {optimizer!r}: 'adamw', 'adam' or 'sgd'")
-        out["kind"] = "sgd" if kind == "sgd" else "adamw"
-        if kind == "adam":
-            out["weight_decay"] = 0.0
-        if kind == "sgd":
+        if kind not in ("adamw", "adam", "sgd", "sign"):
+            raise ValueError(f"optimizer {optimizer!r}: 'adamw', 'adam', 'sgd' or 'sign'")
+        out["kind"] = kind if kind in ("sgd", "sign") else "adamw"
+        if kind in ("adam", "sgd", "sign"):
             out["weight_decay"] = 0.0
         unknown = set(hyper) - set(out) - {"kind"}
         if unknown:
@@ -136,8 +134,10 @@ class Optimizer:
         node: the :class:`starling.Node` to train on.
         run_id: the run's name; peers with the same name train together.
         params: the model's parameters (float32, leaf tensors, on CPU or CUDA).
-        optimizer: ``"adamw"``/``"adam"``/``"sgd"`` (with ``**hyper``: ``lr``, ``betas``,
-            ``eps``, ``weight_decay``, ``momentum``, ``dampening``, ``nesterov``), a
+        optimizer: ``"adamw"``/``"adam"``/``"sgd"``/``"sign"`` (with ``**hyper``: ``lr``,
+            ``betas``, ``eps``, ``weight_decay``, ``momentum``, ``dampening``, ``nesterov``;
+            ``"sign"`` steps by the sign of the direction, with ``codec="dct-topk:C:K:momentum=B"``
+            it is DeMo), a
             ``torch.optim`` AdamW/Adam/SGD, or a factory ``lambda params: ...`` of one.
         batch_size_per_step: samples per ``step()`` (the default for ``step``'s argument).
         target_batch_size: the global batch: samples the swarm gathers per global step.
@@ -145,9 +145,9 @@ class Optimizer:
             ``"diloco"`` (``inner_steps`` local steps, then average the parameter deltas and
             take an outer Nesterov step with ``outer_lr``/``outer_momentum``).
         codec: the averaging codec (``none`` keeps peers bit-identical; ``f16``, ``u8``, ...),
-            or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK``
-            (low-rank matrices) or ``dct-topk:CHUNK:K[:sign]`` (K of every CHUNK DCT
-            coefficients).
+            or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK[:momentum=B]``
+            (low-rank matrices) or ``dct-topk:CHUNK:K[:sign][:momentum=B]`` (K of every CHUNK
+            DCT coefficients); ``B < 1`` keeps what was not sent as a decaying momentum.
         aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip``.
         matchmaking_time, averaging_timeout: seconds.
         target_group_size: peers per averaging group.

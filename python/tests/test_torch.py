@@ -112,6 +112,24 @@ def test_two_peers_train_one_model_and_stay_bit_identical(swarm):
         o.shutdown()
 
 
+def test_a_sign_step_moves_every_weight_by_the_rate(swarm):
+    """optimizer="sign" (DeMo's step, without a compressor here): one step moves every
+    parameter by exactly the rate against its gradient's sign."""
+    net = model()
+    opt = make(swarm(), net, "py-sign", optimizer="sign", lr=0.01)
+    x, y = data(3)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(net(x[:16]).squeeze(-1), y[:16]).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    grads = [p.grad.detach().clone() for p in net.parameters()]
+    assert all((g != 0).all() for g in grads)
+    while opt.epoch < 1:
+        opt.step()
+    for b, g, p in zip(before, grads, net.parameters()):
+        assert torch.equal(p.detach(), b - 0.01 * torch.sign(g)), (p, b, g)
+    opt.shutdown()
+
+
 def test_bad_parameters_and_optimizers_are_refused(swarm):
     node = swarm()
     with pytest.raises(TypeError, match="float32"):

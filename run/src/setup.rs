@@ -52,8 +52,8 @@ pub struct Hyper {
     /// DiLoCo: outer Nesterov momentum (default 0.9).
     pub outer_momentum: Option<f64>,
     /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
-    /// gradient rounds: powersgd:RANK (low rank), dct-topk:CHUNK:K[:sign] (K of every CHUNK
-    /// DCT coefficients).
+    /// gradient rounds: powersgd:RANK[:momentum=B] (low rank), dct-topk:CHUNK:K[:sign][:momentum=B]
+    /// (K of every CHUNK DCT coefficients); B < 1 makes what was not sent a decaying momentum.
     pub codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
     /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).

@@ -321,6 +321,51 @@ fn error_feedback_sends_every_gradient_eventually() {
 }
 
 #[test]
+fn a_momentum_decays_what_was_missed() {
+    // A 30 x 24 matrix and a 10-element bias; one peer, rank 2, beta 0.9: after every round
+    // the residual is beta * (the last one) + the gradient - what went out (an f64 model),
+    // and the bias goes out as it came in.
+    let (rows, cols, bias) = (30, 24, 10);
+    let len = rows * cols + bias;
+    let layout = [LowRankMatrix {
+        offset: 0,
+        rows,
+        cols,
+    }];
+    let beta = 0.9f32;
+    let mut peer = PowerSgd::new(2, len, &layout, 5)
+        .unwrap()
+        .momentum(beta)
+        .unwrap();
+    assert_eq!(peer.beta(), beta);
+    let mut model = vec![0.0f64; rows * cols];
+    for step in 0..30 {
+        let g = random(len, 2000 + step);
+        let out = round(std::slice::from_mut(&mut peer), std::slice::from_ref(&g));
+        for (i, m) in model.iter_mut().enumerate() {
+            *m = f64::from(beta) * *m + f64::from(g[i]) - f64::from(out[0][i]);
+            let r = f64::from(peer.residual()[i]);
+            assert!((*m - r).abs() < 1e-4, "round {step} [{i}]: {m} vs {r}");
+        }
+        assert_eq!(out[0][rows * cols..], g[rows * cols..]);
+    }
+    // Bounded: without the decay the residual of rank-2 rounds on random gradients grows.
+    let norm = peer
+        .residual()
+        .iter()
+        .map(|r| f64::from(*r).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(norm < 10.0 * ((rows * cols) as f64).sqrt(), "{norm}");
+    for bad in [0.0, -0.5, 1.01, f32::NAN] {
+        assert!(PowerSgd::new(2, len, &layout, 5)
+            .unwrap()
+            .momentum(bad)
+            .is_err());
+    }
+}
+
+#[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let layout = [LowRankMatrix {
         offset: 0,

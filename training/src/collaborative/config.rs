@@ -182,7 +182,7 @@ impl CollaborativeConfig {
 /// ```
 /// use starling_training::{CollaborativeConfig, GradientCompression, Mode};
 /// let mut cfg = CollaborativeConfig::new("run", 256, Mode::Gradients);
-/// cfg.compression = GradientCompression::PowerSgd { rank: 4 };
+/// cfg.compression = GradientCompression::PowerSgd { rank: 4, momentum: 1.0 };
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum GradientCompression {
@@ -197,6 +197,10 @@ pub enum GradientCompression {
     PowerSgd {
         /// The approximation's rank (1..=256).
         rank: usize,
+        /// What the approximation missed decays by this factor each round (1: plain error
+        /// feedback; about 0.999 with a sign step, `SgdConfig::sign`: a low-rank DeMo). See
+        /// `starling_compression::lowrank::PowerSgd::momentum`.
+        momentum: f32,
     },
     /// DCT top-k: the buffer in chunks of `chunk` values, each transformed (orthonormal
     /// DCT-II), its `k` largest coefficients sent (f16 values, or their signs times one scale),
@@ -219,8 +223,8 @@ pub enum GradientCompression {
 impl GradientCompression {
     /// The averager codec and the gradient compression a codec name stands for, as
     /// `starling train --codec` takes it: a tensor codec (`none`, `f16`, `u8`, `u4`, ...) that
-    /// every round goes through, or a compressor, `powersgd:RANK` (1..=256) or
-    /// `dct-topk:CHUNK:K[:sign][:momentum=B]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK,
+    /// every round goes through, or a compressor, `powersgd:RANK[:momentum=B]` (1..=256) or
+    /// `dct-topk:CHUNK:K[:sign][:momentum=B]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK;
     /// 0 < B <= 1, default 1), whose rounds keep peers
     /// bit-identical (the averager's codec is then the exact `none`, for the rounds that carry
     /// the state). The error says what is wrong with the name.
@@ -229,7 +233,14 @@ impl GradientCompression {
     /// use starling_compression::Codec;
     /// use starling_training::GradientCompression as G;
     /// assert_eq!(G::parse_codec("u8")?, (Codec::Uniform8Bit, G::Codec));
-    /// assert_eq!(G::parse_codec("powersgd:4")?, (Codec::None, G::PowerSgd { rank: 4 }));
+    /// assert_eq!(
+    ///     G::parse_codec("powersgd:4")?,
+    ///     (Codec::None, G::PowerSgd { rank: 4, momentum: 1.0 })
+    /// );
+    /// assert_eq!(
+    ///     G::parse_codec("powersgd:4:momentum=0.99")?.1,
+    ///     G::PowerSgd { rank: 4, momentum: 0.99 }
+    /// );
     /// assert_eq!(
     ///     G::parse_codec("dct-topk:64:2:sign")?.1,
     ///     G::DctTopK { chunk: 64, k: 2, sign: true, momentum: 1.0 }
@@ -240,21 +251,35 @@ impl GradientCompression {
     /// );
     /// assert!(G::parse_codec("dct-topk:256:1:momentum=2").is_err());
     /// assert!(G::parse_codec("powersgd:0").is_err());
+    /// assert!(G::parse_codec("powersgd:4:sign").is_err());
     /// assert!(G::parse_codec("dct-topk:64:65").is_err());
     /// # Ok::<(), String>(())
     /// ```
     pub fn parse_codec(name: &str) -> Result<(Codec, GradientCompression), String> {
-        if let Some(rank) = name.strip_prefix("powersgd:") {
+        if let Some(rest) = name.strip_prefix("powersgd:") {
+            let usage = "powersgd:RANK[:momentum=B]";
+            let mut parts = rest.split(':');
+            let rank = parts.next().unwrap_or_default();
             let rank: usize = rank
                 .parse()
-                .map_err(|_| format!("powersgd:RANK needs a whole number, not {rank:?}"))?;
+                .map_err(|_| format!("{usage} needs a whole number, not {rank:?}"))?;
             let max = starling_compression::lowrank::MAX_RANK;
             if !(1..=max).contains(&rank) {
                 return Err(format!(
                     "the PowerSGD rank must be within 1..={max}, not {rank}"
                 ));
             }
-            return Ok((Codec::None, GradientCompression::PowerSgd { rank }));
+            let mut momentum = 1.0f32;
+            for (i, part) in parts.enumerate() {
+                match (i, part.strip_prefix("momentum=")) {
+                    (0, Some(b)) => momentum = parse_momentum("powersgd", b)?,
+                    _ => return Err(format!("{usage}, not powersgd:{rest} ({part:?})")),
+                }
+            }
+            return Ok((
+                Codec::None,
+                GradientCompression::PowerSgd { rank, momentum },
+            ));
         }
         if let Some(rest) = name.strip_prefix("dct-topk:") {
             let usage = || {
@@ -269,15 +294,7 @@ impl GradientCompression {
             for (i, part) in parts.enumerate() {
                 match (i, part, part.strip_prefix("momentum=")) {
                     (0, "sign", _) if !sign => sign = true,
-                    (_, _, Some(b)) if momentum == 1.0 => {
-                        momentum = b
-                            .parse::<f32>()
-                            .ok()
-                            .filter(|b| *b > 0.0 && *b <= 1.0)
-                            .ok_or_else(|| {
-                                format!("dct-topk: the momentum must be within (0, 1], not {b:?}")
-                            })?;
-                    }
+                    (_, _, Some(b)) if momentum == 1.0 => momentum = parse_momentum("dct-topk", b)?,
                     _ => {
                         return Err(format!(
                             "dct-topk:CHUNK:K[:sign][:momentum=B], not dct-topk:{rest} ({part:?})"
@@ -302,10 +319,18 @@ impl GradientCompression {
             ));
         }
         let codec = name.parse::<Codec>().map_err(|e| {
-            format!("{e} (or powersgd:RANK, dct-topk:CHUNK:K[:sign][:momentum=B] for compressed gradients)")
+            format!("{e} (or powersgd:RANK[:momentum=B], dct-topk:CHUNK:K[:sign][:momentum=B] for compressed gradients)")
         })?;
         Ok((codec, GradientCompression::Codec))
     }
+}
+
+/// A compressor's `momentum=B`, within (0, 1].
+fn parse_momentum(compressor: &str, b: &str) -> Result<f32, String> {
+    b.parse::<f32>()
+        .ok()
+        .filter(|b| *b > 0.0 && *b <= 1.0)
+        .ok_or_else(|| format!("{compressor}: the momentum must be within (0, 1], not {b:?}"))
 }
 
 /// What one call to [`CollaborativeOptimizer::step`] did.

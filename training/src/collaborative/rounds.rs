@@ -49,18 +49,33 @@ pub(super) async fn average_gradients(
 /// BLAKE3 hash). Peers with the same parameters and optimizer state have the same digest.
 pub(super) fn state_digest(buffers: &[&[f32]]) -> u64 {
     let mut hasher = blake3::Hasher::new();
-    let mut bytes = [0u8; 4096];
     for b in buffers {
         hasher.update(&(b.len() as u64).to_le_bytes());
-        for piece in b.chunks(bytes.len() / 4) {
-            for (dst, v) in bytes.chunks_exact_mut(4).zip(piece) {
-                dst.copy_from_slice(&v.to_le_bytes());
+        if cfg!(target_endian = "little") {
+            // The values' bytes as they lie: already little-endian.
+            hasher.update(bytemuck::cast_slice(b));
+        } else {
+            let mut bytes = [0u8; 4096];
+            for piece in b.chunks(bytes.len() / 4) {
+                for (dst, v) in bytes.chunks_exact_mut(4).zip(piece) {
+                    dst.copy_from_slice(&v.to_le_bytes());
+                }
+                hasher.update(&bytes[..piece.len() * 4]);
             }
-            hasher.update(&bytes[..piece.len() * 4]);
         }
     }
     let hash = hasher.finalize();
     u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// Runs `work` (CPU-bound: a digest of a whole model's state) so that it does not hold up the
+/// runtime's other tasks: on a multi-threaded runtime its worker hands its tasks to another
+/// thread first ([`tokio::task::block_in_place`]); elsewhere it runs in place.
+pub(super) fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
 }
 
 /// Which rounds carry the state, whether rounds keep members identical, and each step's rate.
@@ -125,7 +140,7 @@ pub(super) async fn reconcile_state(
     let round = round.as_ref().ok()?;
     let digest = exact.then(|| {
         let views: Vec<&[f32]> = state.iter().map(|b| &**b).collect();
-        state_digest(&views)
+        off_the_runtime(|| state_digest(&views))
     });
     Some(
         averager
@@ -173,6 +188,7 @@ pub(super) enum CompressorSpec {
         len: usize,
         layout: Vec<LowRankMatrix>,
         seed: u64,
+        momentum: f32,
     },
     Dct {
         len: usize,
@@ -195,7 +211,7 @@ impl CompressorSpec {
     ) -> Result<Option<Self>, TrainingError> {
         let spec = match compression {
             GradientCompression::Codec => return Ok(None),
-            GradientCompression::PowerSgd { rank } => {
+            GradientCompression::PowerSgd { rank, momentum } => {
                 let layout = params
                     .iter()
                     .filter(|(_, t)| t.shape().len() >= 2)
@@ -214,6 +230,7 @@ impl CompressorSpec {
                     len: params.len(),
                     layout,
                     seed,
+                    momentum,
                 }
             }
             GradientCompression::DctTopK {
@@ -248,7 +265,12 @@ impl CompressorSpec {
                 len,
                 layout,
                 seed,
-            } => Compressor::PowerSgd(PowerSgd::new(*rank, *len, layout, *seed).map_err(err)?),
+                momentum,
+            } => Compressor::PowerSgd(
+                PowerSgd::new(*rank, *len, layout, *seed)
+                    .and_then(|s| s.momentum(*momentum))
+                    .map_err(err)?,
+            ),
             CompressorSpec::Dct {
                 len,
                 chunk,
@@ -348,5 +370,100 @@ pub(super) fn note_round(
             report.averaging_error = Some(e.to_string());
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The digest against a plain reference (BLAKE3 of the lengths and little-endian bytes),
+    /// and it tells one changed bit apart.
+    #[test]
+    fn the_digest_is_blake3_of_the_bytes_and_sees_one_bit() {
+        let a: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..77).map(|i| i as f32 - 30.5).collect();
+        let mut bytes = Vec::new();
+        for buf in [&a, &b] {
+            bytes.extend_from_slice(&(buf.len() as u64).to_le_bytes());
+            for v in buf.iter() {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let want = u64::from_le_bytes(blake3::hash(&bytes).as_bytes()[..8].try_into().unwrap());
+        assert_eq!(state_digest(&[&a, &b]), want);
+        let mut c = a.clone();
+        c[4321] = f32::from_bits(c[4321].to_bits() ^ 1);
+        assert_ne!(state_digest(&[&c, &b]), want);
+        // The split between buffers counts, not only the concatenation.
+        assert_ne!(state_digest(&[&a[..10], &a[10..], &b]), want);
+    }
+
+    /// The momentum of a compression spec reaches the compressor it builds, and PowerSGD
+    /// compresses the tensors of two or more dimensions.
+    #[test]
+    fn compressor_specs_carry_their_momentum() {
+        let mut params = ParamSet::new();
+        params.add_zeros("w", &[32, 16]).unwrap();
+        params.add_zeros("b", &[32]).unwrap();
+        params.add_zeros("conv", &[8, 4, 3, 3]).unwrap();
+        let spec = CompressorSpec::of(
+            GradientCompression::PowerSgd {
+                rank: 2,
+                momentum: 0.9,
+            },
+            &params,
+            "run",
+        )
+        .unwrap()
+        .unwrap();
+        match spec.build().unwrap() {
+            Compressor::PowerSgd(s) => {
+                assert_eq!(s.beta(), 0.9);
+                let shapes: Vec<(usize, usize)> =
+                    s.compressed().iter().map(|m| (m.rows, m.cols)).collect();
+                assert_eq!(shapes, [(32, 16), (8, 36)]);
+            }
+            _ => panic!("not PowerSGD"),
+        }
+        let dct = GradientCompression::DctTopK {
+            chunk: 64,
+            k: 2,
+            sign: false,
+            momentum: 0.5,
+        };
+        match CompressorSpec::of(dct, &params, "run")
+            .unwrap()
+            .unwrap()
+            .build()
+            .unwrap()
+        {
+            Compressor::Dct(s) => assert_eq!(s.beta(), 0.5),
+            _ => panic!("not DCT"),
+        }
+        assert!(
+            CompressorSpec::of(GradientCompression::Codec, &params, "run")
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    /// `off_the_runtime` runs its work on every kind of runtime and from every place a step
+    /// can run: a multi-threaded runtime's `block_on` and its tasks, a current-thread
+    /// runtime, and no runtime.
+    #[test]
+    fn off_the_runtime_runs_everywhere() {
+        assert_eq!(off_the_runtime(|| 7), 7);
+        let multi = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .unwrap();
+        assert_eq!(multi.block_on(async { off_the_runtime(|| 8) }), 8);
+        let task = multi.spawn(async { off_the_runtime(|| 9) });
+        assert_eq!(multi.block_on(task).unwrap(), 9);
+        let single = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert_eq!(single.block_on(async { off_the_runtime(|| 10) }), 10);
     }
 }
