@@ -93,12 +93,14 @@ pub fn gradient_compressors(size: usize, iterations: usize) -> Vec<CodecBenchRep
         for rank in [1, 4, 16] {
             out.push(bench_powersgd(input, side, rank, x, iterations));
         }
-        for (k, values) in [
-            (8, crate::dct::DctValues::F16),
-            (2, crate::dct::DctValues::F16),
-            (2, crate::dct::DctValues::Sign),
+        for (chunk, k, values) in [
+            (64, 8, crate::dct::DctValues::F16),
+            (64, 2, crate::dct::DctValues::F16),
+            (64, 2, crate::dct::DctValues::Sign),
+            // DeMo's density.
+            (256, 1, crate::dct::DctValues::F16),
         ] {
-            out.push(bench_dct(input, k, values, x, iterations));
+            out.push(bench_dct(input, chunk, k, values, x, iterations));
         }
     }
     out
@@ -162,6 +164,7 @@ fn bench_powersgd(
 
 fn bench_dct(
     input: &str,
+    chunk: usize,
     k: usize,
     values: crate::dct::DctValues,
     x: &[f32],
@@ -173,9 +176,9 @@ fn bench_dct(
     } else {
         ""
     };
-    let mut report = empty_report(format!("dct-topk:64:{k}{sign} ({input})"), x.len());
+    let mut report = empty_report(format!("dct-topk:{chunk}:{k}{sign} ({input})"), x.len());
     let outcome = (|| -> crate::Result<()> {
-        let mut state = DctTopK::new(x.len(), 64, k, values)?;
+        let mut state = DctTopK::new(x.len(), chunk, k, values)?;
         let mut c = vec![0f32; x.len()];
         let mut y = vec![0f32; x.len()];
         let zstd = EncodeOptions::default().with_zstd(1);

@@ -59,6 +59,9 @@ pub struct DctTopK {
     basis: Vec<f32>,
     /// The same for the last, shorter chunk (empty when `len` is a multiple of `chunk`).
     tail_basis: Vec<f32>,
+    /// The fast forward transforms of a chunk and of the last, shorter one.
+    forward: Forward,
+    tail_forward: Option<Forward>,
     /// What earlier rounds did not send, per coefficient.
     residual: Vec<f32>,
     /// The residual the round in progress leaves, committed by `finish`.
@@ -79,6 +82,7 @@ impl DctTopK {
             )));
         }
         let tail = len % chunk;
+        let mut planner = rustdct::DctPlanner::new();
         Ok(DctTopK {
             len,
             chunk,
@@ -86,6 +90,8 @@ impl DctTopK {
             values,
             basis: basis(chunk),
             tail_basis: if tail > 0 { basis(tail) } else { Vec::new() },
+            forward: Forward::new(&mut planner, chunk),
+            tail_forward: (tail > 0).then(|| Forward::new(&mut planner, tail)),
             residual: vec![0.0; len],
             pending: Vec::new(),
             momentum: 1.0,
@@ -180,12 +186,11 @@ impl DctTopK {
         let mut kept_count = 0usize;
         for (start, n) in self.chunks() {
             let range = start..start + n;
-            let b = if n == self.chunk {
-                &self.basis
-            } else {
-                &self.tail_basis
+            let forward = match &mut self.tail_forward {
+                Some(tail) if n != self.chunk => tail,
+                _ => &mut self.forward,
             };
-            transform(b, n, &grads[range.clone()], &mut pending[range.clone()]);
+            forward.apply(&grads[range.clone()], &mut pending[range.clone()]);
             for (c, r) in pending[range.clone()]
                 .iter_mut()
                 .zip(&self.residual[range.clone()])
@@ -195,11 +200,22 @@ impl DctTopK {
             let coeffs = &pending[range.clone()];
             let k = self.kept(n);
             order.clear();
-            order.extend(0..n);
-            if k < n {
-                order.select_nth_unstable_by(k - 1, |&a, &b| {
-                    coeffs[b].abs().total_cmp(&coeffs[a].abs())
-                });
+            if k == 1 {
+                // The largest magnitude, in one pass (the first of equals).
+                let mut best = 0;
+                for (i, c) in coeffs.iter().enumerate() {
+                    if c.abs() > coeffs[best].abs() {
+                        best = i;
+                    }
+                }
+                order.push(best);
+            } else {
+                order.extend(0..n);
+                if k < n {
+                    order.select_nth_unstable_by(k - 1, |&a, &b| {
+                        coeffs[b].abs().total_cmp(&coeffs[a].abs())
+                    });
+                }
             }
             let dst = &mut out[range.clone()];
             dst.fill(0.0);
@@ -288,7 +304,54 @@ fn basis(n: usize) -> Vec<f32> {
     b
 }
 
-/// `out = B x` (the forward transform of one chunk).
+/// The orthonormal DCT-II of one chunk size, in O(n log n) (rustdct, FFT-based): what
+/// the dense basis computes, to rounding. Only the forward transform uses it: each peer
+/// transforms its own gradient, so its bits need not match another host's (rustfft picks its
+/// SIMD code by CPU), while the inverse of the averaged coefficients, which every member must
+/// compute to the same bits, stays the fixed-order sparse product ([`inverse`]).
+#[derive(Clone)]
+struct Forward {
+    dct: std::sync::Arc<dyn rustdct::TransformType2And3<f32>>,
+    scratch: Vec<f32>,
+    /// Scales of frequency 0 and of the others: `sqrt(1/n)` and `sqrt(2/n)`.
+    scale: (f32, f32),
+}
+
+impl std::fmt::Debug for Forward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forward")
+            .field("len", &self.dct.len())
+            .finish()
+    }
+}
+
+impl Forward {
+    fn new(planner: &mut rustdct::DctPlanner<f32>, n: usize) -> Self {
+        let dct = planner.plan_dct2(n);
+        let scratch = vec![0.0; dct.get_scratch_len()];
+        let nf = n as f64;
+        Forward {
+            dct,
+            scratch,
+            scale: ((1.0 / nf).sqrt() as f32, (2.0 / nf).sqrt() as f32),
+        }
+    }
+
+    /// `out = B x` for one chunk (`x` and `out` of the planned length).
+    fn apply(&mut self, x: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(x);
+        self.dct.process_dct2_with_scratch(out, &mut self.scratch);
+        let (first, rest) = out.split_at_mut(1);
+        first[0] *= self.scale.0;
+        for v in rest {
+            *v *= self.scale.1;
+        }
+    }
+}
+
+/// `out = B x` (the forward transform of one chunk, dense: the reference [`Forward`] is
+/// tested against).
+#[cfg(test)]
 fn transform(b: &[f32], n: usize, x: &[f32], out: &mut [f32]) {
     for (f, o) in out.iter_mut().enumerate().take(n) {
         *o = crate::lowrank::dot(&b[f * n..(f + 1) * n], &x[..n]);

@@ -47,6 +47,48 @@ fn the_basis_is_orthonormal_and_matches_the_dct_formula() {
     }
 }
 
+/// The fast forward transform (rustdct) against the dense basis product and the f64 formula,
+/// on the sizes it plans differently: powers of two, odd, prime, and the largest chunk.
+#[test]
+fn the_fast_forward_transform_matches_the_dense_one() {
+    let mut planner = rustdct::DctPlanner::new();
+    for n in [2, 7, 40, 64, 97, 256, 300, MAX_CHUNK] {
+        let b = basis(n);
+        let mut fast = Forward::new(&mut planner, n);
+        for seed in 0..3 {
+            let x = random(n, 100 * n as u64 + seed);
+            let mut dense = vec![0.0; n];
+            transform(&b, n, &x, &mut dense);
+            let mut got = vec![0.0; n];
+            fast.apply(&x, &mut got);
+            assert!(rel(&got, &dense) < 1e-5, "n {n}: {}", rel(&got, &dense));
+            // And the largest coefficient, against f64.
+            let (f, _) = got
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap();
+            let s = if f == 0 {
+                1.0 / n as f64
+            } else {
+                2.0 / n as f64
+            }
+            .sqrt();
+            let want = s
+                * (0..n)
+                    .map(|i| {
+                        f64::from(x[i])
+                            * (std::f64::consts::PI * (i as f64 + 0.5) * f as f64 / n as f64).cos()
+                    })
+                    .sum::<f64>();
+            assert!(
+                (f64::from(got[f]) - want).abs() < 1e-4 * want.abs().max(1.0),
+                "n {n} f {f}"
+            );
+        }
+    }
+}
+
 #[test]
 fn keeping_every_coefficient_gives_the_gradient_back() {
     let g = random(1000, 1); // 15 chunks of 64 and a tail of 40
@@ -66,10 +108,12 @@ fn the_largest_coefficients_are_kept_k_per_chunk() {
     let mut s = DctTopK::new(len, 64, 5, DctValues::F32).unwrap();
     let mut c = vec![0.0; len];
     s.begin(&g, &mut c).unwrap();
+    let mut planner = rustdct::DctPlanner::new();
     for (start, n) in s.chunks() {
+        // The coefficients as `begin` computes them (the fast transform: the dense one agrees
+        // to rounding, `the_fast_forward_transform_matches_the_dense_one`).
         let mut full = vec![0.0; n];
-        let b = if n == 64 { basis(64) } else { basis(n) };
-        transform(&b, n, &g[start..start + n], &mut full);
+        Forward::new(&mut planner, n).apply(&g[start..start + n], &mut full);
         let kept: Vec<usize> = (0..n).filter(|&i| c[start + i] != 0.0).collect();
         assert_eq!(kept.len(), s.kept(n), "chunk at {start}");
         let smallest_kept = kept
