@@ -6,6 +6,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use starling_node::{Node, NodeError, PeerId, Reachability};
 use tokio::task::JoinHandle;
@@ -95,6 +96,9 @@ pub struct Averager {
     prepared: Mutex<Option<Prepared>>,
     /// Peers expected to search in the next rounds (0: no hint), see [`Averager::expect_peers`].
     expected_peers: AtomicUsize,
+    /// The start grace of the next searches in milliseconds (`u64::MAX`: the configuration's),
+    /// see [`Averager::set_start_grace`].
+    start_grace_ms: std::sync::atomic::AtomicU64,
     /// The round tag searches declare (see [`Averager::set_round_tag`]).
     round_tag: std::sync::atomic::AtomicU64,
     tasks: Vec<JoinHandle<()>>,
@@ -170,6 +174,7 @@ impl Averager {
             searches_done: std::sync::atomic::AtomicU64::new(0),
             prepared: Mutex::new(None),
             expected_peers: AtomicUsize::new(0),
+            start_grace_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             round_tag: std::sync::atomic::AtomicU64::new(0),
             tasks,
             runtime: tokio::runtime::Handle::current(),
@@ -224,6 +229,23 @@ impl Averager {
     pub fn expect_peers(&self, peers: Option<usize>) {
         self.expected_peers
             .store(peers.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Sets the start grace of the next searches (`AveragerConfig::start_grace`: how long a
+    /// leader with every declared peer, but fewer than it expects, waits for the rest before it
+    /// begins); `None` returns to the configuration's. For a training loop whose peers take
+    /// about a batch's time to come to a round: a grace shorter than a batch starts the group
+    /// without a peer that is merely finishing its batch.
+    ///
+    /// ```no_run
+    /// # async fn demo(averager: starling_averager::Averager) {
+    /// // Batches take about 0.8 s here: wait up to 1.2 s for the peers still computing.
+    /// averager.set_start_grace(Some(std::time::Duration::from_millis(1200)));
+    /// # }
+    /// ```
+    pub fn set_start_grace(&self, grace: Option<Duration>) {
+        let ms = grace.map_or(u64::MAX, |g| (g.as_millis() as u64).min(u64::MAX - 1));
+        self.start_grace_ms.store(ms, Ordering::Relaxed);
     }
 
     /// The configuration in force.
@@ -661,9 +683,20 @@ impl Averager {
         let cfg = &self.config;
         let group_key = format!("{}.averager.{schema:016x}.{grid}", cfg.prefix);
         let expected = self.expected_peers.load(Ordering::Relaxed);
-        let config = if expected > 0 && expected < cfg.target_group_size {
+        let grace = self.start_grace_ms.load(Ordering::Relaxed);
+        let fewer = expected > 0 && expected < cfg.target_group_size;
+        let config = if fewer || grace != u64::MAX {
             Arc::new(AveragerConfig {
-                target_group_size: expected.max(cfg.min_group_size),
+                target_group_size: if fewer {
+                    expected.max(cfg.min_group_size)
+                } else {
+                    cfg.target_group_size
+                },
+                start_grace: if grace != u64::MAX {
+                    Some(Duration::from_millis(grace))
+                } else {
+                    cfg.start_grace
+                },
                 ..(**cfg).clone()
             })
         } else {

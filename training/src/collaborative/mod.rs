@@ -654,6 +654,7 @@ impl CollaborativeOptimizer {
         // Every live peer searches about now: a group of them need not wait out the window.
         self.averager
             .expect_peers(swarm_peers(report.swarm.as_ref()));
+        self.grace_for_batches();
         // Peers in another epoch never group (one a round behind would average gradients of
         // other parameters): it learns at its search that it is behind.
         self.averager.set_round_tag(self.epoch);

@@ -377,6 +377,23 @@ pub(super) fn note_round(
 mod tests {
     use super::*;
 
+    /// A leader waits one and a half batches for peers still computing, never less than the
+    /// averager's default nor more than half the window; a batch time that is not a time
+    /// (no rate yet) leaves the default.
+    #[test]
+    fn the_start_grace_covers_a_batch_within_its_bounds() {
+        use super::super::schedule::batch_grace;
+        let (floor, ceiling) = (Duration::from_millis(500), Duration::from_millis(2500));
+        let ms = |b: f64| batch_grace(b, floor, ceiling).as_millis();
+        assert_eq!(ms(0.8), 1200);
+        assert_eq!(ms(1.0), 1500);
+        assert_eq!(ms(0.004), 500);
+        assert_eq!(ms(30.0), 2500);
+        assert_eq!(ms(f64::INFINITY), 500);
+        assert_eq!(ms(f64::NAN), 500);
+        assert_eq!(ms(-1.0), 500);
+    }
+
     /// The digest against a plain reference (BLAKE3 of the lengths and little-endian bytes),
     /// and it tells one changed bit apart.
     #[test]

@@ -129,6 +129,7 @@ impl CollaborativeOptimizer {
             return;
         }
         self.averager.expect_peers(swarm_peers(Some(swarm)));
+        self.grace_for_batches();
         self.averager.set_round_tag(self.epoch);
         let deadline = std::time::Instant::now() + self.cfg.averaging_timeout;
         // (A round that carries the state averages the gradients as any other does, and
@@ -146,6 +147,22 @@ impl CollaborativeOptimizer {
                 "matchmaking started ahead of the batch"
             );
         }
+    }
+
+    /// Lets the round's leader wait for peers still finishing a batch: the start grace of the
+    /// next search is one and a half of this peer's batch times (peers of a run compute alike),
+    /// at least the averager's default, at most half the matchmaking window. A grace shorter
+    /// than a batch began groups without a peer that was merely computing (4 charlm peers on 2
+    /// cores, batches of 0.5-1 s: a third of the rounds in groups of 2 or 3), and each such
+    /// peer fell an epoch behind and had to sync. A grace the caller configured stays.
+    pub(super) fn grace_for_batches(&self) {
+        let cfg = &self.cfg.averager;
+        if cfg.start_grace.is_some() || self.last_batch_samples == 0 {
+            return;
+        }
+        let batch = self.last_batch_samples as f64 / self.compute_rate;
+        let grace = batch_grace(batch, cfg.effective_start_grace(), cfg.matchmaking_time / 2);
+        self.averager.set_start_grace(Some(grace));
     }
 
     /// Keeps the matchmaking estimate: the time a round that searched only when its step began
@@ -235,4 +252,14 @@ impl CollaborativeOptimizer {
         };
         self.tolerate(published).map(|_| ())
     }
+}
+
+/// A start grace of one and a half batches of `batch` seconds, within `floor..=ceiling`.
+pub(super) fn batch_grace(batch: f64, floor: Duration, ceiling: Duration) -> Duration {
+    let wanted = if batch.is_finite() && batch > 0.0 {
+        Duration::from_secs_f64((1.5 * batch).min(3600.0))
+    } else {
+        Duration::ZERO
+    };
+    wanted.max(floor).min(ceiling)
 }
