@@ -425,10 +425,13 @@ async fn the_delayed_update_applies_every_step_once_in_order_and_keeps_peers_ide
         let a_stale = accuracy(&stale_single_peer_baseline(train), &val);
         eprintln!("validation accuracy: delayed update {a_swarm:.3}, one peer {a_single:.3}, one peer stale {a_stale:.3}");
         // What staleness costs is the stale baseline's loss against the fresh one (at this
-        // learning rate, 12 epochs: about 15 points); the swarm loses nothing beyond it.
+        // learning rate, 12 epochs: about 15 points); the swarm loses nothing beyond it. A
+        // round that ends before a peer's next batches lets those batches see the fresh
+        // parameters, so the swarm may do better than the all-stale baseline (0.789 against
+        // 0.767 in one CI run), never better than fresh gradients.
         assert!(
-            (a_swarm - a_stale).abs() <= 0.02,
-            "delayed update {a_swarm} vs one stale peer {a_stale}"
+            a_swarm >= a_stale - 0.02 && a_swarm <= a_single.max(a_stale) + 0.02,
+            "delayed update {a_swarm} vs one stale peer {a_stale} and one fresh peer {a_single}"
         );
         assert!(a_swarm > 0.6, "the model learned ({a_swarm})");
     })
