@@ -341,12 +341,7 @@ impl Router {
                 if let ReduceMsg::Verdict { evidence, .. } = hello {
                     let _ = verdicts.try_send(IncomingVerdict { peer, evidence });
                 }
-                let _ = timeout(self.request_timeout, async {
-                    write_control(&mut stream, &ReduceMsg::Ready).await?;
-                    futures::AsyncWriteExt::close(&mut stream).await?;
-                    Ok::<_, AveragerError>(())
-                })
-                .await;
+                self.answer(peer, stream, &ReduceMsg::Ready).await;
                 return;
             }
             Some(Ok(tx)) => Some(tx),
@@ -373,13 +368,7 @@ impl Router {
 impl Router {
     /// Answers a verifier's request for a block of this peer's result in a recent round
     /// (`what`: the part's absolute start, its length, the block).
-    async fn on_reveal(
-        &self,
-        peer: PeerId,
-        round_id: u64,
-        what: (u64, u64, u32),
-        mut stream: Lane,
-    ) {
+    async fn on_reveal(&self, peer: PeerId, round_id: u64, what: (u64, u64, u32), stream: Lane) {
         let (start, len, block) = what;
         let until = Instant::now() + self.request_timeout;
         let shown = match (usize::try_from(start), usize::try_from(len)) {
@@ -396,12 +385,25 @@ impl Router {
                 ReduceMsg::Excluded(why)
             }
         };
-        let _ = timeout(self.request_timeout, async {
-            write_control(&mut stream, &reply).await?;
-            futures::AsyncWriteExt::close(&mut stream).await?;
+        self.answer(peer, stream, &reply).await;
+    }
+
+    /// Writes the one-message answer to a verdict or a reveal request. A fast lane (a warm one
+    /// from the round's exchange, most often) is parked again for the next round; a libp2p
+    /// stream is closed.
+    async fn answer(&self, peer: PeerId, mut stream: Lane, reply: &ReduceMsg) {
+        let written = timeout(self.request_timeout, async {
+            write_control(&mut stream, reply).await?;
+            futures::AsyncWriteExt::flush(&mut stream).await?;
+            if !stream.is_fast() {
+                futures::AsyncWriteExt::close(&mut stream).await?;
+            }
             Ok::<_, AveragerError>(())
         })
         .await;
+        if let (Ok(Ok(())), Lane::Fast(lane)) = (written, stream) {
+            self.park(peer, *lane);
+        }
     }
 }
 

@@ -11,8 +11,11 @@ use tokio::time::Instant;
 use starling_compression::Codec;
 
 use super::Round;
+use crate::transport::Lane;
 use crate::verify::{merkle, Evidence, Seal, SignedResult};
-use crate::wire::{Control, MemberIdx, ReduceMsg, MAX_CONTROL_BYTES, REDUCE_PROTOCOL};
+use crate::wire::{
+    read_control, write_control, Control, MemberIdx, ReduceMsg, MAX_CONTROL_BYTES, REDUCE_PROTOCOL,
+};
 
 /// Least time before the round's deadline worth starting a check in.
 const MIN_AUDIT_TIME: std::time::Duration = std::time::Duration::from_millis(100);
@@ -106,27 +109,14 @@ async fn check(
         len: part.range.len() as u64,
         block: block as u32,
     };
-    let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
-    let transport = &round.env.transport;
+    let peer = round.peer(j);
     let until = (Instant::now() + cfg.request_timeout).min(round.deadline);
-    let opened = open_confirmed(
-        || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
-        &Control::Control(&request),
-        MAX_CONTROL_BYTES + 1,
-        until,
-        Retry::default(),
-    )
-    .await;
-    let reveal = match opened {
-        Ok(c) => match c.reply {
-            Control::Control(ReduceMsg::Revealed(r)) => r,
-            Control::Control(ReduceMsg::Excluded(why)) => {
-                return Verdict::Unanswered(format!("the reducer would not reveal: {why}"))
-            }
-            Control::Control(other) => {
-                return Verdict::Unanswered(format!("unexpected answer {other:?}"))
-            }
-        },
+    let reveal = match ask(round, j, &request, until).await {
+        Ok(ReduceMsg::Revealed(r)) => r,
+        Ok(ReduceMsg::Excluded(why)) => {
+            return Verdict::Unanswered(format!("the reducer would not reveal: {why}"))
+        }
+        Ok(other) => return Verdict::Unanswered(format!("unexpected answer {other:?}")),
         Err(OpenError::Unanswered { last, .. }) => {
             return Verdict::Unanswered(format!("the reducer did not answer: {last}"))
         }
@@ -182,6 +172,60 @@ async fn check(
     }
 }
 
+/// Sends `msg` (a reveal request or a verdict) to member `j` and reads its one-message answer.
+/// On the warm lane this round's exchange with `j` left idle when there is one: no new
+/// connection (opening one took 4-7 ms on a busy loopback, and every member waits for the
+/// slowest verdict), and the lane stays warm for the next round. Otherwise, or if that lane
+/// breaks before answering, on a lane of its own.
+async fn ask(
+    round: &Round,
+    j: MemberIdx,
+    msg: &ReduceMsg,
+    until: Instant,
+) -> Result<ReduceMsg, OpenError> {
+    let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
+    let transport = &round.env.transport;
+    if let Some(lane) = transport.take_idle(peer) {
+        let mut lane = Lane::Fast(Box::new(lane));
+        let answer = tokio::time::timeout_at(until, async {
+            write_control(&mut lane, msg).await?;
+            read_control::<_, ReduceMsg>(&mut lane).await
+        })
+        .await;
+        match answer {
+            Ok(Ok(reply)) => {
+                if let Lane::Fast(lane) = lane {
+                    transport.keep_idle(peer, *lane);
+                }
+                return Ok(reply);
+            }
+            Ok(Err(e)) => tracing::debug!(%peer, "a warm lane broke, opening one: {e}"),
+            Err(_) => {
+                return Err(OpenError::Unanswered {
+                    attempts: 1,
+                    last: "no answer on the warm lane in time".into(),
+                    timed_out: true,
+                })
+            }
+        }
+    }
+    open_confirmed(
+        || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
+        &Control::Control(msg),
+        MAX_CONTROL_BYTES + 1,
+        until,
+        Retry::default(),
+    )
+    .await
+    .map(|c| {
+        if let Lane::Fast(lane) = c.stream {
+            transport.keep_idle(peer, *lane);
+        }
+        let Control::Control(reply) = c.reply;
+        reply
+    })
+}
+
 /// Least time a member waits for the others' verdicts after its own phase 1 (see
 /// [`verdict_wait`]).
 const MIN_VERDICT_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
@@ -215,18 +259,8 @@ pub(super) fn send_verdicts(
     for j in MemberIdx::all(round.peers.len()).filter(|j| *j != round.me && !skip.contains(j)) {
         let (round, msg) = (round.clone(), msg.clone());
         let send = async move {
-            let (peer, addrs) = (round.peer(j), &round.addrs[j.get()]);
-            let transport = &round.env.transport;
-            let sent = open_confirmed::<_, _, _, _, _, Control<ReduceMsg>>(
-                || transport.open_lane(peer, addrs, REDUCE_PROTOCOL),
-                &Control::Control(&msg),
-                MAX_CONTROL_BYTES + 1,
-                until,
-                Retry::default(),
-            )
-            .await;
-            if let Err(e) = sent {
-                tracing::debug!(%peer, "sending this round's verdict: {e}");
+            if let Err(e) = ask(&round, j, &msg, until).await {
+                tracing::debug!(peer = %round.peer(j), "sending this round's verdict: {e}");
             }
         };
         tokio::spawn(tracing::Instrument::in_current_span(send));

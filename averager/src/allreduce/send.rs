@@ -15,6 +15,7 @@ use super::{chunk_bytes_for, rogue, Round, Segment};
 use crate::config::{Fault, Rogue};
 use crate::pool::PoolBuf;
 use crate::transport::{unsplit_fast, Lane, LaneWriter};
+use crate::verify::Seal;
 use crate::wire::{
     read_control, read_frame_into, write_chunk, write_control, write_data, ChunkOut, Control,
     Frame, MemberIdx, ReduceMsg, SpanChunks, MAX_CONTROL_BYTES, REDUCE_PROTOCOL, UNKNOWN_ROUND,
@@ -285,6 +286,13 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
     .map_err(|e| SendFail::other(e.to_string()))?;
     let mut index = 0;
     let rogue = rogue::of(cfg).filter(|_| phase1);
+    // With the exact codec the seals are over our own values, known before anything is sent:
+    // they are hashed and signed on a blocking thread, ahead of the writes, so the hashing
+    // overlaps the transfer instead of following each chunk.
+    let mut ahead = match (&round.env.signer, &as_sent) {
+        (Some(_), None) if cfg.zstd_level.is_none() => Some(seals_ahead(round, to, part.len())),
+        _ => None,
+    };
     while let Some(chunk) = chunks.next_chunk() {
         if phase1 && round.crash_if(Fault::AfterSentChunks(index)).await {
             return Err(SendFail::other("fault injected: crashed while sending"));
@@ -319,13 +327,25 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
                 None => &part[at..at + count],
             };
             let (j, span_start) = to;
-            let seal = signer.seal_input(
-                round.round_id,
-                &round.peer(j),
-                span_start + at,
-                round.weight,
-                values,
-            );
+            let precomputed = match ahead.as_mut() {
+                Some(rx) => rx.recv().await.filter(|(a, c, _)| (*a, *c) == (at, count)),
+                None => None,
+            };
+            let seal = match precomputed {
+                Some((_, _, seal)) => seal,
+                None => {
+                    // Not precomputed (a lossy codec), or the thread's chunking disagreed:
+                    // seal here (and stop reading a thread that is out of step).
+                    ahead = None;
+                    signer.seal_input(
+                        round.round_id,
+                        &round.peer(j),
+                        span_start + at,
+                        round.weight,
+                        values,
+                    )
+                }
+            };
             sent += write_control(wr, &ReduceMsg::Seal(seal))
                 .await
                 .map_err(|e| SendFail::reducer(e.to_string()))?;
@@ -338,6 +358,38 @@ async fn write_span<W: futures::AsyncWrite + Unpin>(
         .await
         .map_err(|e| SendFail::reducer(e.to_string()))?;
     Ok(sent)
+}
+
+/// Seals of our values of `span_start..span_start + len` (sent to reducer `j`), one per chunk
+/// as [`write_span`] cuts them with the exact codec, computed in order on a blocking thread:
+/// `(offset in the span, count, seal)`. At most a few run ahead of the writes; the thread stops
+/// when the receiver is dropped.
+fn seals_ahead(
+    round: &Round,
+    (j, span_start): (MemberIdx, usize),
+    len: usize,
+) -> tokio::sync::mpsc::Receiver<(usize, usize, Seal)> {
+    const AHEAD: usize = 4;
+    let (tx, rx) = tokio::sync::mpsc::channel(AHEAD);
+    let Some(signer) = round.env.signer.clone() else {
+        return rx;
+    };
+    let flat = round.flat.clone();
+    let (round_id, reducer, weight) = (round.round_id, round.peer(j), round.weight);
+    let chunk_bytes = chunk_bytes_for(round.config(), len);
+    tokio::task::spawn_blocking(move || {
+        let part = &flat[span_start..span_start + len];
+        let Ok(mut chunks) = SpanChunks::new(Codec::None, part, chunk_bytes, None) else {
+            return;
+        };
+        while let Some(Ok(ChunkOut::Raw { values, offset, .. })) = chunks.next_chunk() {
+            let seal = signer.seal_input(round_id, &reducer, span_start + offset, weight, values);
+            if tx.blocking_send((offset, values.len(), seal)).is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// Fault injection: writes the rogue version of a sender's first chunk (after which the honest
