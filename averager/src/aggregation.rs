@@ -25,6 +25,13 @@
 //!   weight share times τ per iteration however large it is. It stops early once the centre
 //!   moves by less than 10⁻⁵ τ. Unlike the coordinate-wise rules it
 //!   keeps the mean's precision when everyone is honest (nothing is clipped much).
+//!   With `reject=K`, a contribution still farther than K times the clipping radius from the
+//!   converged centre is then left out, and clipping runs again from that centre over the
+//!   others (only while those left out hold less than half the weight). A clipped contribution
+//!   still pulls the centre by its weight share times τ each iteration, so clipping alone keeps
+//!   a bias towards liars that sit a few radii out (a flipped momentum does); leaving them out
+//!   removes it. Honest contributions of a part of many coordinates lie within a few tens of
+//!   percent of the median distance, so K = 2 leaves none of them out.
 //!
 //! None of them stops a liar who stays within the honest spread (the "a little is enough"
 //! attack shifts every coordinate by a fraction of the honest standard deviation): they bound
@@ -36,13 +43,15 @@ use std::str::FromStr;
 /// How a reducer combines the contributions to its span (`AveragerConfig::aggregation`). All
 /// members of a group use the same: peers with different aggregations never group (as with a
 /// different codec). Parsed from and printed as `mean`, `median`, `trimmed-mean[:FRACTION]`,
-/// `centered-clip[:iters=N][,tau=T]`.
+/// `centered-clip[:iters=N][,tau=T][,reject=K]`.
 ///
 /// ```
 /// use starling_averager::Aggregation;
 /// let a: Aggregation = "centered-clip:iters=20,tau=0.5".parse().unwrap();
-/// assert_eq!(a, Aggregation::CenteredClip { iterations: 20, radius: Some(0.5) });
+/// assert_eq!(a, Aggregation::CenteredClip { iterations: 20, radius: Some(0.5), reject: None });
 /// assert_eq!(a.to_string(), "centered-clip:iters=20,tau=0.5");
+/// let r: Aggregation = "centered-clip:reject=2".parse().unwrap();
+/// assert_eq!(r.to_string(), "centered-clip:iters=5,reject=2");
 /// assert_eq!("trimmed-mean".parse::<Aggregation>().unwrap(), Aggregation::TrimmedMean { trim: 0.25 });
 /// assert!("mode".parse::<Aggregation>().is_err());
 /// ```
@@ -66,6 +75,9 @@ pub enum Aggregation {
         /// The clipping radius; `None` (the default): the median distance from the centre,
         /// recomputed every iteration.
         radius: Option<f32>,
+        /// Leave out contributions farther than this many radii from the converged centre
+        /// and clip again over the rest (at least 1); `None` (the default): keep everyone.
+        reject: Option<f32>,
     },
 }
 
@@ -105,7 +117,14 @@ impl Aggregation {
                     ))
                 }
             }
-            Aggregation::CenteredClip { iterations, radius } => {
+            Aggregation::CenteredClip {
+                iterations,
+                radius,
+                reject,
+            } => {
+                if let Some(k) = reject.filter(|k| !(k.is_finite() && *k >= 1.0)) {
+                    return Err(format!("centered-clip: reject={k} is not a number >= 1"));
+                }
                 if !(1..=100).contains(&iterations) {
                     return Err(format!(
                         "centered-clip: iters={iterations} is not in 1..=100"
@@ -135,9 +154,18 @@ impl Aggregation {
             Aggregation::TrimmedMean { trim } => {
                 trimmed(out, inputs, &capped_weights(inputs), Some(f64::from(trim)));
             }
-            Aggregation::CenteredClip { iterations, radius } => {
-                centered_clip(out, inputs, &capped_weights(inputs), iterations, radius)
-            }
+            Aggregation::CenteredClip {
+                iterations,
+                radius,
+                reject,
+            } => centered_clip(
+                out,
+                inputs,
+                &capped_weights(inputs),
+                iterations,
+                radius,
+                reject,
+            ),
         }
     }
 }
@@ -148,10 +176,17 @@ impl fmt::Display for Aggregation {
             Aggregation::Mean => write!(f, "mean"),
             Aggregation::Median => write!(f, "median"),
             Aggregation::TrimmedMean { trim } => write!(f, "trimmed-mean:{trim}"),
-            Aggregation::CenteredClip { iterations, radius } => {
+            Aggregation::CenteredClip {
+                iterations,
+                radius,
+                reject,
+            } => {
                 write!(f, "centered-clip:iters={iterations}")?;
                 if let Some(t) = radius {
                     write!(f, ",tau={t}")?;
+                }
+                if let Some(k) = reject {
+                    write!(f, ",reject={k}")?;
                 }
                 Ok(())
             }
@@ -177,7 +212,7 @@ impl FromStr for Aggregation {
                 },
             },
             "centered-clip" => {
-                let (mut iterations, mut radius) = (CLIP_ITERATIONS, None);
+                let (mut iterations, mut radius, mut reject) = (CLIP_ITERATIONS, None, None);
                 for kv in params.split(',').filter(|p| !p.is_empty()) {
                     match kv.split_once('=') {
                         Some(("iters", v)) => {
@@ -191,19 +226,29 @@ impl FromStr for Aggregation {
                                     format!("centered-clip: tau={v} is not a number")
                                 })?)
                         }
+                        Some(("reject", v)) => {
+                            reject = Some(v.parse().map_err(|_| {
+                                format!("centered-clip: reject={v} is not a number")
+                            })?)
+                        }
                         _ => {
                             return Err(format!(
-                                "centered-clip: unknown parameter {kv:?} (iters=N, tau=T)"
+                                "centered-clip: unknown parameter {kv:?} (iters=N, tau=T, \
+                                 reject=K)"
                             ))
                         }
                     }
                 }
-                Aggregation::CenteredClip { iterations, radius }
+                Aggregation::CenteredClip {
+                    iterations,
+                    radius,
+                    reject,
+                }
             }
             _ => {
                 return Err(format!(
                     "unknown aggregation {s:?} (mean, median, trimmed-mean[:FRACTION], \
-                     centered-clip[:iters=N][,tau=T])"
+                     centered-clip[:iters=N][,tau=T][,reject=K])"
                 ))
             }
         };
@@ -364,11 +409,40 @@ fn centered_clip(
     weights: &[f64],
     iterations: u32,
     radius: Option<f32>,
+    reject: Option<f32>,
 ) {
-    let total: f64 = weights.iter().sum();
     out.copy_from_slice(medoid(inputs, weights));
+    let tau = clip_from(out, inputs, weights, iterations, radius);
+    let (Some(k), Some(tau)) = (reject, tau) else {
+        return;
+    };
+    let limit = f64::from(k) * tau;
+    let mut kept = weights.to_vec();
+    for (w, (_, x)) in kept.iter_mut().zip(inputs) {
+        if distance(x, out) > limit {
+            *w = 0.0;
+        }
+    }
+    let (total, left): (f64, f64) = (weights.iter().sum(), kept.iter().sum());
+    // Only a minority of the weight is ever left out (nothing at all when all are honest).
+    if left < total && left > total / 2.0 {
+        clip_from(out, inputs, &kept, iterations, radius);
+    }
+}
+
+/// Centered clipping from the centre in `out` over the inputs of positive weight (see the module
+/// docs); returns the last clipping radius (`None` if there was none to use).
+fn clip_from(
+    out: &mut [f32],
+    inputs: &[(f64, &[f32])],
+    weights: &[f64],
+    iterations: u32,
+    radius: Option<f32>,
+) -> Option<f64> {
+    let total: f64 = weights.iter().sum();
     let mut step = vec![0.0f32; out.len()];
     let mut distances = vec![0.0f64; inputs.len()];
+    let mut last = None;
     for _ in 0..iterations {
         for (d, (_, x)) in distances.iter_mut().zip(inputs) {
             *d = distance(x, out);
@@ -376,7 +450,15 @@ fn centered_clip(
         let tau = match radius {
             Some(t) => f64::from(t),
             None => {
-                let mut sorted = distances.clone();
+                let mut sorted: Vec<f64> = distances
+                    .iter()
+                    .zip(weights)
+                    .filter(|(_, w)| **w > 0.0)
+                    .map(|(d, _)| *d)
+                    .collect();
+                if sorted.is_empty() {
+                    break;
+                }
                 sorted.sort_by(f64::total_cmp);
                 sorted[sorted.len() / 2]
             }
@@ -384,6 +466,7 @@ fn centered_clip(
         if tau.is_nan() || tau <= 0.0 {
             break;
         }
+        last = Some(tau);
         step.fill(0.0);
         for ((w, (_, x)), d) in weights.iter().zip(inputs).zip(&distances) {
             let clip = if *d > tau { tau / d } else { 1.0 };
@@ -402,6 +485,7 @@ fn centered_clip(
             break;
         }
     }
+    last
 }
 
 #[cfg(test)]
@@ -453,6 +537,8 @@ mod tests {
             "trimmed-mean:0.1",
             "centered-clip:iters=3",
             "centered-clip:iters=10,tau=2",
+            "centered-clip:iters=5,reject=2",
+            "centered-clip:iters=10,tau=2,reject=3.5",
         ] {
             let a: Aggregation = s.parse().unwrap();
             assert_eq!(a.to_string(), s);
@@ -464,6 +550,9 @@ mod tests {
             "centered-clip:iters=0",
             "centered-clip:tau=-1",
             "centered-clip:foo=1",
+            "centered-clip:reject=0.5",
+            "centered-clip:reject=inf",
+            "centered-clip:reject=x",
             "mean:1",
             "avg",
         ] {
@@ -549,6 +638,7 @@ mod tests {
             Aggregation::CenteredClip {
                 iterations: 10,
                 radius: None,
+                reject: None,
             },
             &data,
             &[1.0; 8],
@@ -564,10 +654,47 @@ mod tests {
             Aggregation::CenteredClip {
                 iterations: 10,
                 radius: Some(1e6),
+                reject: None,
             },
             &data,
             &[1.0; 8],
         );
         assert!(max_abs_diff(&wide, &reference) < 1e-6);
+    }
+
+    /// Two liars send the honest centre with its sign flipped (plus their own noise): far
+    /// outside the clipping radius, so clipping bounds them, but each still pulls the centre by
+    /// tau per iteration. Leaving them out (`reject=2`) lands on the honest inputs' own
+    /// clipped centre; with every input honest, nobody is left out and the result is plain
+    /// clipping's, bit for bit.
+    #[test]
+    fn rejection_removes_the_pull_of_liars_a_few_radii_out() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let len = 500;
+        let honest_only = honest(&mut rng, 6, len);
+        let reference = exact_mean(&honest_only);
+        let mut data = honest_only.clone();
+        for _ in 0..2 {
+            data.push(
+                reference
+                    .iter()
+                    .map(|x| -x + rng.gen_range(-0.1f32..0.1))
+                    .collect(),
+            );
+        }
+        let w = [1.0; 8];
+        let plain: Aggregation = "centered-clip:iters=20".parse().unwrap();
+        let reject: Aggregation = "centered-clip:iters=20,reject=2".parse().unwrap();
+        let plain_err = max_abs_diff(&run(plain, &data, &w), &reference);
+        let reject_err = max_abs_diff(&run(reject, &data, &w), &reference);
+        assert!(
+            reject_err < plain_err / 3.0 && reject_err < 0.05,
+            "left out: {reject_err}, clipped only: {plain_err}"
+        );
+        // The six honest inputs alone, clipped: what rejection should have landed on.
+        let alone = run(plain, &honest_only, &[1.0; 6]);
+        assert!(max_abs_diff(&run(reject, &data, &w), &alone) < 1e-4);
+        // All honest: nobody is farther than twice the radius.
+        assert_eq!(run(reject, &honest_only, &[1.0; 6]), alone);
     }
 }
