@@ -448,6 +448,23 @@ fn bad_manifests_keys_models_data_and_hyper_parameters_are_refused_writing_nothi
         "--codec",
         &nothing,
     );
+    refused(
+        &new(&["--model", "mlp", "--worker-momentum", "1.5"]),
+        "--worker-momentum must be above 0 and below 1",
+        &nothing,
+    );
+    refused(
+        &new(&[
+            "--model",
+            "mlp",
+            "--worker-momentum",
+            "0.9",
+            "--momentum",
+            "0.9",
+        ]),
+        "give --momentum 0",
+        &nothing,
+    );
 
     // Data of the wrong format, or with inconsistent counts.
     let idx = dir.path().join("idx");

@@ -64,13 +64,18 @@ pub struct RunManifest {
     /// The averaging codec (`none`, `f16`, `u8`, ...).
     pub codec: String,
     /// How reducers combine contributions (`mean`, `median`, `trimmed-mean[:F]`,
-    /// `centered-clip[:iters=N][,tau=T]`); manifests written before it existed mean `mean`.
+    /// `centered-clip[:iters=N][,tau=T][,reject=K]`); manifests written before it existed mean `mean`.
     #[serde(default = "mean")]
     pub aggregation: String,
     /// Probability that a peer checks one random block of another reducer's result after each
     /// round (`AveragerConfig::verify`; 0: off). Manifests written before it existed mean 0.
     #[serde(default)]
     pub verify: f64,
+    /// Gradient mode: each peer averages its gradients' momentum with this factor instead of
+    /// the gradients (`CollaborativeConfig::worker_momentum`), and the optimizer has none of its
+    /// own. Left out of manifests without it (so older peers still read them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_momentum: Option<f64>,
     /// Samples per local batch.
     pub batch_size: u64,
     /// Samples per global step (gradient mode).
@@ -263,6 +268,20 @@ impl RunManifest {
         let aggregation = starling_averager::Aggregation::from_str(&self.aggregation)
             .map_err(|e| anyhow!("--aggregation {:?}: {e}", self.aggregation))?;
         in_range("--verify", self.verify, 0.0, 1.0)?;
+        if let Some(beta) = self.worker_momentum {
+            ensure!(
+                beta.is_finite() && beta > 0.0 && beta < 1.0,
+                "--worker-momentum must be above 0 and below 1, got {beta}"
+            );
+            ensure!(
+                matches!(self.mode, ModeSpec::Gradients),
+                "--worker-momentum is for gradient mode (DiLoCo's outer optimizer has its own momentum)"
+            );
+            ensure!(
+                self.optimizer.momentum == 0.0,
+                "--worker-momentum replaces the optimizer's momentum: give --momentum 0 (or leave it out)"
+            );
+        }
         if self.verify > 0.0 && !aggregation.is_coordinatewise() {
             bail!(
                 "--verify needs a coordinate-wise --aggregation (mean, median, trimmed-mean), not {}",
@@ -652,6 +671,7 @@ pub(crate) fn test_manifest(model: ModelSpec, data: DataSpec) -> RunManifest {
         codec: "none".into(),
         aggregation: "mean".into(),
         verify: 0.0,
+        worker_momentum: None,
         batch_size: 32,
         target_batch_size: 128,
         epochs: 10,

@@ -114,6 +114,7 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
         .parse()
         .map_err(|e| anyhow!("aggregation {:?}: {e}", m.aggregation))?;
     cfg.averager.verify = m.verify;
+    cfg.worker_momentum = m.worker_momentum.map(|b| b as f32);
     cfg.averaging_timeout = Duration::from_secs(15);
     cfg.lr_schedule = m.optimizer.schedule.map(|s| match s {
         ScheduleSpec::Cosine { warmup_epochs } => LrSchedule::WarmupCosine {

@@ -56,11 +56,16 @@ pub struct Hyper {
     /// (K of every CHUNK DCT coefficients); B < 1 makes what was not sent a decaying momentum.
     pub codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
-    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).
+    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T][,reject=K] (robust to lying peers).
     pub aggregation: Option<String>,
     /// Check reducers: after each round, recompute one random block of another reducer's
     /// result with this probability, and refuse peers caught lying (default 0: off).
     pub verify: Option<f64>,
+    /// Gradient mode: each peer averages the momentum of its gradients with this factor
+    /// (0 < B < 1) instead of the gradients, and the optimizer has no momentum of its own (its
+    /// `--momentum` defaults to 0 then). With a robust aggregation (centered-clip:reject=2) it
+    /// makes a peer that sends the opposite of its gradient stand out (default: off).
+    pub worker_momentum: Option<f64>,
     /// Seed of the initial parameters (default: from the clock).
     pub seed: Option<u64>,
     /// mlp: hidden units (default 64).
@@ -153,6 +158,8 @@ pub fn new_manifest(name: &str, model: &str, h: &Hyper, data: DataSpec) -> Resul
             // (A sign step takes its momentum from the compressor when it is DeMo's.)
             momentum: h.momentum.unwrap_or(match h.optimizer {
                 Some(OptimizerKind::Sign) => 0.0,
+                // The momentum is the workers' (averaged), not the optimizer's.
+                _ if h.worker_momentum.is_some() => 0.0,
                 _ => 0.9,
             }),
             schedule: schedule(h)?,
@@ -161,6 +168,7 @@ pub fn new_manifest(name: &str, model: &str, h: &Hyper, data: DataSpec) -> Resul
         codec: h.codec.clone().unwrap_or_else(|| "none".into()),
         aggregation: h.aggregation.clone().unwrap_or_else(|| "mean".into()),
         verify: h.verify.unwrap_or(0.0),
+        worker_momentum: h.worker_momentum,
         batch_size: h.batch_size.unwrap_or(if lm { 16 } else { 32 }),
         target_batch_size: h.target_batch_size.unwrap_or(if lm { 64 } else { 256 }),
         epochs,

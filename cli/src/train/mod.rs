@@ -137,13 +137,20 @@ pub struct HyperArgs {
     #[arg(long)]
     pub(crate) codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
-    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T] (robust to lying peers).
+    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T][,reject=K] (robust to lying
+    /// peers; reject=K leaves out contributions K clipping radii away).
     #[arg(long)]
     pub(crate) aggregation: Option<String>,
     /// Check reducers: after each round, recompute one random block of another reducer's
     /// result with this probability (0 to 1), and refuse peers caught lying (default 0: off).
     #[arg(long)]
     pub(crate) verify: Option<f64>,
+    /// Gradient mode: each peer averages the momentum of its gradients (factor B, 0 < B < 1)
+    /// instead of the gradients, and the optimizer's own --momentum defaults to 0. With
+    /// --aggregation centered-clip:reject=2 a peer sending the opposite of its gradient stands
+    /// out and is left out (default: off).
+    #[arg(long, value_name = "B")]
+    pub(crate) worker_momentum: Option<f64>,
     /// Seed of the initial parameters (default: from the clock).
     #[arg(long)]
     pub(crate) seed: Option<u64>,
@@ -195,6 +202,7 @@ impl HyperArgs {
             codec: self.codec.clone(),
             aggregation: self.aggregation.clone(),
             verify: self.verify,
+            worker_momentum: self.worker_momentum,
             seed: self.seed,
             hidden: self.hidden,
             context: self.context,
@@ -232,6 +240,7 @@ impl HyperArgs {
         note(self.codec.is_some(), "--codec");
         note(self.aggregation.is_some(), "--aggregation");
         note(self.verify.is_some(), "--verify");
+        note(self.worker_momentum.is_some(), "--worker-momentum");
         note(self.seed.is_some(), "--seed");
         note(self.hidden.is_some(), "--hidden");
         note(self.context.is_some(), "--context");

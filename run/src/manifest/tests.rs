@@ -75,6 +75,39 @@ fn unknown_models_newer_formats_and_bad_values_are_named() {
     let mut m = manifest("r", 1);
     m.data = DataSpec::Text { vocab: "ab".into() };
     assert!(m.validate().is_err(), "an mlp on text");
+    // Worker momentum: in (0, 1), gradient mode, no momentum of the optimizer's own; a
+    // manifest without it does not name it (older peers still read it).
+    let mut m = manifest("r", 1);
+    assert!(!serde_json::to_string(&m)
+        .unwrap()
+        .contains("worker_momentum"));
+    m.worker_momentum = Some(0.9);
+    m.validate().unwrap();
+    let back = RunManifest::from_json(&serde_json::to_string(&m).unwrap()).unwrap();
+    assert_eq!(back.worker_momentum, Some(0.9));
+    for beta in [0.0, 1.0, f64::NAN] {
+        m.worker_momentum = Some(beta);
+        let err = m.validate().unwrap_err().to_string();
+        assert!(err.contains("--worker-momentum"), "{beta}: {err}");
+    }
+    m.worker_momentum = Some(0.9);
+    m.optimizer.momentum = 0.9;
+    assert!(m
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("--momentum 0"));
+    m.optimizer.momentum = 0.0;
+    m.mode = ModeSpec::Diloco {
+        inner_steps: 4,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+    };
+    assert!(m
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("gradient mode"));
 }
 
 #[test]

@@ -143,6 +143,25 @@ pub struct CollaborativeConfig {
     /// });
     /// ```
     pub lr_schedule: Option<LrSchedule>,
+    /// Gradient mode: worker momentum (Karimireddy, He and Jaggi 2021). Each peer averages
+    /// its momentum `m <- beta * m + g` (`g` its epoch's mean gradient) instead of `g`, and
+    /// the optimizer steps with the averaged momentum: give it no momentum of its own
+    /// (`SgdConfig::new(lr)`); with the `mean` aggregation that is the same training as the
+    /// optimizer's momentum `beta`, up to rounding. What it is for: a robust aggregation sees
+    /// each peer's momentum, in which the noise of single batches has averaged out, so a peer
+    /// that sends the opposite of its gradient (or any lie a few spreads away) stands out from
+    /// the honest ones and is clipped (or, with `centered-clip:reject=2`, left out), where its
+    /// single gradients are lost in the batch noise. Peers with and without it (or with another
+    /// `beta`) never group: the averager's key names it. `None` (the default): off. Local SGD
+    /// refuses it (DiLoCo's outer optimizer has its momentum).
+    ///
+    /// ```
+    /// use starling_training::{CollaborativeConfig, Mode};
+    /// let mut cfg = CollaborativeConfig::new("run", 512, Mode::Gradients);
+    /// cfg.worker_momentum = Some(0.9);
+    /// cfg.averager.aggregation = "centered-clip:reject=2".parse().unwrap();
+    /// ```
+    pub worker_momentum: Option<f32>,
 }
 
 impl CollaborativeConfig {
@@ -171,6 +190,7 @@ impl CollaborativeConfig {
             scheduled_matchmaking: true,
             compression: GradientCompression::Codec,
             lr_schedule: None,
+            worker_momentum: None,
         }
     }
 }

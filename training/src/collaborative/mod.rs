@@ -137,6 +137,8 @@ pub struct CollaborativeOptimizer {
     accumulated: Vec<f32>,
     /// Error feedback for the (pseudo-)gradients, when `error_feedback` is on.
     residuals: Residuals,
+    /// This peer's worker momentum (`CollaborativeConfig::worker_momentum`; empty when off).
+    momentum: Vec<f32>,
     /// Compressed gradient rounds (`CollaborativeConfig::compression`): how to build the
     /// compressor, and the compressor (away with a delayed update's round while it runs;
     /// built again if that round is dropped).
@@ -217,6 +219,21 @@ impl CollaborativeOptimizer {
         if let Some(s) = &cfg.lr_schedule {
             s.validate()?;
         }
+        if let Some(beta) = cfg.worker_momentum {
+            if !(beta > 0.0 && beta < 1.0) {
+                return Err(TrainingError::Config(format!(
+                    "worker momentum {beta} is not in (0, 1)"
+                )));
+            }
+            if matches!(cfg.mode, Mode::LocalSgd { .. }) {
+                return Err(TrainingError::Config(
+                    "worker momentum is for gradient mode; DiLoCo's outer optimizer has its own"
+                        .into(),
+                ));
+            }
+            // Momenta and plain gradients must never be averaged together.
+            cfg.averager.prefix = format!("{}.train.wm{beta}", cfg.run);
+        }
         if cfg.delayed_update {
             // The round runs behind compute: waiting for a member that is late (peers start
             // their rounds at their own batch boundaries, up to a batch apart) costs nothing
@@ -282,6 +299,7 @@ impl CollaborativeOptimizer {
             epoch: 0,
             accumulated: vec![0.0; len],
             residuals: Residuals::new(),
+            momentum: Vec::new(),
             compressor_spec,
             compressor,
             samples: 0,
@@ -651,6 +669,18 @@ impl CollaborativeOptimizer {
             .iter_mut()
             .zip(&self.accumulated)
             .for_each(|(g, a)| *g = a * scale);
+        if let Some(beta) = self.cfg.worker_momentum {
+            // What this peer contributes is its momentum (see the config's docs). A round that
+            // fails, or finds this peer behind, keeps it: it is this peer's own history.
+            self.momentum.resize(self.len, 0.0);
+            self.momentum
+                .iter_mut()
+                .zip(params.grads_mut())
+                .for_each(|(m, g)| {
+                    *m = beta * *m + *g;
+                    *g = *m;
+                });
+        }
         // Every live peer searches about now: a group of them need not wait out the window.
         self.averager
             .expect_peers(swarm_peers(report.swarm.as_ref()));
