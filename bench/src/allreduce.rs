@@ -424,12 +424,7 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
     let swarm = AveragingSwarm::start(args.peers, NodeConfig::default(), |_| cfg.clone()).await?;
     // Each peer runs its own loop of rounds (as a worker process does), not `step_all`: a peer
     // that finishes a round checks its result and starts the next one on its own time.
-    let futs = swarm
-        .averagers()
-        .iter()
-        .enumerate()
-        .map(|(i, a)| worker_rounds(a, i, args, &mean));
-    let mut per_peer = match futures::future::try_join_all(futs).await {
+    let mut per_peer = match peer_loops(&swarm.averagers()[..], args, &mean) {
         Ok(per_peer) => per_peer,
         Err(e) => {
             swarm.shutdown().await;
@@ -462,12 +457,7 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
             ..args.clone()
         };
         let mean = exact_mean(left, args.size);
-        let futs = swarm.averagers()[..left]
-            .iter()
-            .enumerate()
-            .map(|(i, a)| worker_rounds(a, i, &after, &mean));
-        let per_peer = futures::future::try_join_all(futs).await;
-        match per_peer {
+        match peer_loops(&swarm.averagers()[..left], &after, &mean) {
             Ok(per_peer) => {
                 result.after_kill = Some(Box::new(summarize_with_reference(&after, per_peer)))
             }
@@ -479,6 +469,38 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
     }
     swarm.shutdown().await;
     Ok(result)
+}
+
+/// Runs [`worker_rounds`] for every averager, each peer's loop on a thread of its own (the
+/// averagers' own tasks stay on the runtime). Polled together in one task, the peers would take
+/// turns: one peer checking its result (tens of milliseconds of arithmetic over the whole
+/// vector) would hold up the others' rounds, most of all where members wait for each other
+/// (a verified round's verdicts), which a peer in its own process never does.
+fn peer_loops(
+    averagers: &[Averager],
+    args: &AllreduceArgs,
+    mean: &[f32],
+) -> Result<Vec<Vec<RoundSample>>> {
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|s| {
+            let loops: Vec<_> = averagers
+                .iter()
+                .enumerate()
+                .map(|(i, a)| {
+                    let handle = handle.clone();
+                    s.spawn(move || handle.block_on(worker_rounds(a, i, args, mean)))
+                })
+                .collect();
+            loops
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(anyhow!("a peer's loop panicked")))
+                })
+                .collect()
+        })
+    })
 }
 
 async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
