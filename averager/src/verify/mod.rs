@@ -60,7 +60,10 @@
 //! KiB (one block of each contributor) after its round, and the reducer hashes the revealed
 //! part of each contributor to build the proofs: the verifier's round lasts one round trip
 //! longer, and every member waits for the slowest member's verdict (one more message after the
-//! slowest check). Measured figures are in the README ("Checked reducers").
+//! slowest check). Reveals and verdicts travel on the lanes the round's exchanges left warm
+//! (a new lane would cost a handshake's round trips); with the exact codec a sender hashes and
+//! signs its chunks on a blocking thread ahead of its writes. Measured figures are in the
+//! README ("Checked reducers").
 //!
 //! **What it cannot catch.**
 //! - A reducer that alters a fraction `f` of its blocks is caught by one check with
