@@ -100,6 +100,7 @@ pub(crate) struct Collab {
     averaging_timeout: f64,
     target_group_size: usize,
     projected_batch: bool,
+    worker_momentum: Option<f32>,
 }
 
 impl Collab {
@@ -131,6 +132,14 @@ impl Collab {
         cfg.averager.target_group_size = self.target_group_size.max(2);
         cfg.averaging_timeout = seconds("averaging_timeout", self.averaging_timeout)?;
         cfg.projected_batch = self.projected_batch;
+        if let Some(beta) = self.worker_momentum {
+            if !(beta > 0.0 && beta < 1.0) || !matches!(mode, Mode::Gradients) {
+                return Err(PyValueError::new_err(format!(
+                    "worker_momentum {beta}: a factor above 0 and below 1, in mode \"gradients\""
+                )));
+            }
+            cfg.worker_momentum = Some(beta);
+        }
         if matches!(mode, Mode::LocalSgd { .. }) {
             cfg.outer = SgdConfig::new(self.outer_lr)
                 .momentum(self.outer_momentum)

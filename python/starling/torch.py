@@ -148,7 +148,13 @@ class Optimizer:
             or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK[:momentum=B]``
             (low-rank matrices) or ``dct-topk:CHUNK:K[:sign][:momentum=B]`` (K of every CHUNK
             DCT coefficients); ``B < 1`` keeps what was not sent as a decaying momentum.
-        aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip``.
+        aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip`` (with
+            ``reject=2``, ``centered-clip:reject=2``, contributions far from the others are
+            left out).
+        worker_momentum: gradient mode: each peer averages the momentum of its gradients with
+            this factor instead of the gradients (give the optimizer no momentum of its own);
+            with ``aggregation="centered-clip:reject=2"`` a peer that sends the opposite of its
+            gradient is left out. ``None``: off.
         matchmaking_time, averaging_timeout: seconds.
         target_group_size: peers per averaging group.
         projected_batch: gradient mode: stop accumulating when the swarm's samples, the others'
@@ -178,6 +184,7 @@ class Optimizer:
         averaging_timeout: float = 15.0,
         target_group_size: int = 16,
         projected_batch: bool = True,
+        worker_momentum: Optional[float] = None,
         load_state_from_peers: bool = True,
         sync_timeout: float = 60.0,
         **hyper: Any,
@@ -217,6 +224,7 @@ class Optimizer:
                 "averaging_timeout": float(averaging_timeout),
                 "target_group_size": int(target_group_size),
                 "projected_batch": bool(projected_batch),
+                "worker_momentum": None if worker_momentum is None else float(worker_momentum),
             },
         )
         # numpy views of Starling's buffers (they keep the native object alive), as tensors.

@@ -152,3 +152,10 @@ def test_bad_parameters_and_optimizers_are_refused(swarm):
     with pytest.raises(ValueError, match="CHUNK"):
         st.Optimizer(node=node, run_id="r", params=net.parameters(), codec="dct-topk:64:65",
                      batch_size_per_step=1, target_batch_size=1)
+    with pytest.raises(ValueError, match="worker_momentum"):
+        st.Optimizer(node=node, run_id="r", params=net.parameters(), worker_momentum=1.5,
+                     batch_size_per_step=1, target_batch_size=1)
+    with pytest.raises(ValueError, match="reject"):
+        st.Optimizer(node=node, run_id="r", params=net.parameters(),
+                     aggregation="centered-clip:reject=0.5",
+                     batch_size_per_step=1, target_batch_size=1)
