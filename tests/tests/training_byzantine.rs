@@ -584,53 +584,26 @@ async fn worker_momentum_and_rejection_hold_off_the_sign_flip() {
     init_tracing();
     bounded(Duration::from_secs(600), async {
         let (tr, te) = digits();
-        let (plain, same) = train(
-            Net::Mlp,
-            &tr,
-            &te,
-            "byz-wm-plain",
-            Aggregation::Mean,
-            Attack::None,
-        )
-        .await;
+        let mlp = |run: &'static str, a: Aggregation, attack: Attack, beta: Option<f32>| {
+            let (tr, te) = (&tr, &te);
+            async move {
+                train_verified(Net::Mlp, tr, te, run, a, attack, 0.0, beta)
+                    .await
+                    .0
+            }
+        };
+        let (plain, same) = mlp("byz-wm-plain", Aggregation::Mean, Attack::None, None).await;
         assert!(same && plain > 0.85, "optimizer momentum: {plain}");
-        let (worker, same) = train_momentum(
-            Net::Mlp,
-            &tr,
-            &te,
-            "byz-wm-mean",
-            Aggregation::Mean,
-            Attack::None,
-            0.9,
-        )
-        .await;
+        let (worker, same) = mlp("byz-wm-mean", Aggregation::Mean, Attack::None, Some(0.9)).await;
         assert!(same);
         assert!(
             (worker - plain).abs() <= 0.01,
             "worker momentum {worker} against the optimizer's {plain}"
         );
         let defence: Aggregation = "centered-clip:reject=2".parse().unwrap();
-        let (clean, same) = train_momentum(
-            Net::Mlp,
-            &tr,
-            &te,
-            "byz-wm-clean",
-            defence,
-            Attack::None,
-            0.9,
-        )
-        .await;
+        let (clean, same) = mlp("byz-wm-clean", defence, Attack::None, Some(0.9)).await;
         assert!(same && clean > 0.85, "attack-free: {clean}");
-        let (flipped, same) = train_momentum(
-            Net::Mlp,
-            &tr,
-            &te,
-            "byz-wm-flip",
-            defence,
-            Attack::SignFlip,
-            0.9,
-        )
-        .await;
+        let (flipped, same) = mlp("byz-wm-flip", defence, Attack::SignFlip, Some(0.9)).await;
         assert!(same, "honest peers ended apart");
         assert!(
             flipped >= clean - 0.02,
