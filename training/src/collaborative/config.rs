@@ -152,8 +152,8 @@ pub struct CollaborativeConfig {
     /// that sends the opposite of its gradient (or any lie a few spreads away) stands out from
     /// the honest ones and is clipped (or, with `centered-clip:reject=2`, left out), where its
     /// single gradients are lost in the batch noise. Peers with and without it (or with another
-    /// `beta`) never group: the averager's key names it. The momentum lives in memory (a state sync keeps
-    /// it): a peer that starts or restarts mid-run starts it from zero, so for about
+    /// `beta`) never group: the averager's key names it. The momentum lives in memory (a state
+    /// sync keeps it): a peer that starts or restarts mid-run starts it from zero, so for about
     /// `1 / (1 - beta)` rounds its contributions are shorter than the others' (and a robust
     /// aggregation clips them). `None` (the default): off. Local SGD refuses it (DiLoCo's
     /// outer optimizer has its momentum).
