@@ -424,7 +424,7 @@ async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
     let swarm = AveragingSwarm::start(args.peers, NodeConfig::default(), |_| cfg.clone()).await?;
     // Each peer runs its own loop of rounds (as a worker process does), not `step_all`: a peer
     // that finishes a round checks its result and starts the next one on its own time.
-    let mut per_peer = match peer_loops(&swarm.averagers()[..], args, &mean) {
+    let mut per_peer = match peer_loops(swarm.averagers(), args, &mean) {
         Ok(per_peer) => per_peer,
         Err(e) => {
             swarm.shutdown().await;

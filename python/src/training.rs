@@ -133,7 +133,7 @@ impl Collab {
         cfg.averaging_timeout = seconds("averaging_timeout", self.averaging_timeout)?;
         cfg.projected_batch = self.projected_batch;
         if let Some(beta) = self.worker_momentum {
-            if !(beta > 0.0 && beta < 1.0) || !matches!(mode, Mode::Gradients) {
+            if !(beta > 0.0 && beta < 1.0 && matches!(mode, Mode::Gradients)) {
                 return Err(PyValueError::new_err(format!(
                     "worker_momentum {beta}: a factor above 0 and below 1, in mode \"gradients\""
                 )));
