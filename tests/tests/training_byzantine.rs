@@ -263,28 +263,12 @@ async fn train(
         .0
 }
 
-/// [`train`] with worker momentum `beta` (`CollaborativeConfig::worker_momentum`): the MLP's
-/// optimizer is then plain SGD 0.1 and every honest peer averages its momentum. A liar has no
-/// reason to trust the feature: it keeps the momentum an honest peer would send and attacks
-/// that (sends its opposite, 100 times it, noise of 100 times its norm, or ALIE computed over
-/// its batches' momenta), feeding its optimizer what makes it send exactly that.
-async fn train_momentum(
-    net: Net,
-    train: &Data,
-    test: &Data,
-    run: &str,
-    aggregation: Aggregation,
-    attack: Attack,
-    beta: f32,
-) -> (f64, bool) {
-    train_verified(net, train, test, run, aggregation, attack, 0.0, Some(beta))
-        .await
-        .0
-}
-
 /// [`train`] with reducers checked with probability `verify` (`AveragerConfig::verify`) and
-/// worker momentum `beta` (see [`train_momentum`]); also returns how many honest peers refuse
-/// the lying reducer at the end.
+/// worker momentum `beta` (`CollaborativeConfig::worker_momentum`: the MLP's optimizer is then
+/// plain SGD 0.1 and every honest peer averages its momentum; a liar keeps the momentum an
+/// honest peer would send and attacks that — its opposite, 100 times it, noise of 100 times its
+/// norm, or ALIE over its batches' momenta — feeding its optimizer what makes it send exactly
+/// that); also returns how many honest peers refuse the lying reducer at the end.
 #[allow(clippy::too_many_arguments)]
 async fn train_verified(
     net: Net,
@@ -630,12 +614,21 @@ async fn attacks_by_aggregators_table_mlp() {
 async fn attacks_table(net: Net) {
     init_tracing();
     println!("{net:?}");
-    let (tr, te) = digits();
-    let aggregations: Vec<Aggregation> = ["mean", "median", "trimmed-mean", "centered-clip"]
-        .iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
     println!("alie z = {:.3}", alie_z());
+    let (tr, te) = digits();
+    let plain = ["mean", "median", "trimmed-mean", "centered-clip"];
+    attack_rows(net, (&tr, &te), &plain, None).await;
+    if net == Net::Mlp {
+        // With worker momentum 0.9 (plain SGD 0.1): the liars attack the momentum.
+        println!("worker momentum 0.9");
+        let with_reject = [&plain[..], &["centered-clip:reject=2"]].concat();
+        attack_rows(net, (&tr, &te), &with_reject, Some(0.9)).await;
+    }
+}
+
+/// One table: a row per attack, a column per aggregation (`beta`: worker momentum).
+async fn attack_rows(net: Net, (tr, te): (&Data, &Data), names: &[&str], beta: Option<f32>) {
+    let aggregations: Vec<Aggregation> = names.iter().map(|s| s.parse().unwrap()).collect();
     println!(
         "| attack | {} |",
         aggregations
@@ -647,40 +640,8 @@ async fn attacks_table(net: Net) {
     for (i, attack) in ATTACKS.into_iter().enumerate() {
         let mut row = Vec::new();
         for (j, a) in aggregations.iter().enumerate() {
-            let run = format!("byz-table-{net:?}-{i}-{j}");
-            let (acc, same) = train(net, &tr, &te, &run, *a, attack).await;
-            row.push(format!("{acc:.3}{}", if same { "" } else { " (apart)" }));
-        }
-        println!("| {attack:?} | {} |", row.join(" | "));
-    }
-    if net != Net::Mlp {
-        return;
-    }
-    // With worker momentum 0.9 (plain SGD 0.1): the liars attack the momentum.
-    let aggregations: Vec<Aggregation> = [
-        "mean",
-        "median",
-        "trimmed-mean",
-        "centered-clip",
-        "centered-clip:reject=2",
-    ]
-    .iter()
-    .map(|s| s.parse().unwrap())
-    .collect();
-    println!("worker momentum 0.9");
-    println!(
-        "| attack | {} |",
-        aggregations
-            .iter()
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
-    for (i, attack) in ATTACKS.into_iter().enumerate() {
-        let mut row = Vec::new();
-        for (j, a) in aggregations.iter().enumerate() {
-            let run = format!("byz-table-wm-{i}-{j}");
-            let (acc, same) = train_momentum(net, &tr, &te, &run, *a, attack, 0.9).await;
+            let run = format!("byz-table-{net:?}-{}-{i}-{j}", beta.is_some());
+            let ((acc, same), _) = train_verified(net, tr, te, &run, *a, attack, 0.0, beta).await;
             row.push(format!("{acc:.3}{}", if same { "" } else { " (apart)" }));
         }
         println!("| {attack:?} | {} |", row.join(" | "));
