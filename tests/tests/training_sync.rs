@@ -176,6 +176,21 @@ async fn chunks_are_spread_over_three_donors() {
 /// same step. Before, the hello's newer manifest made the donor "stale" and every round failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_donor_that_steps_every_few_milliseconds_is_synced_in_one_round() {
+    fast_donor(false).await;
+}
+
+/// The same donor through `StateServer::refresh` (what the collaborative optimizer calls):
+/// its snapshots are hashed only when a hello asks, and announced at most every
+/// `announce_min_interval`. The joiner still syncs one whole snapshot in one round, and once
+/// the donor stops stepping its last state is announced within that interval (not left at
+/// whatever epoch the last announcement happened to carry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_donor_that_refreshes_every_few_milliseconds_is_synced_and_announces_its_last_state() {
+    fast_donor(true).await;
+}
+
+/// See the two tests above; `refresh`: the donor steps through `StateServer::refresh`.
+async fn fast_donor(refresh: bool) {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
@@ -214,8 +229,14 @@ async fn a_donor_that_steps_every_few_milliseconds_is_synced_in_one_round() {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     epoch += 1;
                     let params = params_at(&base, epoch);
-                    server.update(snapshot(&opt, &params, epoch)).await.unwrap();
-                    tokio::task::yield_now().await;
+                    let snapshot = snapshot(&opt, &params, epoch);
+                    if refresh {
+                        server.refresh(snapshot).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    } else {
+                        server.update(snapshot).await.unwrap();
+                        tokio::task::yield_now().await;
+                    }
                 }
                 epoch
             })
@@ -249,6 +270,28 @@ async fn a_donor_that_steps_every_few_milliseconds_is_synced_in_one_round() {
         );
         assert!(got_opt.state() == opt.state(), "optimizer state differs");
         assert_eq!((report.rounds, report.bad_chunks), (1, 0));
+        if refresh {
+            // The last state is announced within `announce_min_interval` (250 ms) of its
+            // refresh; 10 s allows for a loaded machine.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            let announced = loop {
+                let read = cluster.nodes[0]
+                    .get::<StateAnnouncement>(&state_key(run))
+                    .await
+                    .unwrap();
+                let epoch = read.iter().map(|(_, a, _)| a.epoch).max();
+                if epoch == Some(last) || tokio::time::Instant::now() > deadline {
+                    break epoch;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            assert_eq!(
+                announced,
+                Some(last),
+                "the donor's last state was not announced"
+            );
+            assert_eq!(server.served().map(|s| s.epoch), Some(last));
+        }
         server.shutdown().await;
         cluster.shutdown().await;
     })

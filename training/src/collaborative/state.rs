@@ -12,8 +12,9 @@ use super::CollaborativeOptimizer;
 impl CollaborativeOptimizer {
     /// Makes this peer a donor: `server` gets this peer's state now and after every global step
     /// (gradient mode) or outer step (local SGD), taken at that boundary so it is consistent.
-    /// Each refresh copies the state once and hashes it off the network's threads; a failed
-    /// refresh is logged, never fails the step.
+    /// Each refresh copies the state once; it is hashed (off the network's threads) and
+    /// announced only when a joiner asks for it or the next announcement is due
+    /// ([`StateServer::refresh`]); a failed refresh is logged, never fails the step.
     ///
     /// ```no_run
     /// # async fn demo(node: starling_node::Node, mut opt: starling_training::CollaborativeOptimizer, params: starling_training::ParamSet) -> Result<(), starling_training::SyncError> {
@@ -90,9 +91,9 @@ impl CollaborativeOptimizer {
     }
 
     /// Gives the state server, if any, the state at this step boundary: the copy is taken
-    /// now; hashing it and announcing it run in the background, so the step does not wait for
-    /// them, unless the previous refresh still runs (steps faster than hashing): that one is
-    /// waited for first, so refreshes land in order and the last state is always served.
+    /// now and handed over in the background (the first one is hashed and announced there),
+    /// so the step does not wait, unless the previous refresh still runs: that one is waited
+    /// for first, so refreshes land in order and the last state is always served.
     pub(super) async fn refresh_served_state(&mut self, params: &ParamSet) {
         let Some(server) = self.state_server.clone() else {
             return;
@@ -104,7 +105,7 @@ impl CollaborativeOptimizer {
         match self.state_view(params).capture() {
             Ok(snapshot) => {
                 let refresh = async move {
-                    if let Err(e) = server.update(snapshot).await {
+                    if let Err(e) = server.refresh(snapshot).await {
                         tracing::warn!(epoch, "state sync: serving the new state failed: {e}");
                     }
                 };

@@ -158,6 +158,12 @@ pub struct StateServerConfig {
     pub announce_ttl: Duration,
     /// How often the announcement is renewed (less than `announce_ttl`).
     pub announce_every: Duration,
+    /// Least time between two announcements of refreshed states
+    /// ([`StateServer::refresh`]): a swarm stepping faster announces its newest state this
+    /// often instead of at every step (each announcement is a signed DHT store). Joiners that
+    /// read an older announcement get the newest state from the donor's hello, unless they
+    /// want `min_agreeing_donors` above 1 (then they wait for announcements that agree).
+    pub announce_min_interval: Duration,
     /// Largest manifest this server will produce (joiners bound it too).
     pub max_manifest_bytes: usize,
     /// Fault injection for tests (`testing` feature only).
@@ -180,8 +186,8 @@ pub struct ServerFaults {
 
 impl StateServerConfig {
     /// Defaults: 1 MiB chunks, 32 streams in all and 4 per peer, 10 s request timeout,
-    /// announcements that live 60 s renewed every 20 s, manifests up to 16 MiB (about half a
-    /// million chunks).
+    /// announcements that live 60 s renewed every 20 s and made at most every 250 ms,
+    /// manifests up to 16 MiB (about half a million chunks).
     pub fn new(run: impl Into<String>) -> Self {
         StateServerConfig {
             run: run.into(),
@@ -191,6 +197,7 @@ impl StateServerConfig {
             request_timeout: Duration::from_secs(10),
             announce_ttl: Duration::from_secs(60),
             announce_every: Duration::from_secs(20),
+            announce_min_interval: Duration::from_millis(250),
             max_manifest_bytes: 16 << 20,
             #[cfg(feature = "testing")]
             faults: ServerFaults::default(),
@@ -207,6 +214,9 @@ impl StateServerConfig {
         }
         if self.announce_every.is_zero() || self.announce_every >= self.announce_ttl {
             return bad("announce_every must be above zero and below announce_ttl");
+        }
+        if self.announce_min_interval >= self.announce_every {
+            return bad("announce_min_interval must be below announce_every");
         }
         Ok(())
     }

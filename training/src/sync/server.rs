@@ -1,6 +1,12 @@
 //! The donor side: [`StateServer`] holds the latest snapshot, announces it in the DHT and
 //! serves its manifest and chunks on [`PROTOCOL`].
 //!
+//! CPU: [`StateServer::update`] hashes a snapshot's chunks (SHA-256) and announces it at
+//! once; [`StateServer::refresh`], for a peer that steps often, swaps the snapshot in and
+//! leaves the hashing to the first hello that asks for it and to the next announcement (at
+//! most one per `announce_min_interval`): a swarm stepping every 15 ms no longer hashes its
+//! whole state and stores a signed DHT record at every step.
+//!
 //! Memory: one snapshot at rest. [`StateServer::update`] replaces it; a session keeps the
 //! snapshot its hello announced until the session ends, so a joiner finishes the manifest it
 //! started on however often the donor steps (a model that steps every few milliseconds would
@@ -12,7 +18,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use starling_node::lock::lock;
 
@@ -21,7 +28,7 @@ use starling_dht::now_ms;
 use starling_node::framing::{encode_msg, read_msg, write_msg, write_tagged_frame, FrameError};
 use starling_node::streams::{serve_inbound, InboundLimits};
 use starling_node::{Node, NodeError, PeerId, Stream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 use tracing::Instrument;
@@ -62,12 +69,72 @@ pub struct ServerStats {
     pub stale_requests: u64,
 }
 
-/// The snapshot being served, with everything derived from it.
+/// The snapshot being served, and what its manifest says once hashed.
 struct Current {
     snapshot: StateSnapshot,
+    chunk_elems: usize,
+    /// Hashed when first needed (a joiner's hello, an announcement, [`StateServer::served`]):
+    /// a peer that steps every few milliseconds does not hash states nobody asks for.
+    hashed: OnceLock<Hashed>,
+}
+
+/// A snapshot's manifest: the chunks' places, its encoding and what it announces.
+struct Hashed {
     spans: Vec<ChunkSpan>,
     manifest_bytes: Vec<u8>,
     served: Served,
+}
+
+impl Current {
+    fn new(snapshot: StateSnapshot, chunk_elems: usize) -> Current {
+        Current {
+            snapshot,
+            chunk_elems,
+            hashed: OnceLock::new(),
+        }
+    }
+
+    /// The manifest, hashed now if it was not yet (a pass over the whole state: call it on a
+    /// blocking thread, or through [`hashed`]).
+    fn hash_now(&self) -> &Hashed {
+        self.hashed.get_or_init(|| {
+            let manifest = Manifest::of(&self.snapshot, self.chunk_elems);
+            let spans = manifest.spans().unwrap_or_default();
+            let manifest_bytes = manifest.encode();
+            let served = Served {
+                epoch: manifest.epoch,
+                manifest_hash: sha256(&manifest_bytes),
+                chunks: spans.len() as u64,
+                bytes: 4 * spans.iter().map(|s| s.range.len() as u64).sum::<u64>(),
+            };
+            Hashed {
+                spans,
+                manifest_bytes,
+                served,
+            }
+        })
+    }
+
+    /// Whether this snapshot's buffers have the same names and lengths as `other`'s (then
+    /// their manifests have the same size).
+    fn same_layout(&self, other: &StateSnapshot) -> bool {
+        let a = self.snapshot.buffers.iter().map(|(n, v)| (n, v.len()));
+        a.eq(other.buffers.iter().map(|(n, v)| (n, v.len())))
+            && self.snapshot.counters.len() == other.counters.len()
+    }
+}
+
+/// `current`'s manifest, hashed on a blocking thread if it was not yet.
+async fn hashed(current: &Arc<Current>) -> &Hashed {
+    if current.hashed.get().is_none() {
+        let c = current.clone();
+        // A panic while hashing is not expected; the fallback below hashes here then.
+        let _ = tokio::task::spawn_blocking(move || {
+            c.hash_now();
+        })
+        .await;
+    }
+    current.hash_now()
 }
 
 #[derive(Default)]
@@ -87,6 +154,11 @@ struct Shared {
     node: Node,
     cfg: StateServerConfig,
     current: Mutex<Option<Arc<Current>>>,
+    /// Woken by [`StateServer::refresh`]: the announcement loop announces the new state, at
+    /// most once per `announce_min_interval`.
+    refreshed: Notify,
+    /// When the last announcement was made.
+    announced_at: Mutex<Option<Instant>>,
     sessions: Arc<Semaphore>,
     per_peer: Mutex<HashMap<PeerId, usize>>,
     counters: Counters,
@@ -135,6 +207,8 @@ impl StateServer {
             node: node.clone(),
             cfg,
             current: Mutex::new(None),
+            refreshed: Notify::new(),
+            announced_at: Mutex::new(None),
             per_peer: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             stop,
@@ -181,46 +255,58 @@ impl StateServer {
         if *shared.stop.borrow() {
             return Err(SyncError::Stopped);
         }
-        let chunk_elems = shared.cfg.chunk_elems;
-        let current = tokio::task::spawn_blocking(move || {
-            let manifest = Manifest::of(&snapshot, chunk_elems);
-            let spans = manifest.spans().unwrap_or_default();
-            let manifest_bytes = manifest.encode();
-            let served = Served {
-                epoch: manifest.epoch,
-                manifest_hash: sha256(&manifest_bytes),
-                chunks: spans.len() as u64,
-                bytes: 4 * spans.iter().map(|s| s.range.len() as u64).sum::<u64>(),
-            };
-            Current {
-                snapshot,
-                spans,
-                manifest_bytes,
-                served,
-            }
-        })
-        .await
-        .map_err(|e| SyncError::Invalid(format!("hashing the snapshot failed: {e}")))?;
-        if current.manifest_bytes.len() > shared.cfg.max_manifest_bytes {
+        let current = Arc::new(Current::new(snapshot, shared.cfg.chunk_elems));
+        let served = hashed(&current).await.served.clone();
+        let manifest_len = current.hash_now().manifest_bytes.len();
+        if manifest_len > shared.cfg.max_manifest_bytes {
             return Err(SyncError::Invalid(format!(
-                "the manifest takes {} bytes, over max_manifest_bytes {}: raise chunk_elems",
-                current.manifest_bytes.len(),
+                "the manifest takes {manifest_len} bytes, over max_manifest_bytes {}: raise chunk_elems",
                 shared.cfg.max_manifest_bytes
             )));
         }
-        let served = current.served.clone();
-        *lock(&shared.current) = Some(Arc::new(current));
+        *lock(&shared.current) = Some(current);
         if let Err(e) = announce(shared).await {
             tracing::debug!("state announcement failed (retried later): {e}");
         }
         Ok(served)
     }
 
-    /// What is served now, if anything.
+    /// Serves `snapshot` from now on, like [`update`](Self::update), for a peer that refreshes
+    /// its state often (the collaborative optimizer does after every step): the snapshot is
+    /// swapped in at once; its manifest is hashed only when first needed (a joiner's hello,
+    /// an announcement), and it is announced in the background, at most once per
+    /// [`announce_min_interval`](StateServerConfig::announce_min_interval) (the newest state
+    /// then). A joiner that reads an older announcement gets the newest state from the
+    /// donor's hello. The first snapshot, and one of another layout, go through `update`
+    /// (hashed, checked against `max_manifest_bytes` and announced before this returns).
+    ///
+    /// ```no_run
+    /// # async fn demo(server: starling_training::sync::StateServer, params: starling_training::ParamSet) -> Result<(), starling_training::sync::SyncError> {
+    /// use starling_training::sync::StateView;
+    /// for epoch in 1..100 {
+    ///     // ... a global step ...
+    ///     server.refresh(StateView::new(epoch, &params).capture()?).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn refresh(&self, snapshot: StateSnapshot) -> Result<(), SyncError> {
+        let shared = &self.inner.shared;
+        if *shared.stop.borrow() {
+            return Err(SyncError::Stopped);
+        }
+        let previous = lock(&shared.current).clone();
+        if !previous.is_some_and(|p| p.same_layout(&snapshot)) {
+            return self.update(snapshot).await.map(|_| ());
+        }
+        *lock(&shared.current) = Some(Arc::new(Current::new(snapshot, shared.cfg.chunk_elems)));
+        shared.refreshed.notify_one();
+        Ok(())
+    }
+
+    /// What is served now, if anything (hashing it here if nothing did yet).
     pub fn served(&self) -> Option<Served> {
-        lock(&self.inner.shared.current)
-            .as_ref()
-            .map(|c| c.served.clone())
+        let current = lock(&self.inner.shared.current).clone();
+        current.map(|c| c.hash_now().served.clone())
     }
 
     /// Counters since the server started.
@@ -269,9 +355,11 @@ impl Drop for Inner {
 
 /// Publishes what is served now under `{run}.state`, signed by this peer.
 async fn announce(shared: &Shared) -> Result<(), SyncError> {
-    let Some(served) = lock(&shared.current).as_ref().map(|c| c.served.clone()) else {
+    let Some(current) = lock(&shared.current).clone() else {
         return Ok(());
     };
+    *lock(&shared.announced_at) = Some(Instant::now());
+    let served = hashed(&current).await.served.clone();
     let t = shared.cfg.request_timeout;
     let node = &shared.node;
     let addrs = timeout(t, node.listen_addrs())
@@ -279,9 +367,7 @@ async fn announce(shared: &Shared) -> Result<(), SyncError> {
         .map_err(|_| SyncError::Timeout(t))??;
     let value = StateAnnouncement {
         epoch: served.epoch,
-        schema_hash: lock(&shared.current)
-            .as_ref()
-            .map_or(0, |c| c.snapshot.schema_hash),
+        schema_hash: current.snapshot.schema_hash,
         manifest_hash: served.manifest_hash,
         chunks: served.chunks,
         bytes: served.bytes,
@@ -307,6 +393,19 @@ async fn announce_loop(shared: Arc<Shared>) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(shared.cfg.announce_every) => {}
+            _ = shared.refreshed.notified() => {
+                // A refreshed state: announced once the last announcement is
+                // `announce_min_interval` old (refreshes meanwhile coalesce into this one).
+                let last = *lock(&shared.announced_at);
+                let wait = last.map_or(Duration::ZERO, |t| {
+                    shared.cfg.announce_min_interval.saturating_sub(t.elapsed())
+                });
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stop.changed() => return,
+                    _ = shared.node.closed() => return,
+                }
+            }
             _ = stop.changed() => return,
             _ = shared.node.closed() => return,
         }
@@ -365,6 +464,9 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     let admission = admit(&shared, peer);
     // The snapshot this session serves: the one its hello announces, kept for the session.
     let pinned = lock(&shared.current).clone();
+    if let Some(c) = &pinned {
+        hashed(c).await;
+    }
     let reply = match (&admission, &pinned) {
         _ if hello.version != WIRE_VERSION => HelloReply::Unsupported {
             version: WIRE_VERSION,
@@ -374,10 +476,13 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
             HelloReply::Busy
         }
         (Some(_), None) => HelloReply::NoState,
-        (Some(_), Some(c)) => HelloReply::Ready {
-            epoch: c.served.epoch,
-            manifest_hash: c.served.manifest_hash,
-        },
+        (Some(_), Some(c)) => {
+            let served = &c.hash_now().served;
+            HelloReply::Ready {
+                epoch: served.epoch,
+                manifest_hash: served.manifest_hash,
+            }
+        }
     };
     let ready = matches!(reply, HelloReply::Ready { .. });
     if timeout(t, write_msg(&mut stream, &reply)).await.is_err() || !ready {
@@ -411,34 +516,41 @@ async fn answer(
     request: Request,
 ) -> Result<bool, FrameError> {
     let current = lock(&shared.current).clone();
+    // (The pinned snapshot was hashed for the hello; the current one, if it is another, only
+    // if something asked for it: a chunk request names a manifest some hello announced.)
     let serving = match &request {
-        Request::Manifest => pinned,
+        Request::Manifest => pinned.and_then(|c| Some((c, c.hashed.get()?))),
         Request::Chunk { manifest_hash, .. } => [pinned, current.as_deref()]
             .into_iter()
             .flatten()
-            .find(|c| c.served.manifest_hash == *manifest_hash),
-    };
-    let stale = |shared: &Shared| {
-        shared.counters.stale.fetch_add(1, Ordering::Relaxed);
-        Reply::Stale {
-            now: current
-                .as_ref()
-                .map(|c| (c.served.epoch, c.served.manifest_hash)),
-        }
+            .find_map(|c| {
+                let h = c.hashed.get()?;
+                (h.served.manifest_hash == *manifest_hash).then_some((c, h))
+            }),
     };
     let reply = match (&request, serving) {
-        (_, None) => stale(shared),
-        (Request::Manifest, Some(c)) => {
-            write_tagged_frame(stream, TAG_MANIFEST, &[&c.manifest_bytes]).await?;
+        (_, None) => {
+            shared.counters.stale.fetch_add(1, Ordering::Relaxed);
+            let now = match &current {
+                Some(c) => {
+                    let served = &hashed(c).await.served;
+                    Some((served.epoch, served.manifest_hash))
+                }
+                None => None,
+            };
+            Reply::Stale { now }
+        }
+        (Request::Manifest, Some((_, h))) => {
+            write_tagged_frame(stream, TAG_MANIFEST, &[&h.manifest_bytes]).await?;
             stream.flush().await?;
             shared.counters.manifests.fetch_add(1, Ordering::Relaxed);
             return Ok(true);
         }
-        (Request::Chunk { index, .. }, Some(c)) => {
-            let Some(span) = usize::try_from(*index).ok().and_then(|i| c.spans.get(i)) else {
+        (Request::Chunk { index, .. }, Some((c, h))) => {
+            let Some(span) = usize::try_from(*index).ok().and_then(|i| h.spans.get(i)) else {
                 let reply = Reply::NoSuchChunk {
                     index: *index,
-                    chunks: c.spans.len() as u64,
+                    chunks: h.spans.len() as u64,
                 };
                 write_tagged_frame(stream, TAG_REPLY, &[&encode_msg(&reply)?]).await?;
                 stream.flush().await?;
