@@ -247,7 +247,7 @@ async fn find_donors(
         let entries = timeout(t, node.get::<StateAnnouncement>(&key))
             .await
             .map_err(|_| SyncError::Timeout(t))??;
-        let announcements: Vec<(PeerId, StateAnnouncement)> = entries
+        let mut announcements: Vec<(PeerId, StateAnnouncement)> = entries
             .into_iter()
             .filter_map(|(subkey, a, _)| {
                 let owner = starling_dht::required_owner(&key, &subkey).ok()??;
@@ -255,6 +255,9 @@ async fn find_donors(
                 (peer != me).then_some((peer, a))
             })
             .collect();
+        if cfg.min_agreeing_donors <= 1 {
+            served_now(node, cfg, layout.schema_hash(), &mut announcements).await;
+        }
         let choice = choose_manifest(
             &announcements,
             layout.schema_hash(),
@@ -293,6 +296,65 @@ async fn find_donors(
         })
         .collect();
     Ok((choice, addrs))
+}
+
+/// Donors whose hellos are asked what they serve now (see [`served_now`]): those with the
+/// newest announcements.
+const HELLO_CANDIDATES: usize = 8;
+
+/// How long [`served_now`] waits for a hello (a few round trips, even over a slow link).
+const HELLO_WAIT: Duration = Duration::from_secs(2);
+
+/// Replaces what the donors of this model announced with what their hellos say they serve
+/// now (for a sync that trusts one donor alone: a donor's hello is its own word over an
+/// authenticated stream, as good as its signed DHT entry). Donors refresh their state at every
+/// step but announce it at most every `announce_min_interval`
+/// ([`StateServerConfig`](super::StateServerConfig)), so in a swarm stepping faster than that
+/// the announcements lag: without this, a joiner could pick two donors still serving the last
+/// epoch over a third already past it, sync a state the swarm had left, and sync again.
+/// Asks the [`HELLO_CANDIDATES`] newest announcements at once; a donor that does not answer
+/// within [`HELLO_WAIT`] (a crashed peer's announcement outlives it) keeps its announcement
+/// (the rounds that follow deal with it).
+async fn served_now(
+    node: &Node,
+    cfg: &SyncConfig,
+    schema_hash: u64,
+    announcements: &mut [(PeerId, StateAnnouncement)],
+) {
+    let mut ours: Vec<&mut (PeerId, StateAnnouncement)> = announcements
+        .iter_mut()
+        .filter(|(_, a)| a.schema_hash == schema_hash)
+        .collect();
+    ours.sort_by_key(|(_, a)| std::cmp::Reverse(a.epoch));
+    ours.truncate(HELLO_CANDIDATES);
+    let hellos = ours.iter().map(|(peer, a)| {
+        let donor = Donor {
+            peer: *peer,
+            addrs: a
+                .addrs
+                .iter()
+                .take(8)
+                .filter_map(|s| s.parse().ok())
+                .collect(),
+            idle: Mutex::new(Vec::new()),
+            holds_manifest: AtomicBool::new(false),
+        };
+        async move {
+            let asked = timeout(
+                HELLO_WAIT.min(cfg.request_timeout),
+                open_new(node, cfg, &donor),
+            );
+            asked.await.ok()?.ok()
+        }
+    });
+    let answers = futures::future::join_all(hellos).await;
+    for ((_, a), answer) in ours.into_iter().zip(answers) {
+        // (The stream is dropped: the round opens its own on the manifest it picks.)
+        if let Some((_, epoch, manifest_hash)) = answer {
+            a.epoch = epoch;
+            a.manifest_hash = manifest_hash;
+        }
+    }
 }
 
 /// Gets the manifest from the first donor that sends the announced one (or, when one donor

@@ -5,9 +5,13 @@
 //!   copy), cut it into chunks of `chunk_elems` values, and announce the snapshot's epoch and
 //!   manifest hash under `{run}.state` in an owner-signed DHT sub-key. They serve the manifest
 //!   and chunks on [`PROTOCOL`], with bounded sessions in all and per peer, bounded frames and
-//!   a timeout on every wait.
-//! - **Joiners** ([`sync_state`]) read the announcements, take the newest epoch's manifest that
-//!   most donors announce ([`choose_manifest`]), fetch it and check its SHA-256 against the
+//!   a timeout on every wait. A donor refreshed at every step ([`StateServer::refresh`])
+//!   hashes a snapshot only when asked for it and announces at most every
+//!   `announce_min_interval`, so its announcement can name an older epoch than it serves.
+//! - **Joiners** ([`sync_state`]) read the announcements (trusting one donor alone, the
+//!   default, they ask the newest few donors' hellos what each serves now and take that in
+//!   place of its announcement), take the newest epoch's manifest that most donors announce
+//!   ([`choose_manifest`]), fetch it and check its SHA-256 against the
 //!   announced one (so every chunk hash in it is what the donors signed), check its layout
 //!   against their own model and optimizers, then fetch the chunks from every donor that
 //!   announced it in parallel: at most `max_in_flight` requests in all and `per_donor_in_flight`
@@ -338,4 +342,25 @@ pub struct SyncReport {
     pub seconds: f64,
     /// Per donor, in the order they were used.
     pub donors: Vec<DonorReport>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defaults are valid; announcements renewed no less often than they are made, or
+    /// made no less often than they expire, are refused with a message.
+    #[test]
+    fn server_configs_with_inverted_announcement_intervals_are_refused() {
+        let ok = StateServerConfig::new("r");
+        assert!(ok.validate().is_ok());
+        let mut c = ok.clone();
+        c.announce_min_interval = c.announce_every;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("announce_min_interval"), "{e}");
+        let mut c = ok.clone();
+        c.announce_every = c.announce_ttl;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("announce_every"), "{e}");
+    }
 }
