@@ -927,3 +927,98 @@ async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_s
     })
     .await;
 }
+
+/// A round that fails on one peer while the others take the step without it must not leave
+/// that peer stepping alone into the same epoch with other parameters (a run that ends there
+/// ends with two models; the Python late-joiner test met this now and then). Here peer 2's
+/// averager is configured with another aggregation, so it can never group with the other two
+/// (a stand-in for any failure of its own: a late batch, a lost connection): its round waits
+/// out its window while peers 0 and 1 step together. It must learn that they moved on, not
+/// step, say `behind`, and then sync their state, ending bit-identical with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_round_failed_while_the_others_stepped_syncs_instead_of_stepping_alone() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let run = "sync-missed-round";
+        let cluster = LocalCluster::start(3, NodeConfig::default()).await.unwrap();
+        // The two that step wait for the third to finish before they stop serving.
+        let done = Arc::new(Barrier::new(3));
+        let peers = cluster.nodes.iter().enumerate().map(|(p, node)| {
+            let (node, done) = (node.clone(), done.clone());
+            async move {
+                let mut params = model();
+                let mut cfg = CollaborativeConfig::new(run, 2 * BATCH, Mode::Gradients);
+                cfg.averager.min_group_size = 2;
+                cfg.averager.target_group_size = 3;
+                cfg.averager.start_grace = Some(Duration::from_millis(300));
+                cfg.averager.matchmaking_time = Duration::from_secs(1);
+                cfg.fetch_interval = Duration::from_millis(20);
+                cfg.projected_batch = false;
+                cfg.state_averaging_every = None;
+                if p == 2 {
+                    cfg.averager.aggregation = starling_averager::Aggregation::Median;
+                }
+                let opt = adamw(params.len());
+                let mut collab =
+                    CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
+                        .await
+                        .unwrap();
+                let server = StateServer::start(node.clone(), StateServerConfig::new(run)).unwrap();
+                collab.serve_state(server.clone(), &params).await;
+                // Every peer counts the other two in the run before the batch.
+                let _ = collab.announce().await;
+                wait_for_announcements(&node, run, 3).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                gradient(&mut params, p, 0);
+                let mut reports = vec![collab.step(&mut params, BATCH).await.unwrap()];
+                while !reports.last().unwrap().stepped && !reports.last().unwrap().behind {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    reports.push(collab.try_step(&mut params).await.unwrap());
+                }
+                let last = reports.last().unwrap().clone();
+                if last.behind {
+                    let layout = collab.state_view(&params).layout();
+                    let mut sync = sync_cfg(run);
+                    sync.min_epoch = last.sync_floor();
+                    let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
+                    collab.restore_from(&mut params, &synced).unwrap();
+                }
+                done.wait().await;
+                let epoch = collab.epoch();
+                collab.shutdown().await;
+                server.shutdown().await;
+                (params.params().to_vec(), epoch, reports)
+            }
+        });
+        let results = futures::future::join_all(peers).await;
+        cluster.shutdown().await;
+        for (p, (_, epoch, reports)) in results.iter().enumerate() {
+            assert_eq!(*epoch, 1, "peer {p}");
+            let alone = reports
+                .iter()
+                .find(|r| r.stepped && r.averaging_error.is_some());
+            assert!(alone.is_none(), "peer {p} stepped alone: {alone:?}");
+        }
+        for p in 0..2 {
+            let r = results[p].2.last().unwrap();
+            assert_eq!(
+                (r.stepped, r.group_size),
+                (true, Some(2)),
+                "peer {p}: {r:?}"
+            );
+        }
+        let missed = results[2].2.last().unwrap();
+        assert!(
+            missed.behind && !missed.stepped && missed.averaging_error.is_some(),
+            "peer 2: {missed:?}"
+        );
+        assert_eq!(missed.others_epoch, Some(1));
+        for (p, (values, _, _)) in results.iter().enumerate() {
+            assert!(
+                values == &results[0].0,
+                "peer {p} ends with other parameters"
+            );
+        }
+    })
+    .await;
+}

@@ -235,14 +235,18 @@ impl CollaborativeOptimizer {
         if let Some(c) = finished.compressor {
             self.compressor = Some(c);
         }
-        let ahead = behind_of(&finished.result);
+        let mut ahead = behind_of(&finished.result);
         note_round(&mut report, finished.result)?;
         note_reconciled(&mut report, finished.reconciled)?;
         self.learn_matchmaking(&report);
         report.timings.averaging = finished.took;
+        if ahead.is_none() && report.round.is_none() {
+            ahead = self.others_moved_on(pending.epoch_after - 1).await?;
+        }
         if let Some(theirs) = ahead {
-            // The others had taken this step already: not applied (the parameters stay those
-            // the round started from); the caller syncs.
+            // The others had taken this step already (with this peer, or without it in a
+            // round that failed here): not applied (the parameters stay those the round
+            // started from); the caller syncs.
             self.spare = finished.grads;
             self.epoch = pending.epoch_after - 1;
             self.note_behind(&mut report, theirs);

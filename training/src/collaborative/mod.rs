@@ -752,10 +752,13 @@ impl CollaborativeOptimizer {
                 with_state.then(|| state_buffers(params.params_mut(), self.optimizer.state_mut()));
             let reconciled =
                 reconcile_state(&self.averager, &averaged, exact, state, weight, deadline).await;
-            let ahead = behind_of(&averaged);
+            let mut ahead = behind_of(&averaged);
             note_round(&mut report, averaged)?;
             note_reconciled(&mut report, reconciled)?;
             self.learn_matchmaking(&report);
+            if ahead.is_none() && report.round.is_none() {
+                ahead = self.others_moved_on(self.epoch).await?;
+            }
             if let Some(theirs) = ahead {
                 // The others are past this epoch: applying its gradients here would leave
                 // this peer's parameters apart from theirs. No step; the caller syncs.

@@ -333,6 +333,34 @@ impl CollaborativeOptimizer {
         report.epoch = self.epoch;
     }
 
+    /// After this peer's round of `epoch` formed no group (or failed before it could say
+    /// with whom): the swarm's epoch, read afresh, if a live peer has already stepped past
+    /// `epoch`. The others then took this step without this peer (their round went on without
+    /// it), and stepping alone would leave this peer's parameters apart from theirs until the
+    /// next state round, or for good in a run that ends first (a late joiner missed by its
+    /// first round ended a short run with its own model): the caller is told to sync instead
+    /// (`behind`). When nobody has stepped yet (every member's round failed alike), `None`:
+    /// this peer steps alone as before, and one that reads the progress after it will sync
+    /// from it. A round that formed but averaged only part of the values is not asked about:
+    /// its members hold the same partial result and step alike (the first to step would
+    /// otherwise send the others to sync).
+    pub(super) async fn others_moved_on(
+        &mut self,
+        epoch: u64,
+    ) -> Result<Option<u64>, TrainingError> {
+        self.swarm = None;
+        let swarm = self.swarm_progress().await?;
+        let moved_on = swarm.epoch > epoch && swarm.peers_in_epoch > 0;
+        if moved_on {
+            tracing::debug!(
+                epoch,
+                theirs = swarm.epoch,
+                "this peer's round failed and the others stepped: syncing, not stepping alone"
+            );
+        }
+        Ok(moved_on.then_some(swarm.epoch))
+    }
+
     /// Before a round: a peer that a round found behind and that did not sync since takes the
     /// others' epoch (it trains on from its own values, apart from theirs until the next
     /// state round), so that it can group with them again.
