@@ -43,22 +43,62 @@ pub(crate) enum Verdict {
     SentOtherThanSealed,
 }
 
-/// With probability `verify`, the reducer this peer checks this round: one of the other
-/// members with a span, at random (`None` when this round is not checked here, or this peer
-/// sends nothing).
+/// With probability `verify` (this peer's own coin), the reducer this peer checks this
+/// round (`None` when this round is not checked here, or this peer sends nothing). Which
+/// reducer is not drawn independently by each member: the members that send are assigned to
+/// the reducers by a rotation every member derives from the round ([`assigned`]), so each
+/// reducer has its own checker and, with `verify = 1`, every span is checked every round.
+/// Drawn independently, about a third of the reducers of a group of 8 went unchecked in each
+/// round even then (`(1 - 1/7)^7`), and a lying reducer's first rounds were often applied.
 pub(super) fn choose(round: &Round) -> Option<MemberIdx> {
     let cfg = round.config();
     if cfg.verify <= 0.0 || round.env.signer.is_none() {
         return None;
     }
-    let candidates: Vec<MemberIdx> = MemberIdx::all(round.peers.len())
-        .filter(|&j| j != round.me && !round.ranges[j.get()].is_empty())
+    let checkers: Vec<MemberIdx> = MemberIdx::all(round.peers.len())
+        .filter(|i| round.modes[i.get()] != crate::AveragingMode::Aux)
         .collect();
+    let reducers: Vec<MemberIdx> = MemberIdx::all(round.peers.len())
+        .filter(|j| !round.ranges[j.get()].is_empty())
+        .collect();
+    let seed = {
+        let mut h = blake3::Hasher::new();
+        h.update(&round.round_id.to_le_bytes());
+        for p in &round.peers {
+            h.update(&p.to_bytes());
+        }
+        let bytes = h.finalize();
+        u64::from_le_bytes(bytes.as_bytes()[..8].try_into().expect("8 bytes"))
+    };
+    let target = assigned(&checkers, &reducers, round.me, seed)?;
     let mut rng = rand::thread_rng();
-    if candidates.is_empty() || !rng.gen_bool(cfg.verify.clamp(0.0, 1.0)) {
+    rng.gen_bool(cfg.verify.clamp(0.0, 1.0)).then_some(target)
+}
+
+/// The reducer checker `me` is assigned in a round whose shared seed is `seed`: the checkers
+/// (in member order) are rotated onto the reducers by an offset taken from the seed, never onto
+/// themselves. When the checkers and the reducers are the same members (every member sends and
+/// reduces), the assignment is a permutation without fixed points: every reducer has exactly
+/// one checker. `None` when `me` does not check or no other member reduces.
+fn assigned(
+    checkers: &[MemberIdx],
+    reducers: &[MemberIdx],
+    me: MemberIdx,
+    seed: u64,
+) -> Option<MemberIdx> {
+    let c = checkers.iter().position(|&i| i == me)?;
+    let others = reducers.iter().filter(|&&j| j != me).count();
+    if others == 0 {
         return None;
     }
-    Some(candidates[rng.gen_range(0..candidates.len())])
+    let n = reducers.len();
+    // An offset in 1..n: a rotation of the members onto themselves that moves everyone.
+    let offset = 1 + (seed % (n.max(2) as u64 - 1)) as usize;
+    let mut k = (c + offset) % n;
+    if reducers[k] == me {
+        k = (k + 1) % n;
+    }
+    Some(reducers[k])
 }
 
 /// Checks one random block of reducer `j`'s result, which this peer received as `sealed`
@@ -329,4 +369,54 @@ pub(super) async fn collect_verdicts(
     out.missing = waiting.into_iter().collect();
     out.missing.sort();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every member sends and reduces: whatever the seed, each reducer is assigned exactly one
+    /// checker and nobody checks itself. With a member that only sends (a client), every
+    /// reducer is still covered and nobody is assigned itself.
+    #[test]
+    fn the_rotation_gives_every_reducer_a_checker_and_nobody_itself() {
+        for n in 2..=12usize {
+            let all: Vec<MemberIdx> = MemberIdx::all(n).collect();
+            for seed in [0u64, 1, 2, 7, 12345, u64::MAX] {
+                let targets: Vec<MemberIdx> = all
+                    .iter()
+                    .map(|&me| assigned(&all, &all, me, seed).unwrap())
+                    .collect();
+                for (me, t) in all.iter().zip(&targets) {
+                    assert_ne!(me, t, "n {n} seed {seed}: checks itself");
+                }
+                let mut sorted = targets.clone();
+                sorted.sort();
+                assert_eq!(sorted, all, "n {n} seed {seed}: not a permutation");
+            }
+            // Member 0 only sends; the others reduce.
+            let reducers = &all[1..];
+            if reducers.len() >= 2 {
+                for seed in [0u64, 3, 99] {
+                    let targets: Vec<MemberIdx> = all
+                        .iter()
+                        .map(|&me| assigned(&all, reducers, me, seed).unwrap())
+                        .collect();
+                    for (me, t) in all.iter().zip(&targets) {
+                        assert_ne!(me, t);
+                        assert!(reducers.contains(t));
+                    }
+                    for r in reducers {
+                        assert!(targets.contains(r), "n {n} seed {seed}: {r} unchecked");
+                    }
+                }
+            }
+        }
+        // Alone with its own span: nothing to check.
+        let one = [MemberIdx::of(0)];
+        assert_eq!(assigned(&one, &one, MemberIdx::of(0), 5), None);
+        // Not a checker (an auxiliary peer): nothing.
+        let two: Vec<MemberIdx> = MemberIdx::all(2).collect();
+        assert_eq!(assigned(&two[..1], &two, MemberIdx::of(1), 5), None);
+    }
 }

@@ -24,8 +24,11 @@
 //!    transcript of the round (every contributor's values and seals, its result and seals) for
 //!    a while. Its own contribution is sealed when a block of it is revealed.
 //! 3. **Random blocks are recomputed.** After its round, each member, with probability
-//!    `verify`, picks by its own randomness one part of another reducer's result and one
-//!    block of it, and asks that reducer to reveal it ([`evidence::Reveal`]): each
+//!    `verify` (its own coin), checks the reducer it is assigned: the members are rotated onto
+//!    the reducers by an offset all of them derive from the round (its id and members), so each
+//!    reducer has one checker and, with `verify = 1`, every span is checked in every round. It
+//!    picks by its own randomness one part of that reducer's result and one block of it, and
+//!    asks the reducer to reveal it ([`evidence::Reveal`]): each
 //!    contributor's values of the block with their proofs and seals, and the result block
 //!    with its proof and seal. The verifier checks the result seal is the one it received, the
 //!    result block is what it received (exact codec), every signature and proof, and
@@ -68,10 +71,12 @@
 //! **What it cannot catch.**
 //! - A reducer that alters a fraction `f` of its blocks is caught by one check with
 //!   probability `f`: a liar that changes one block in a thousand mostly goes unseen for a long
-//!   time; one that alters its whole span is caught by the first check of its span. In a
-//!   group of `n` with `verify = p`, each round checks a given reducer's span with probability
-//!   about `1 − (1 − p/(n−1))^(n−1)`, about `p`. What a liar's unchecked rounds applied
-//!   before the round it is caught in is not undone.
+//!   time; one that alters its whole span is caught by the first check of its span. With
+//!   `verify = p`, each round checks a given reducer's span with probability `p` (its
+//!   assigned checker's coin; with independent picks it was `1 − (1 − p/(n−1))^(n−1)`, 0.66
+//!   for `p = 1`, `n = 8`). What a liar's unchecked rounds applied before the round it is
+//!   caught in is not undone. A liar knows which member checks it (the rotation is public),
+//!   not whether: a colluding checker lets it through in the rounds the rotation pairs them.
 //! - A member whose verdict comes after the wait (crashed, or far slower than the others)
 //!   holds nobody back; if it had caught the liar, the members that stopped waiting applied
 //!   the lie (they refuse the liar once the published evidence reaches them).
