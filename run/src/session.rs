@@ -116,6 +116,9 @@ pub fn collaborative_config(m: &RunManifest) -> Result<CollaborativeConfig> {
     cfg.averager.verify = m.verify;
     cfg.worker_momentum = m.worker_momentum.map(|b| b as f32);
     cfg.averaging_timeout = Duration::from_secs(15);
+    // Whatever rounds failed or ran apart since the last state round, the peers that finish
+    // together end with one model.
+    cfg.final_epoch = Some(m.epochs);
     cfg.lr_schedule = m.optimizer.schedule.map(|s| match s {
         ScheduleSpec::Cosine { warmup_epochs } => LrSchedule::WarmupCosine {
             peak_lr: m.optimizer.lr,

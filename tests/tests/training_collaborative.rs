@@ -15,7 +15,8 @@ use std::time::Duration;
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
 use starling_training::{
-    CollaborativeOptimizer, GradientCompression, Mode, Optimizer, ParamSet, Sgd, SgdConfig,
+    CollaborativeConfig, CollaborativeOptimizer, GradientCompression, Mode, Optimizer, ParamSet,
+    Sgd, SgdConfig,
 };
 
 #[path = "support/digits.rs"]
@@ -62,17 +63,17 @@ fn stale_single_peer_baseline(data: &Data) -> Vec<f32> {
 /// round compared the state, and averaged it), and its final optimizer state.
 type PeerRun = (Vec<(Vec<f32>, bool, bool)>, Vec<Vec<f32>>);
 
-/// Runs `epochs` global steps of gradient mode on every peer, reconciling parameters and
-/// optimizer state every `state_every` epochs; `tamper(peer, epoch, params)` runs after each
-/// peer's step. Returns each peer's parameters after each epoch (and whether that step's round
+/// Runs `epochs` global steps of gradient mode on every peer, with the configuration
+/// `configure` leaves (e.g. which rounds reconcile parameters and optimizer state);
+/// `tamper(peer, epoch, params)` runs after each peer's step. Returns each peer's parameters after each epoch (and whether that step's round
 /// averaged the state) and its final optimizer state.
 async fn gradient_mode(
     data: &Data,
     run: &str,
-    state_every: Option<u64>,
+    configure: impl Fn(&mut CollaborativeConfig) + Copy,
     tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
 ) -> Vec<PeerRun> {
-    gradient_mode_on(NodeConfig::default(), data, run, state_every, tamper).await
+    gradient_mode_on(NodeConfig::default(), data, run, configure, tamper).await
 }
 
 /// [`gradient_mode`] on nodes configured as `node_cfg`.
@@ -80,7 +81,7 @@ async fn gradient_mode_on(
     node_cfg: NodeConfig,
     data: &Data,
     run: &str,
-    state_every: Option<u64>,
+    configure: impl Fn(&mut CollaborativeConfig) + Copy,
     tamper: impl Fn(usize, usize, &mut ParamSet) + Copy,
 ) -> Vec<PeerRun> {
     let cluster = LocalCluster::start(PEERS, node_cfg).await.unwrap();
@@ -89,7 +90,7 @@ async fn gradient_mode_on(
         let mut params = model();
         let opt = Sgd::new(sgd(), params.len()).unwrap();
         let mut cfg = collab_cfg(run, Mode::Gradients);
-        cfg.state_averaging_every = state_every;
+        configure(&mut cfg);
         let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
             .await
             .unwrap();
@@ -134,6 +135,23 @@ async fn gradient_mode_on(
     results
 }
 
+/// Every peer of a [`gradient_mode`] run ends with peer 0's parameters and optimizer state.
+fn assert_identical_at_end(results: &[PeerRun]) {
+    for (p, (history, state)) in results.iter().enumerate().skip(1) {
+        let (mine, theirs) = (&history.last().unwrap().0, &results[0].0.last().unwrap().0);
+        assert!(
+            mine == theirs,
+            "peer {p} ends with other parameters than peer 0"
+        );
+        assert!(state == &results[0].1, "peer {p}'s optimizer state differs");
+    }
+}
+
+/// A [`gradient_mode`] configuration: the state reconciled every `n` epochs.
+fn every(n: u64) -> impl Fn(&mut CollaborativeConfig) + Copy {
+    move |c| c.state_averaging_every = Some(n)
+}
+
 /// Every peer of a [`gradient_mode`] run held peer 0's parameters after every epoch and ends
 /// with its optimizer state.
 fn assert_identical(results: &[PeerRun]) {
@@ -153,7 +171,7 @@ async fn gradient_mode_keeps_peers_bit_identical_and_matches_one_peer() {
     init_tracing();
     bounded(Duration::from_secs(300), async {
         let (train, val) = digits();
-        let results = gradient_mode(&train, "digits-gradients", Some(10), |_, _, _| {}).await;
+        let results = gradient_mode(&train, "digits-gradients", every(10), |_, _, _| {}).await;
         assert_identical(&results);
         // Epoch 10's round compared the state too, in the same group (EPOCHS = 12), and found
         // every peer's the same: nothing was averaged.
@@ -194,7 +212,7 @@ async fn over_a_slow_network_peers_step_together_and_stay_bit_identical() {
             slow_network(),
             &train,
             "digits-slow-net",
-            Some(10),
+            every(10),
             |_, _, _| {},
         )
         .await;
@@ -316,7 +334,7 @@ async fn a_peer_that_stepped_apart_is_brought_back_by_the_next_state_round() {
                 params.params_mut().iter_mut().for_each(|v| *v += 0.01);
             }
         };
-        let results = gradient_mode(&train, "digits-drift", Some(4), drift).await;
+        let results = gradient_mode(&train, "digits-drift", every(4), drift).await;
         // Epochs 4, 8 and 12 compare the state; at 4 the drifted peer's differs and the
         // state is averaged, at 8 and 12 every peer's is the same again.
         for (p, (history, _)) in results.iter().enumerate() {
@@ -344,6 +362,50 @@ async fn a_peer_that_stepped_apart_is_brought_back_by_the_next_state_round() {
                 );
             }
         }
+    })
+    .await;
+}
+
+/// A run with a last epoch (`CollaborativeConfig::final_epoch`, what `starling train` sets)
+/// and no periodic state rounds: a peer whose parameters left the swarm's at the first epoch
+/// stays apart through every plain gradient round, and the round that reaches the last epoch
+/// reconciles the state, so that every peer ends holding one model (the one the same peers'
+/// periodic state round would give: the weighted mean). Only that round compares the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_epochs_round_ends_the_run_with_one_model() {
+    init_tracing();
+    bounded(Duration::from_secs(300), async {
+        let (train, _) = digits();
+        let drift = |p: usize, e: usize, params: &mut ParamSet| {
+            if (p, e) == (PEERS - 1, 0) {
+                params.params_mut().iter_mut().for_each(|v| *v += 0.01);
+            }
+        };
+        let last = |c: &mut CollaborativeConfig| {
+            c.state_averaging_every = None;
+            c.final_epoch = Some(EPOCHS as u64);
+        };
+        let results = gradient_mode(&train, "digits-final", last, drift).await;
+        for (p, (history, _)) in results.iter().enumerate() {
+            let checked: Vec<usize> = (0..EPOCHS).filter(|&e| history[e].1).collect();
+            assert_eq!(
+                checked,
+                [EPOCHS - 1],
+                "peer {p}: only the last round compares"
+            );
+            assert!(
+                history[EPOCHS - 1].2,
+                "peer {p}: the last round averaged the state"
+            );
+        }
+        let (apart, others) = (&results[PEERS - 1].0, &results[0].0);
+        for e in 0..EPOCHS - 1 {
+            assert!(
+                apart[e].0 != others[e].0,
+                "epoch {e}: the drifted peer is apart"
+            );
+        }
+        assert_identical_at_end(&results);
     })
     .await;
 }

@@ -100,6 +100,13 @@ pub struct CollaborativeConfig {
     /// See [`Averager::reconcile`](starling_averager::Averager::reconcile). `None` never
     /// does.
     pub state_averaging_every: Option<u64>,
+    /// The run's last epoch, when it has one: the round that reaches it also reconciles the
+    /// state (as every `state_averaging_every`-th does), so that the peers in it end the run
+    /// holding one model, whatever rounds failed or ran in smaller groups since the last state
+    /// round (costing a digest comparison when they are already equal). Every peer of a run
+    /// must set the same value (`starling train` sets the manifest's epochs); peers that
+    /// disagree do not group in that round. `None` (the default): no such round.
+    pub final_epoch: Option<u64>,
     /// With a lossy codec, average gradients (gradient mode) and pseudo-gradients (local SGD)
     /// with error feedback: what quantization dropped of this peer's contribution in one round
     /// is added to the next (see `starling_averager::Residuals`; one `f32` per parameter).
@@ -188,6 +195,7 @@ impl CollaborativeConfig {
             projected_batch: true,
             outer: SgdConfig::new(0.7).momentum(0.9).nesterov(true),
             state_averaging_every: Some(10),
+            final_epoch: None,
             error_feedback: true,
             delayed_update: false,
             scheduled_matchmaking: true,

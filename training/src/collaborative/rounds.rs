@@ -81,11 +81,18 @@ pub(super) fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
 /// Which rounds carry the state, whether rounds keep members identical, and each step's rate.
 impl CollaborativeOptimizer {
     /// Whether the round that ends this epoch also averages the parameters and the optimizer
-    /// state (every `state_averaging_every` epochs).
+    /// state (every `state_averaging_every` epochs, and the run's `final_epoch`).
     pub(super) fn state_due(&self) -> bool {
-        self.cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && (self.epoch + 1).is_multiple_of(n))
+        self.state_round_at(self.epoch + 1)
+    }
+
+    /// Whether the round that reaches `epoch` carries the state.
+    fn state_round_at(&self, epoch: u64) -> bool {
+        self.cfg.final_epoch == Some(epoch)
+            || self
+                .cfg
+                .state_averaging_every
+                .is_some_and(|n| n > 0 && epoch.is_multiple_of(n))
     }
 
     /// Sets the optimizer's rate for the step that ends `epoch`, if the run has a schedule.
@@ -105,9 +112,7 @@ impl CollaborativeOptimizer {
     /// Whether the round after this epoch's carries the state: a peer an epoch behind the
     /// others would be in this one.
     pub(super) fn state_due_next(&self) -> bool {
-        self.cfg
-            .state_averaging_every
-            .is_some_and(|n| n > 0 && (self.epoch + 2).is_multiple_of(n))
+        self.state_round_at(self.epoch + 2)
     }
 }
 
