@@ -999,8 +999,8 @@ async fn a_peer_whose_round_failed_while_the_others_stepped_syncs_instead_of_ste
                 .find(|r| r.stepped && r.averaging_error.is_some());
             assert!(alone.is_none(), "peer {p} stepped alone: {alone:?}");
         }
-        for p in 0..2 {
-            let r = results[p].2.last().unwrap();
+        for (p, (_, _, reports)) in results.iter().enumerate().take(2) {
+            let r = reports.last().unwrap();
             assert_eq!(
                 (r.stepped, r.group_size),
                 (true, Some(2)),
