@@ -37,6 +37,26 @@ struct Donor {
     holds_manifest: AtomicBool,
 }
 
+impl Donor {
+    fn new(peer: PeerId, addrs: Vec<Multiaddr>) -> Donor {
+        Donor {
+            peer,
+            addrs,
+            idle: Mutex::new(Vec::new()),
+            holds_manifest: AtomicBool::new(false),
+        }
+    }
+}
+
+/// The addresses an announcement gives (at most 8; unparsable ones dropped).
+fn announced_addrs(a: &StateAnnouncement) -> Vec<Multiaddr> {
+    a.addrs
+        .iter()
+        .take(8)
+        .filter_map(|s| s.parse().ok())
+        .collect()
+}
+
 type Failed = (Failure, String);
 
 /// Downloads the training state the donors of `cfg.run` agree on, for a model and optimizers
@@ -148,12 +168,7 @@ async fn one_round(
     let mut donors: Vec<Donor> = choice
         .donors
         .iter()
-        .map(|&peer| Donor {
-            peer,
-            addrs: addrs.remove(&peer).unwrap_or_default(),
-            idle: Mutex::new(Vec::new()),
-            holds_manifest: AtomicBool::new(false),
-        })
+        .map(|&peer| Donor::new(peer, addrs.remove(&peer).unwrap_or_default()))
         .collect();
     // Joiners that start together do not all ask the same donor for the manifest first.
     donors.shuffle(&mut rand::thread_rng());
@@ -290,10 +305,7 @@ async fn find_donors(
     };
     let addrs = announcements
         .into_iter()
-        .map(|(peer, a)| {
-            let parsed = a.addrs.iter().take(8).filter_map(|s| s.parse().ok());
-            (peer, parsed.collect())
-        })
+        .map(|(peer, a)| (peer, announced_addrs(&a)))
         .collect();
     Ok((choice, addrs))
 }
@@ -328,17 +340,7 @@ async fn served_now(
     ours.sort_by_key(|(_, a)| std::cmp::Reverse(a.epoch));
     ours.truncate(HELLO_CANDIDATES);
     let hellos = ours.iter().map(|(peer, a)| {
-        let donor = Donor {
-            peer: *peer,
-            addrs: a
-                .addrs
-                .iter()
-                .take(8)
-                .filter_map(|s| s.parse().ok())
-                .collect(),
-            idle: Mutex::new(Vec::new()),
-            holds_manifest: AtomicBool::new(false),
-        };
+        let donor = Donor::new(*peer, announced_addrs(a));
         async move {
             let asked = timeout(
                 HELLO_WAIT.min(cfg.request_timeout),

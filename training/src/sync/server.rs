@@ -115,12 +115,12 @@ impl Current {
         })
     }
 
-    /// Whether this snapshot's buffers have the same names and lengths as `other`'s (then
-    /// their manifests have the same size).
+    /// Whether this snapshot's buffers and counters have the same names (and the buffers the
+    /// same lengths) as `other`'s: then their manifests have the same size.
     fn same_layout(&self, other: &StateSnapshot) -> bool {
         let a = self.snapshot.buffers.iter().map(|(n, v)| (n, v.len()));
         a.eq(other.buffers.iter().map(|(n, v)| (n, v.len())))
-            && self.snapshot.counters.len() == other.counters.len()
+            && self.snapshot.counters.keys().eq(other.counters.keys())
     }
 }
 
@@ -256,8 +256,10 @@ impl StateServer {
             return Err(SyncError::Stopped);
         }
         let current = Arc::new(Current::new(snapshot, shared.cfg.chunk_elems));
-        let served = hashed(&current).await.served.clone();
-        let manifest_len = current.hash_now().manifest_bytes.len();
+        let (served, manifest_len) = {
+            let h = hashed(&current).await;
+            (h.served.clone(), h.manifest_bytes.len())
+        };
         if manifest_len > shared.cfg.max_manifest_bytes {
             return Err(SyncError::Invalid(format!(
                 "the manifest takes {manifest_len} bytes, over max_manifest_bytes {}: raise chunk_elems",
