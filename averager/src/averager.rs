@@ -203,6 +203,7 @@ impl Averager {
     pub(crate) fn round_env(&self, config: Arc<AveragerConfig>, feedback: bool) -> RoundEnv {
         RoundEnv {
             signer: (config.verify > 0.0).then(|| Signer::of(self.transport.node())),
+            values_back: config.codec == starling_compression::Codec::None,
             config,
             transport: self.transport.clone(),
             router: self.router.clone(),

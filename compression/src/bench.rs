@@ -90,8 +90,13 @@ pub fn gradient_compressors(size: usize, iterations: usize) -> Vec<CodecBenchRep
     let heavy = synthetic::student_t(n, 3, 0x13);
     let mut out = Vec::new();
     for (input, x) in [("low-rank+noise", &low_rank), ("student-t", &heavy)] {
-        for rank in [1, 4, 16] {
-            out.push(bench_powersgd(input, side, rank, x, iterations));
+        for (rank, values) in [
+            (1, Codec::None),
+            (4, Codec::None),
+            (4, Codec::BFloat16),
+            (16, Codec::None),
+        ] {
+            out.push(bench_powersgd(input, side, rank, values, x, iterations));
         }
         for (chunk, k, values) in [
             (64, 8, crate::dct::DctValues::F16),
@@ -124,24 +129,32 @@ fn bench_powersgd(
     input: &str,
     side: usize,
     rank: usize,
+    values: Codec,
     x: &[f32],
     iterations: usize,
 ) -> CodecBenchReport {
     use crate::lowrank::{LowRankMatrix, PowerSgd};
-    let mut report = empty_report(format!("powersgd:{rank} ({input}, {side}x{side})"), x.len());
+    let name = match values {
+        Codec::None => format!("powersgd:{rank}"),
+        other => format!("powersgd:{rank}:{other}"),
+    };
+    let mut report = empty_report(format!("{name} ({input}, {side}x{side})"), x.len());
     let layout = [LowRankMatrix {
         offset: 0,
         rows: side,
         cols: side,
     }];
     let outcome = (|| -> crate::Result<()> {
-        let mut state = PowerSgd::new(rank, x.len(), &layout, 1)?;
+        let mut state = PowerSgd::new(rank, x.len(), &layout, 1)?.values(values)?;
         let mut one = vec![0f32; state.phase_one_len()];
         let mut two = vec![0f32; state.phase_two_len()];
         let mut y = vec![0f32; x.len()];
+        // Both vectors as a one-peer group's reducer returns them: rounded through the codec.
         let encode = |state: &mut PowerSgd, one: &mut [f32], two: &mut [f32]| {
             state.begin(x, one)?;
-            state.middle(one, two)
+            values.round_trip(one)?;
+            state.middle(one, two)?;
+            values.round_trip(two)
         };
         let encode_s = median_secs(iterations, || {
             encode(&mut state, &mut one, &mut two)?;
@@ -155,7 +168,8 @@ fn bench_powersgd(
         let mb = (x.len() * 4) as f64 / 1e6;
         report.encode_mb_per_s = mb / encode_s;
         report.decode_mb_per_s = mb / decode_s;
-        report.wire_bytes = 2 * crate::HEADER_LEN + 4 * state.elements_per_round();
+        let per_value = if values == Codec::None { 4 } else { 2 };
+        report.wire_bytes = 2 * crate::HEADER_LEN + per_value * state.elements_per_round();
         report.relative_error = relative_error(x, &y);
         Ok(())
     })();

@@ -127,6 +127,38 @@ impl Codec {
         matches!(self, Codec::None)
     }
 
+    /// Whether the codec encodes each value on its own (`None`, `Float16`, `BFloat16`): a value
+    /// decodes the same wherever it sits in a chunk, so [`Codec::round_trip`] can round values
+    /// in place exactly as encoding and decoding them would.
+    pub const fn is_elementwise(self) -> bool {
+        matches!(self, Codec::None | Codec::Float16 | Codec::BFloat16)
+    }
+
+    /// Replaces every value with what this codec's decoder gives back for it, without a frame:
+    /// afterwards encoding the values loses nothing, so peers that decode them hold the same bits
+    /// as the peer that rounded them. Only for [`elementwise`](Codec::is_elementwise) codecs.
+    ///
+    /// ```
+    /// use starling_compression::Codec;
+    /// let mut v = [1.0f32 + 1.0 / 1024.0, 0.1, 7.25];
+    /// Codec::BFloat16.round_trip(&mut v)?;
+    /// assert_eq!(v, [1.0, 0.10009765625, 7.25]); // 8 significant bits, round to nearest even
+    /// assert!(Codec::Uniform8Bit.round_trip(&mut v).is_err());
+    /// # Ok::<(), starling_compression::Error>(())
+    /// ```
+    pub fn round_trip(self, values: &mut [f32]) -> Result<(), Error> {
+        match self {
+            Codec::None => Ok(()),
+            Codec::Float16 | Codec::BFloat16 => {
+                crate::codecs::float::round_trip(self, values);
+                Ok(())
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "{other} does not encode each value on its own: it cannot round values in place"
+            ))),
+        }
+    }
+
     /// The codec used for a tensor of `elements` values: `Adaptive` resolves through `policy` (a policy whose
     /// `large` is itself `Adaptive` means `Uniform8Bit`); every other codec is itself.
     ///

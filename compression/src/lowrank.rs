@@ -56,6 +56,7 @@ use std::ops::Range;
 
 use crate::error::{check_len, Error, Result};
 use crate::stats::check_finite;
+use crate::Codec;
 
 /// One matrix inside a flat buffer: `rows * cols` elements from `offset`, row-major. An N-D
 /// tensor is passed reshaped to (first dimension, product of the rest).
@@ -105,6 +106,8 @@ pub struct PowerSgd {
     /// What the residual is multiplied by before a round's gradient is added (1: plain error
     /// feedback).
     momentum: f32,
+    /// How `P`, `Q` and the rest travel: `None` (f32) or `BFloat16`.
+    values: Codec,
 }
 
 impl PowerSgd {
@@ -161,6 +164,7 @@ impl PowerSgd {
             residual: vec![0.0; len],
             corrected: Vec::new(),
             momentum: 1.0,
+            values: Codec::None,
         })
     }
 
@@ -184,6 +188,37 @@ impl PowerSgd {
         }
         self.momentum = beta;
         Ok(self)
+    }
+
+    /// Sends `P`, `Q` and the uncompressed rest as `codec` values: [`Codec::None`] (f32, the
+    /// default) or [`Codec::BFloat16`] (half the bytes; f32's range with 8 significant bits). The
+    /// averager returns each averaged value rounded the same way to every member, so members
+    /// still hold the same bits. What rounding the averaged `Q` misses stays in the residual with
+    /// the rest of the approximation's error; the uncompressed rest's rounding (relative 2⁻⁹ at
+    /// most) is not fed back. `Float16` is refused: `P = M Q` is a product of two
+    /// gradient-sized factors and falls below f16's smallest values.
+    ///
+    /// ```
+    /// use starling_compression::{lowrank::{LowRankMatrix, PowerSgd}, Codec};
+    /// let layout = [LowRankMatrix { offset: 0, rows: 64, cols: 32 }];
+    /// let state = PowerSgd::new(4, 64 * 32, &layout, 7)?.values(Codec::BFloat16)?;
+    /// assert_eq!(state.values_codec(), Codec::BFloat16);
+    /// assert!(PowerSgd::new(4, 64 * 32, &layout, 7)?.values(Codec::Uniform8Bit).is_err());
+    /// # Ok::<(), starling_compression::Error>(())
+    /// ```
+    pub fn values(mut self, codec: Codec) -> Result<Self> {
+        if !matches!(codec, Codec::None | Codec::BFloat16) {
+            return Err(Error::InvalidArgument(format!(
+                "PowerSGD values travel as none (f32) or bf16, not {codec}"
+            )));
+        }
+        self.values = codec;
+        Ok(self)
+    }
+
+    /// How `P`, `Q` and the uncompressed rest travel (see [`PowerSgd::values`]).
+    pub fn values_codec(&self) -> Codec {
+        self.values
     }
 
     /// The momentum what was missed decays by each round (1: plain error feedback).

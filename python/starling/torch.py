@@ -145,7 +145,7 @@ class Optimizer:
             ``"diloco"`` (``inner_steps`` local steps, then average the parameter deltas and
             take an outer Nesterov step with ``outer_lr``/``outer_momentum``).
         codec: the averaging codec (``none`` keeps peers bit-identical; ``f16``, ``u8``, ...),
-            or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK[:momentum=B]``
+            or a gradient compressor that keeps them bit-identical too: ``powersgd:RANK[:bf16][:momentum=B]``
             (low-rank matrices) or ``dct-topk:CHUNK:K[:sign][:momentum=B]`` (K of every CHUNK
             DCT coefficients); ``B < 1`` keeps what was not sent as a decaying momentum.
         aggregation: ``mean``, ``median``, ``trimmed-mean`` or ``centered-clip`` (with

@@ -8,8 +8,6 @@ use rand::Rng;
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::Instant;
 
-use starling_compression::Codec;
-
 use super::Round;
 use crate::transport::Lane;
 use crate::verify::{merkle, Evidence, Seal, SignedResult};
@@ -125,7 +123,7 @@ pub(super) async fn check_span(
         let block = rng.gen_range(0..merkle::leaves(part.range.len()));
         (part, block)
     };
-    let got = (round.config().codec == Codec::None).then(|| {
+    let got = (round.env.values_back).then(|| {
         let b = merkle::block_range(part.range.len(), block);
         let at = part.range.start - span_start + b.start;
         &values[at..at + b.len()]

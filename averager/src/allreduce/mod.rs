@@ -84,6 +84,13 @@ pub(crate) struct RoundEnv {
     pub transcripts: Transcripts,
     /// Peers proven to have lied: refused as senders, and where this round catches a reducer.
     pub banned: Banned,
+    /// Reducers return each part's result itself, not a delta from what the sender sent, so
+    /// that every member holds the same bits: always with the exact codec; with an
+    /// [elementwise](starling_compression::Codec::is_elementwise) lossy codec (compressed
+    /// rounds ask for it) the reducer first rounds the result through the codec, its own copy
+    /// included. Verified rounds never ask for it with a lossy codec (a check recomputes the
+    /// unrounded mean).
+    pub values_back: bool,
 }
 
 /// What a round produced for the local peer.

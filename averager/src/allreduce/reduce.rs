@@ -194,7 +194,7 @@ impl Reduction {
     async fn finish_ready_parts(&mut self) -> bool {
         let round = self.round.clone();
         let cfg = round.config();
-        let exact = cfg.codec == starling_compression::Codec::None;
+        let values_back = round.env.values_back;
         while self.job.expected.is_empty() {
             let Some(part) = self.parts.ready(self.senders.values().map(|s| s.prefix)) else {
                 break;
@@ -217,6 +217,13 @@ impl Reduction {
                     .iter_mut()
                     .for_each(|v| *v += bias as f32);
             }
+            if values_back {
+                // Rounded as every member will decode it (a no-op with the exact codec; the
+                // averager asks for this only with elementwise codecs).
+                if let Err(e) = cfg.codec.round_trip(&mut self.values[part.clone()]) {
+                    tracing::error!("results sent back as values with {}: {e}", cfg.codec);
+                }
+            }
             let seal = self.seal_part(&part, &contributors);
             let mut gone = Vec::new();
             for (&sender, s) in &self.senders {
@@ -228,9 +235,9 @@ impl Reduction {
                     continue;
                 }
                 let mut delta = round.env.pool.take_dirty(part.len());
-                if exact {
-                    // An exact codec carries the mean itself: every member then holds the
-                    // same bits (a delta added to each sender's own values would not).
+                if values_back {
+                    // The result itself (rounded through the codec above): every member then
+                    // holds the same bits (a delta added to each sender's own values would not).
                     delta.copy_from_slice(&self.values[part.clone()]);
                 } else {
                     delta_into(

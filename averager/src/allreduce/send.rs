@@ -238,10 +238,13 @@ pub(super) async fn send_span(
         let mut result = delta;
         let mut residual = None;
         if let Some(mut base) = as_sent {
-            result
-                .iter_mut()
-                .zip(base.iter())
-                .for_each(|(d, b)| *d += b);
+            // Unless the reducer sent the result itself (`RoundEnv::values_back`).
+            if !round.env.values_back {
+                result
+                    .iter_mut()
+                    .zip(base.iter())
+                    .for_each(|(d, b)| *d += b);
+            }
             // Error feedback: the copy becomes what quantization dropped, in place (the
             // round's vector is the corrected contribution when feedback is on).
             if round.env.feedback {
@@ -432,7 +435,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
     failed_reducer: Option<MemberIdx>,
 ) -> Result<(Vec<Segment>, PoolBuf, Vec<ReceivedPart>), SendFail> {
     let verifying = round.env.signer.is_some();
-    let exact = round.env.config.codec == Codec::None;
+    let exact = round.env.values_back;
     let aggregation = round.env.config.aggregation.to_string();
     let (j, span_start) = from;
     let mut sealed: Vec<ReceivedPart> = Vec::new();

@@ -25,8 +25,9 @@ const PHASE_TWO: u64 = 0x5157_5f50_4841_5345;
 impl Averager {
     /// Averages a gradient buffer in low rank (PowerSGD): each compressed matrix `M` of
     /// `state`'s layout goes out as `P = M Q` and then `Q = Mᵀ P̂` (two all-reduces in one
-    /// group, with the exact codec: they are small), the rest of the buffer as it is with
-    /// `P`. Every member of the group ends with the same bits in `grads`: the averaged
+    /// group, as f32 or, if `state` says so ([`PowerSgd::values`]), bf16 rounded by each
+    /// part's reducer: the exact codec in verified rounds), the rest of the buffer as it is
+    /// with `P`. Every member of the group ends with the same bits in `grads`: the averaged
     /// approximation `P̂ Q̄ᵀ` of the mean gradient, and the exact mean of the rest. `state`
     /// keeps the warm-started `Q`s and what the approximation missed of this peer's gradient
     /// (added back next round: error feedback).
@@ -68,7 +69,7 @@ impl Averager {
         if state.is_empty() || !self.config.aggregation.is_mean() {
             return false;
         }
-        self.prepare_schema(low_rank_schema(state), deadline)
+        self.prepare_schema(low_rank_schema(&self.config, state), deadline)
     }
 
     /// Averages a gradient buffer as DCT top-k coefficients (see
@@ -190,11 +191,12 @@ impl Averager {
         state
             .begin(grads, &mut mine_one)
             .map_err(compression_error)?;
-        let schema = low_rank_schema(state);
+        let schema = low_rank_schema(&self.config, state);
         let (group, matchmaking_time, prepared) = self.form_group(&schema, deadline).await?;
-        // `P` and `Q` are small and must be the same bits everywhere: the exact codec.
+        // `P` and `Q` must be the same bits everywhere: f32, or bf16 values rounded by their
+        // reducer (not in verified rounds: a check recomputes the unrounded mean).
         let exact = Arc::new(AveragerConfig {
-            codec: Codec::None,
+            codec: low_rank_codec(&self.config, state),
             ..(*self.config).clone()
         });
         let ar_start = Instant::now();
@@ -235,8 +237,10 @@ impl Averager {
         ))
     }
 
-    /// One all-reduce of `mine` in `group` with `config` (no error feedback): the vector as
-    /// averaged (this peer's own values where a span was not) and the round's outcome.
+    /// One all-reduce of `mine` in `group` with `config` (no error feedback; results come back
+    /// as values, so every member holds the same bits: `config.codec` must be elementwise):
+    /// the vector as averaged (this peer's own values where a span was not) and the round's
+    /// outcome.
     async fn exact_round(
         &self,
         config: &Arc<AveragerConfig>,
@@ -245,7 +249,9 @@ impl Averager {
         weight: f64,
         deadline: Instant,
     ) -> (Vec<f32>, Outcome) {
-        let env = self.round_env(config.clone(), false);
+        debug_assert!(config.codec.is_elementwise());
+        let mut env = self.round_env(config.clone(), false);
+        env.values_back = true;
         let mut flat = self.pool.take_dirty(mine.len());
         flat.copy_from_slice(&mine);
         let round = run_allreduce(env, group, flat, weight, deadline).await;
@@ -322,13 +328,28 @@ fn compressed_report(
     }
 }
 
-/// The schema of a low-rank step: the buffer, both averaged vectors and the rank (peers with
-/// another layout or rank must not group with this one).
-fn low_rank_schema(state: &PowerSgd) -> Schema {
+/// The schema of a low-rank step: the buffer, both averaged vectors, the rank and how the
+/// values travel (peers with another layout, rank or precision must not group with this one).
+fn low_rank_schema(config: &AveragerConfig, state: &PowerSgd) -> Schema {
+    let codec = low_rank_codec(config, state);
+    let tag = match codec {
+        Codec::None => format!("powersgd:{}", state.rank()),
+        other => format!("powersgd:{}:{other}", state.rank()),
+    };
     Schema::of(
         &[state.len(), state.phase_one_len(), state.phase_two_len()],
-        &format!("powersgd:{}", state.rank()),
+        &tag,
     )
+}
+
+/// The codec a low-rank step's two all-reduces use: the state's, except in verified rounds,
+/// which need exact values (a check recomputes the unrounded mean).
+fn low_rank_codec(config: &AveragerConfig, state: &PowerSgd) -> Codec {
+    if config.verify > 0.0 {
+        Codec::None
+    } else {
+        state.values_codec()
+    }
 }
 
 /// The schema of a DCT top-k step: the buffer, the chunking and the values (peers with

@@ -37,7 +37,7 @@ pub struct TrainingArgs {
     /// Batches each peer contributes to one global step (without `--sample-ms`).
     #[arg(long, default_value_t = 4)]
     batches: usize,
-    /// Codec on the wire; with --sample-ms also powersgd:RANK or dct-topk:CHUNK:K[:sign]
+    /// Codec on the wire; with --sample-ms also powersgd:RANK[:bf16] or dct-topk:CHUNK:K[:sign]
     /// (compressed gradient rounds; the parameters form a matrix of rows of 1000 when
     /// --params is a multiple of 1000 of at least 10^6).
     #[arg(long, default_value = "none")]

@@ -132,7 +132,7 @@ pub struct HyperArgs {
     #[arg(long)]
     pub(crate) outer_momentum: Option<f64>,
     /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
-    /// gradient rounds: powersgd:RANK[:momentum=B] (low rank), dct-topk:CHUNK:K[:sign][:momentum=B]
+    /// gradient rounds: powersgd:RANK[:bf16][:momentum=B] (low rank), dct-topk:CHUNK:K[:sign][:momentum=B]
     /// (K of every CHUNK DCT coefficients); B < 1 makes what was not sent a decaying momentum.
     #[arg(long)]
     pub(crate) codec: Option<String>,

@@ -213,7 +213,7 @@ impl CollaborativeConfig {
 /// ```
 /// use starling_training::{CollaborativeConfig, GradientCompression, Mode};
 /// let mut cfg = CollaborativeConfig::new("run", 256, Mode::Gradients);
-/// cfg.compression = GradientCompression::PowerSgd { rank: 4, momentum: 1.0 };
+/// cfg.compression = GradientCompression::PowerSgd { rank: 4, momentum: 1.0, bf16: true };
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum GradientCompression {
@@ -232,6 +232,9 @@ pub enum GradientCompression {
         /// feedback; about 0.999 with a sign step, `SgdConfig::sign`: a low-rank DeMo). See
         /// `starling_compression::lowrank::PowerSgd::momentum`.
         momentum: f32,
+        /// The factors and the rest travel as bf16 (half the bytes of f32; every member still
+        /// holds the same bits). See `starling_compression::lowrank::PowerSgd::values`.
+        bf16: bool,
     },
     /// DCT top-k: the buffer in chunks of `chunk` values, each transformed (orthonormal
     /// DCT-II), its `k` largest coefficients sent (f16 values, or their signs times one scale),
@@ -254,7 +257,7 @@ pub enum GradientCompression {
 impl GradientCompression {
     /// The averager codec and the gradient compression a codec name stands for, as
     /// `starling train --codec` takes it: a tensor codec (`none`, `f16`, `u8`, `u4`, ...) that
-    /// every round goes through, or a compressor, `powersgd:RANK[:momentum=B]` (1..=256) or
+    /// every round goes through, or a compressor, `powersgd:RANK[:bf16][:momentum=B]` (1..=256) or
     /// `dct-topk:CHUNK:K[:sign][:momentum=B]` (2 <= CHUNK <= 1024, 1 <= K <= CHUNK;
     /// 0 < B <= 1, default 1), whose rounds keep peers
     /// bit-identical (the averager's codec is then the exact `none`, for the rounds that carry
@@ -266,11 +269,11 @@ impl GradientCompression {
     /// assert_eq!(G::parse_codec("u8")?, (Codec::Uniform8Bit, G::Codec));
     /// assert_eq!(
     ///     G::parse_codec("powersgd:4")?,
-    ///     (Codec::None, G::PowerSgd { rank: 4, momentum: 1.0 })
+    ///     (Codec::None, G::PowerSgd { rank: 4, momentum: 1.0, bf16: false })
     /// );
     /// assert_eq!(
-    ///     G::parse_codec("powersgd:4:momentum=0.99")?.1,
-    ///     G::PowerSgd { rank: 4, momentum: 0.99 }
+    ///     G::parse_codec("powersgd:4:bf16:momentum=0.99")?.1,
+    ///     G::PowerSgd { rank: 4, momentum: 0.99, bf16: true }
     /// );
     /// assert_eq!(
     ///     G::parse_codec("dct-topk:64:2:sign")?.1,
@@ -288,7 +291,7 @@ impl GradientCompression {
     /// ```
     pub fn parse_codec(name: &str) -> Result<(Codec, GradientCompression), String> {
         if let Some(rest) = name.strip_prefix("powersgd:") {
-            let usage = "powersgd:RANK[:momentum=B]";
+            let usage = "powersgd:RANK[:bf16][:momentum=B]";
             let mut parts = rest.split(':');
             let rank = parts.next().unwrap_or_default();
             let rank: usize = rank
@@ -300,16 +303,21 @@ impl GradientCompression {
                     "the PowerSGD rank must be within 1..={max}, not {rank}"
                 ));
             }
-            let mut momentum = 1.0f32;
+            let (mut momentum, mut bf16) = (1.0f32, false);
             for (i, part) in parts.enumerate() {
-                match (i, part.strip_prefix("momentum=")) {
-                    (0, Some(b)) => momentum = parse_momentum("powersgd", b)?,
+                match (i, part, part.strip_prefix("momentum=")) {
+                    (0, "bf16", _) => bf16 = true,
+                    (_, _, Some(b)) if momentum == 1.0 => momentum = parse_momentum("powersgd", b)?,
                     _ => return Err(format!("{usage}, not powersgd:{rest} ({part:?})")),
                 }
             }
             return Ok((
                 Codec::None,
-                GradientCompression::PowerSgd { rank, momentum },
+                GradientCompression::PowerSgd {
+                    rank,
+                    momentum,
+                    bf16,
+                },
             ));
         }
         if let Some(rest) = name.strip_prefix("dct-topk:") {
@@ -350,7 +358,7 @@ impl GradientCompression {
             ));
         }
         let codec = name.parse::<Codec>().map_err(|e| {
-            format!("{e} (or powersgd:RANK[:momentum=B], dct-topk:CHUNK:K[:sign][:momentum=B] for compressed gradients)")
+            format!("{e} (or powersgd:RANK[:bf16][:momentum=B], dct-topk:CHUNK:K[:sign][:momentum=B] for compressed gradients)")
         })?;
         Ok((codec, GradientCompression::Codec))
     }

@@ -194,6 +194,7 @@ pub(super) enum CompressorSpec {
         layout: Vec<LowRankMatrix>,
         seed: u64,
         momentum: f32,
+        values: starling_compression::Codec,
     },
     Dct {
         len: usize,
@@ -216,7 +217,11 @@ impl CompressorSpec {
     ) -> Result<Option<Self>, TrainingError> {
         let spec = match compression {
             GradientCompression::Codec => return Ok(None),
-            GradientCompression::PowerSgd { rank, momentum } => {
+            GradientCompression::PowerSgd {
+                rank,
+                momentum,
+                bf16,
+            } => {
                 let layout = params
                     .iter()
                     .filter(|(_, t)| t.shape().len() >= 2)
@@ -236,6 +241,11 @@ impl CompressorSpec {
                     layout,
                     seed,
                     momentum,
+                    values: if bf16 {
+                        starling_compression::Codec::BFloat16
+                    } else {
+                        starling_compression::Codec::None
+                    },
                 }
             }
             GradientCompression::DctTopK {
@@ -271,9 +281,11 @@ impl CompressorSpec {
                 layout,
                 seed,
                 momentum,
+                values,
             } => Compressor::PowerSgd(
                 PowerSgd::new(*rank, *len, layout, *seed)
                     .and_then(|s| s.momentum(*momentum))
+                    .and_then(|s| s.values(*values))
                     .map_err(err)?,
             ),
             CompressorSpec::Dct {
@@ -421,8 +433,8 @@ mod tests {
         assert_ne!(state_digest(&[&a[..10], &a[10..], &b]), want);
     }
 
-    /// The momentum of a compression spec reaches the compressor it builds, and PowerSGD
-    /// compresses the tensors of two or more dimensions.
+    /// The momentum (and PowerSGD's values) of a compression spec reach the compressor it
+    /// builds, and PowerSGD compresses the tensors of two or more dimensions.
     #[test]
     fn compressor_specs_carry_their_momentum() {
         let mut params = ParamSet::new();
@@ -433,6 +445,7 @@ mod tests {
             GradientCompression::PowerSgd {
                 rank: 2,
                 momentum: 0.9,
+                bf16: true,
             },
             &params,
             "run",
@@ -442,6 +455,7 @@ mod tests {
         match spec.build().unwrap() {
             Compressor::PowerSgd(s) => {
                 assert_eq!(s.beta(), 0.9);
+                assert_eq!(s.values_codec(), starling_compression::Codec::BFloat16);
                 let shapes: Vec<(usize, usize)> =
                     s.compressed().iter().map(|m| (m.rows, m.cols)).collect();
                 assert_eq!(shapes, [(32, 16), (8, 36)]);
