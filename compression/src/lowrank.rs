@@ -295,9 +295,10 @@ impl PowerSgd {
         }
         let mut at = 0;
         let mut q_at = 0;
-        for m in &self.matrices {
+        for (i, m) in self.matrices.iter().enumerate() {
             let p_len = m.rows * self.rank;
             let q_len = m.cols * self.rank;
+            renew_basis(&mut self.q[q_at..q_at + q_len], m.cols, self.rank, i as u64);
             project(
                 &self.corrected[m.range()],
                 m.rows,
@@ -418,6 +419,29 @@ impl PowerSgd {
             ));
         }
         Ok(())
+    }
+}
+
+/// Turns a warm-started `Q` (`rank` columns of `cols`, column-major) into an orthonormal basis
+/// of the same span before it is projected on: `P = M Q` is then as well conditioned as `M` on
+/// that span (from a raw `Q`, one subspace iteration per round drives `P`'s columns towards the
+/// top singular vector, and rounding, f32 and more so bf16, then decides the rest), and the
+/// approximation `P̂ P̂ᵀ M` is the same. A column that vanished (the last round found its
+/// direction collinear with the others and dropped it; it would stay zero for good) is drawn
+/// again from a seed fixed by the matrix and column: every peer holds the same `Q` and makes
+/// the same one.
+fn renew_basis(q: &mut [f32], cols: usize, rank: usize, matrix: u64) {
+    for attempt in 0..3u64 {
+        for c in 0..rank {
+            let col = &mut q[c * cols..(c + 1) * cols];
+            if col.iter().all(|&x| x == 0.0) || !col.iter().all(|x| x.is_finite()) {
+                fill_normal(col, (matrix * MAX_RANK as u64 + c as u64) ^ (attempt << 48));
+            }
+        }
+        orthonormalize(q, cols, rank);
+        if (0..rank).all(|c| q[c * cols..(c + 1) * cols].iter().any(|&x| x != 0.0)) {
+            return;
+        }
     }
 }
 

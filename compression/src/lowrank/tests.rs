@@ -271,6 +271,35 @@ fn a_mean_of_lower_rank_is_recovered_in_one_round() {
 }
 
 #[test]
+fn a_direction_lost_to_a_rank_deficient_gradient_comes_back() {
+    // A rank-1 gradient leaves three of four columns of P collinear: they are dropped, and
+    // `Q`'s matching columns come back zero. From then on a rank-4 gradient must still be
+    // approximated in rank 4 (a zero column of a raw warm start would stay zero for good).
+    let (rows, cols) = (60, 50);
+    let layout = [LowRankMatrix {
+        offset: 0,
+        rows,
+        cols,
+    }];
+    let mut peer = PowerSgd::new(4, rows * cols, &layout, 3).unwrap();
+    let flat = low_rank(rows, cols, 1, 0.0, 60);
+    round(std::slice::from_mut(&mut peer), std::slice::from_ref(&flat));
+    let zero_columns = (0..4)
+        .filter(|c| peer.q[c * cols..(c + 1) * cols].iter().all(|&x| x == 0.0))
+        .count();
+    assert_eq!(zero_columns, 3, "the rank-1 round dropped three directions");
+    let m = low_rank(rows, cols, 4, 0.0, 70);
+    let want: Vec<f64> = m.iter().map(|&v| f64::from(v)).collect();
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        peer.residual.fill(0.0);
+        let out = round(std::slice::from_mut(&mut peer), std::slice::from_ref(&m));
+        errors.push(rel_err(&out[0], &want));
+    }
+    assert!(errors[2] < 1e-3, "{errors:?}");
+}
+
+#[test]
 fn warm_started_power_iteration_converges_on_a_fixed_gradient() {
     // Without error feedback's help (the residual is what it corrects, so compare the
     // approximation of a fixed matrix round after round): error falls to the noise floor.
