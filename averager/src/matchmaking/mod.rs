@@ -31,6 +31,8 @@ use proto::{Action, Asked, Event, JoinId, Ms, Outcome, Params, Search};
 
 /// How often a searching peer re-reads the group key.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(200);
+/// The wait before a window's second read of the key (doubling to [`REFRESH_INTERVAL`]).
+const FIRST_REFRESH: Duration = Duration::from_millis(25);
 /// How long a peer that answered `Busy` is left alone.
 const BUSY_BACKOFF: Duration = Duration::from_millis(150);
 /// What matchmaking works with: the configuration, the router its join requests arrive
@@ -174,6 +176,7 @@ fn params(cfg: &AveragerConfig, swarm: Option<usize>) -> Params {
         min_group_size: cfg.min_group_size,
         start_grace_ms: cfg.effective_start_grace().as_millis() as Ms,
         refresh_ms: REFRESH_INTERVAL.as_millis() as Ms,
+        first_refresh_ms: FIRST_REFRESH.as_millis() as Ms,
         busy_backoff_ms: BUSY_BACKOFF.as_millis() as Ms,
     }
 }

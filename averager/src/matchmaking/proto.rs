@@ -7,7 +7,7 @@
 //! One [`Search`] is one search window of one peer. Its [`Phase`]:
 //!
 //! - **Searching**: declared under the group key; reads the key every
-//!   [`Params::refresh_ms`] and asks the earliest-ranked leader ahead of it; accepts join
+//!   [`Params::refresh_ms`] (sooner at first: [`Params::first_refresh_ms`]) and asks the earliest-ranked leader ahead of it; accepts join
 //!   requests from peers ranked behind it (it *leads* them until it begins or disbands them);
 //! - **Requesting** a leader: a join request is in flight; other join requests get `Busy`;
 //! - **Following** a leader that accepted: other join requests get `NotLeading`; the leader's
@@ -42,8 +42,13 @@ pub(crate) struct Params {
     /// How long a leader waits before beginning with every declared peer but fewer than the
     /// target (`AveragerConfig::effective_start_grace`).
     pub start_grace_ms: Ms,
-    /// How often the group key is read.
+    /// How often the group key is read, once the window's first reads found no group.
     pub refresh_ms: Ms,
+    /// The wait before the window's second read; each later wait doubles, up to `refresh_ms`.
+    /// A peer that declared just after this one's first read is seen within this much, not a
+    /// whole `refresh_ms` later (a joiner whose first read missed the others' declarations
+    /// held itself and them up by a full refresh).
+    pub first_refresh_ms: Ms,
     /// How long a leader that answered `Busy` (or disbanded) is left alone.
     pub busy_backoff_ms: Ms,
     /// The peers the caller expects to search (`Averager::expect_peers`), if it said: a
@@ -222,6 +227,8 @@ pub(crate) struct Search {
     saw_others: bool,
     /// When the key is read next (while searching and not full).
     next_read: Ms,
+    /// The wait after the next read (see [`Params::first_refresh_ms`]).
+    refresh_wait: Ms,
     /// A read is in flight, started then.
     reading: Option<Ms>,
     /// A [`Action::CheckGone`] is in flight.
@@ -243,7 +250,6 @@ impl Search {
     ) -> Self {
         let my_rank = rank(declared_window_end, &me.peer_id);
         Search {
-            params,
             me,
             my_rank,
             opened: now,
@@ -256,9 +262,11 @@ impl Search {
             last_read: None,
             saw_others: false,
             next_read: now,
+            refresh_wait: params.first_refresh_ms.clamp(1, params.refresh_ms.max(1)),
             reading: None,
             checking: false,
             previous,
+            params,
         }
     }
 
@@ -486,9 +494,11 @@ impl Search {
     }
 
     fn read(&mut self, now: Ms, entries: Option<Vec<Declaration>>, out: &mut Vec<Action>) {
-        // Every `refresh_ms` from the start of the last read (at once if it took longer).
+        // From the start of the last read (at once if it took longer): `first_refresh_ms`
+        // after the first, doubling to `refresh_ms`.
         let started = self.reading.take().unwrap_or(now);
-        self.next_read = started + self.params.refresh_ms;
+        self.next_read = started + self.refresh_wait;
+        self.refresh_wait = (self.refresh_wait * 2).min(self.params.refresh_ms);
         let Some(entries) = entries else {
             return;
         };

@@ -21,6 +21,7 @@ fn params(target: usize, min: usize) -> Params {
         min_group_size: min,
         start_grace_ms: 100,
         refresh_ms: 200,
+        first_refresh_ms: 200,
         busy_backoff_ms: 150,
         swarm: None,
     }
@@ -459,4 +460,27 @@ fn peers_in_other_rounds_never_group_and_the_one_behind_learns_it_at_once() {
         Event::Read(Some(vec![decl(&me, 1000), decl(&tagged(7), 500)])),
     );
     assert!(a.iter().any(|a| matches!(a, Action::Ask { .. })), "{a:?}");
+}
+
+#[test]
+fn reads_come_soon_at_first_then_every_refresh() {
+    // Alone under the key for the whole window: reads at 0, then after 25, 50, 100 and then
+    // every 200 ms (each wait counted from the start of the read before).
+    let me = info(AveragingMode::Node);
+    let p = Params {
+        first_refresh_ms: 25,
+        ..params(4, 2)
+    };
+    let mut s = Search::new(p, me.clone(), 1000, vec![], 0, 5000);
+    let mut reads = Vec::new();
+    let mut now = 0;
+    while reads.len() < 7 {
+        now = s.next_wakeup().expect("searching");
+        assert_eq!(s.handle(now, Event::Tick), vec![Action::Read], "at {now}");
+        reads.push(now);
+        assert!(s
+            .handle(now + 2, Event::Read(Some(vec![decl(&me, 1000)])))
+            .is_empty());
+    }
+    assert_eq!(reads, [0, 25, 75, 175, 375, 575, 775], "ended at {now}");
 }
