@@ -46,7 +46,9 @@
 //! groups). A declaration carries the end of the peer's search window (`matchmaking_time`,
 //! cut to the deadline); the earliest window leads. One peer's states in one window:
 //!
-//! - **searching**: declared; reads the key and asks the earliest-declared peer ahead of it
+//! - **searching**: declared; reads the key (at once, then 25, 50 and 100 ms later, then every
+//!   200 ms: a peer that declared just after the first read is seen soon) and asks the
+//!   earliest-declared peer ahead of it
 //!   (never a client, never one that refused for good) to take it. Requests only go to peers
 //!   declared *earlier*, so they never form a cycle and the earliest peer ends up leading. A
 //!   client never leads, so it asks the earliest leader whatever its own rank, and leaders

@@ -526,6 +526,9 @@ async fn a_search_prepared_ahead_gives_its_step_the_group() {
             let mut cfg = AveragerConfig::new("prepared");
             cfg.target_group_size = 3;
             cfg.matchmaking_time = Duration::from_secs(10);
+            // The last peer steps 600 ms after the first: well within the grace (the default,
+            // 500 ms here, left it to when the leader's read after the grace happened to come).
+            cfg.start_grace = Some(Duration::from_secs(3));
             cfg
         })
         .await
