@@ -272,10 +272,24 @@ async fn bf16_factors_leave_every_member_the_same_bits_for_half_the_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survivors_of_a_peer_killed_mid_round_agree_or_keep_their_gradient() {
+    survivors_agree("lowrank-kill", Codec::None).await;
+}
+
+/// The same with bf16 factors: the re-delegated span's new reducer rounds its result too, so
+/// the survivors that averaged still hold the same bits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_with_bf16_factors_agree_or_keep_their_gradient() {
+    survivors_agree("lowrank-kill-bf16", Codec::BFloat16).await;
+}
+
+/// Peer 2 of 4 crashes while reducing its span of a low-rank round whose factors travel as
+/// `values`: the survivors re-delegate it, and each either averaged (all of those with the
+/// same bits) or kept its gradient and residual.
+async fn survivors_agree(prefix: &str, values: Codec) {
     init_tracing();
     bounded(Duration::from_secs(120), async {
         let swarm = AveragingSwarm::start(4, node_cfg(), |i| {
-            let mut c = avg_cfg("lowrank-kill", 4);
+            let mut c = avg_cfg(prefix, 4);
             if i == 2 {
                 c.fault = Some(Fault::WhileReducing);
             }
@@ -284,7 +298,12 @@ async fn survivors_of_a_peer_killed_mid_round_agree_or_keep_their_gradient() {
         .await
         .unwrap();
         let mut states: Vec<PowerSgd> = (0..4)
-            .map(|_| PowerSgd::new(4, LEN, &layout(), 3).unwrap())
+            .map(|_| {
+                PowerSgd::new(4, LEN, &layout(), 3)
+                    .unwrap()
+                    .values(values)
+                    .unwrap()
+            })
             .collect();
         let mut grads: Vec<Vec<f32>> = (0..4).map(|p| normal_vec(LEN, 70 + p)).collect();
         let before = grads.clone();
