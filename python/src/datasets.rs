@@ -13,11 +13,17 @@ pub(crate) fn digits(
     py: Python<'_>,
 ) -> (Bound<'_, PyBytes>, Vec<u32>, Bound<'_, PyBytes>, Vec<u32>) {
     let d = starling_run::data::digits();
-    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let bytes = |pixels: &[u8]| -> Vec<u8> {
+        d.values(pixels)
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect()
+    };
+    let (train_x, test_x) = (bytes(&d.train_x), bytes(&d.test_x));
     (
-        PyBytes::new(py, &bytes(&d.train_x)),
+        PyBytes::new(py, &train_x),
         d.train_y,
-        PyBytes::new(py, &bytes(&d.test_x)),
+        PyBytes::new(py, &test_x),
         d.test_y,
     )
 }

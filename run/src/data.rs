@@ -24,12 +24,15 @@ pub struct Images {
     pub inputs: usize,
     /// Label classes.
     pub classes: usize,
-    /// Training images, `inputs` values each.
-    pub train_x: Vec<f32>,
+    /// Training images, `inputs` pixels each, as stored (one byte a pixel, a quarter of the
+    /// memory of f32 values; [`Images::value`] gives a pixel's value in [0, 1]).
+    pub train_x: Vec<u8>,
     /// Training labels.
     pub train_y: Vec<u32>,
-    /// Test images.
-    pub test_x: Vec<f32>,
+    /// Test images, as stored.
+    pub test_x: Vec<u8>,
+    /// What a stored pixel is divided by for its value: 255 for IDX files, 16 for the digits.
+    pub levels: f32,
     /// Test labels.
     pub test_y: Vec<u32>,
 }
@@ -38,6 +41,22 @@ impl Images {
     /// Training images.
     pub fn train_len(&self) -> usize {
         self.train_y.len()
+    }
+
+    /// A stored pixel's value, in [0, 1].
+    pub fn value(&self, pixel: u8) -> f32 {
+        f32::from(pixel) / self.levels
+    }
+
+    /// Stored pixels' values, in [0, 1].
+    ///
+    /// ```
+    /// let d = starling_run::data::digits();
+    /// let first = d.values(&d.train_x[..d.inputs]);
+    /// assert!(first.iter().all(|v| (0.0..=1.0).contains(v)));
+    /// ```
+    pub fn values(&self, pixels: &[u8]) -> Vec<f32> {
+        pixels.iter().map(|&p| self.value(p)).collect()
     }
 
     /// Checks that images and labels agree in number and neither part is empty.
@@ -126,12 +145,13 @@ pub fn digits() -> Images {
     order.shuffle(&mut StdRng::seed_from_u64(DIGITS_SPLIT_SEED));
     let n_train = d.num_samples * 4 / 5;
     let take = |idx: &[usize]| {
+        // The digits are whole numbers 0..=16: a byte holds each exactly.
         let x = idx
             .iter()
             .flat_map(|&i| {
                 d.data[i * inputs..(i + 1) * inputs]
                     .iter()
-                    .map(|v| v / 16.0)
+                    .map(|v| v.clamp(0.0, 16.0).round() as u8)
             })
             .collect();
         let y = idx.iter().map(|&i| d.target[i] as u32).collect();
@@ -146,6 +166,7 @@ pub fn digits() -> Images {
         train_y,
         test_x,
         test_y,
+        levels: 16.0,
     }
 }
 
@@ -283,6 +304,7 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
         train_y,
         test_x,
         test_y,
+        levels: 255.0,
     };
     images.check()?;
     Ok(images)
@@ -352,14 +374,13 @@ fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
 }
 
 /// An IDX image file (3 dimensions: count, rows, columns): pixels / 255 and values per image.
-pub fn read_idx_images(path: &Path) -> Result<(Vec<f32>, usize)> {
+pub fn read_idx_images(path: &Path) -> Result<(Vec<u8>, usize)> {
     let mut r = open(path)?;
     let sizes = idx_header(&mut r, path, 3, "image")?;
     let inputs = sizes[1] * sizes[2];
     ensure!(inputs > 0, "{}: images of size 0", path.display());
     let n = (sizes[0] as u64).saturating_mul(inputs as u64);
-    let bytes = body(r, path, n)?;
-    Ok((bytes.iter().map(|&b| b as f32 / 255.0).collect(), inputs))
+    Ok((body(r, path, n)?, inputs))
 }
 
 /// An IDX label file (1 dimension).
@@ -470,22 +491,29 @@ mod tests {
         assert_eq!(a.train_y, b.train_y);
         assert_eq!((a.inputs, a.classes), (64, 10));
         assert_eq!(a.train_len() + a.test_y.len(), 1797);
-        assert!(a.train_x.iter().all(|v| (0.0..=1.0).contains(v)));
-        assert!(a.train_x.iter().any(|v| *v > 0.5));
+        let values = a.values(&a.train_x);
+        assert!(values.iter().all(|v| (0.0..=1.0).contains(v)));
+        assert!(values.iter().any(|v| *v > 0.5));
+        // Every digit pixel is one of the 17 levels smartcore's floats hold.
+        let raw = smartcore::dataset::digits::load_dataset().data;
+        assert!(raw
+            .iter()
+            .all(|v| v.fract() == 0.0 && (0.0..=16.0).contains(v)));
     }
 
     #[test]
     fn idx_files_round_trip_plain_and_gzipped_and_bad_ones_are_named() {
         let dir = tempfile::tempdir().unwrap();
         let d = digits();
-        write_idx(dir.path(), "train", &d.train_x, &d.train_y, 8, 8).unwrap();
+        let x = d.values(&d.train_x);
+        write_idx(dir.path(), "train", &x, &d.train_y, 8, 8).unwrap();
         let back = read_idx_dir(dir.path()).unwrap();
         assert_eq!(back.inputs, 64);
         assert_eq!(back.train_len() + back.test_y.len(), d.train_len());
         assert!(back
-            .train_x
+            .values(&back.train_x)
             .iter()
-            .zip(&d.train_x)
+            .zip(&x)
             .all(|(a, b)| (a - b).abs() <= 0.5 / 255.0 + 1e-6));
 
         // gzip the labels: read the same.
@@ -502,25 +530,9 @@ mod tests {
         assert_eq!(read_idx_dir(dir.path()).unwrap().train_y, back.train_y);
 
         // Inconsistent counts.
-        write_idx(
-            dir.path(),
-            "train",
-            &d.train_x[..64 * 10],
-            &d.train_y[..10],
-            8,
-            8,
-        )
-        .unwrap();
+        write_idx(dir.path(), "train", &x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
         std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte.gz")).unwrap();
-        write_idx(
-            dir.path(),
-            "tmp",
-            &d.train_x[..64 * 9],
-            &d.train_y[..9],
-            8,
-            8,
-        )
-        .unwrap();
+        write_idx(dir.path(), "tmp", &x[..64 * 9], &d.train_y[..9], 8, 8).unwrap();
         std::fs::rename(
             dir.path().join("tmp-labels-idx1-ubyte"),
             dir.path().join("train-labels-idx1-ubyte"),
@@ -540,15 +552,7 @@ mod tests {
 
         // Truncated data.
         let img = dir.path().join("train-images-idx3-ubyte");
-        write_idx(
-            dir.path(),
-            "train",
-            &d.train_x[..64 * 10],
-            &d.train_y[..10],
-            8,
-            8,
-        )
-        .unwrap();
+        write_idx(dir.path(), "train", &x[..64 * 10], &d.train_y[..10], 8, 8).unwrap();
         let bytes = std::fs::read(&img).unwrap();
         std::fs::write(&img, &bytes[..bytes.len() - 3]).unwrap();
         let err = read_idx_dir(dir.path()).unwrap_err().to_string();

@@ -226,7 +226,11 @@ fn images_batch(d: &Images, idx: &[usize], test: bool) -> Result<Batch> {
     };
     let x: Vec<f32> = idx
         .iter()
-        .flat_map(|&i| xs[i * d.inputs..(i + 1) * d.inputs].iter().copied())
+        .flat_map(|&i| {
+            xs[i * d.inputs..(i + 1) * d.inputs]
+                .iter()
+                .map(|&p| d.value(p))
+        })
         .collect();
     let y: Vec<u32> = idx.iter().map(|&i| ys[i]).collect();
     Ok(Batch {
