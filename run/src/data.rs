@@ -44,6 +44,7 @@ impl Images {
     }
 
     /// A stored pixel's value, in [0, 1].
+    #[inline]
     pub fn value(&self, pixel: u8) -> f32 {
         f32::from(pixel) / self.levels
     }

@@ -224,14 +224,12 @@ fn images_batch(d: &Images, idx: &[usize], test: bool) -> Result<Batch> {
     } else {
         (&d.train_x, &d.train_y)
     };
-    let x: Vec<f32> = idx
-        .iter()
-        .flat_map(|&i| {
-            xs[i * d.inputs..(i + 1) * d.inputs]
-                .iter()
-                .map(|&p| d.value(p))
-        })
-        .collect();
+    // One image at a time through an exact-size iterator, which the compiler vectorizes (a
+    // flat_map over the whole batch pushed value by value: a tenth of a joiner's CPU).
+    let mut x: Vec<f32> = Vec::with_capacity(idx.len() * d.inputs);
+    for &i in idx {
+        x.extend(xs[i * d.inputs..(i + 1) * d.inputs].iter().map(|&p| d.value(p)));
+    }
     let y: Vec<u32> = idx.iter().map(|&i| ys[i]).collect();
     Ok(Batch {
         x: Tensor::from_vec(x, (idx.len(), d.inputs), &Device::Cpu)?,
