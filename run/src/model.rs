@@ -228,7 +228,11 @@ fn images_batch(d: &Images, idx: &[usize], test: bool) -> Result<Batch> {
     // flat_map over the whole batch pushed value by value: a tenth of a joiner's CPU).
     let mut x: Vec<f32> = Vec::with_capacity(idx.len() * d.inputs);
     for &i in idx {
-        x.extend(xs[i * d.inputs..(i + 1) * d.inputs].iter().map(|&p| d.value(p)));
+        x.extend(
+            xs[i * d.inputs..(i + 1) * d.inputs]
+                .iter()
+                .map(|&p| d.value(p)),
+        );
     }
     let y: Vec<u32> = idx.iter().map(|&i| ys[i]).collect();
     Ok(Batch {
