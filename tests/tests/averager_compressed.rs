@@ -96,17 +96,20 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn four_peers_hold_the_same_low_rank_average_as_a_plain_reference() {
+/// Three rounds of four peers whose factors travel as `values`, beside the f32 reference on
+/// shadow states: every member holds the same bits and every span is averaged by all four;
+/// returns, per round, each peer's bytes sent and peer 0's relative distance from the reference.
+async fn four_peer_rounds(prefix: &str, values: Codec) -> Vec<(Vec<u64>, f64)> {
     init_tracing();
     bounded(Duration::from_secs(120), async {
-        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg("lowrank", 4))
+        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg(prefix, 4))
             .await
             .unwrap();
-        let mut states: Vec<PowerSgd> = (0..4)
-            .map(|_| PowerSgd::new(4, LEN, &layout(), 9).unwrap())
-            .collect();
-        let mut shadow = states.clone();
+        let state = || PowerSgd::new(4, LEN, &layout(), 9).unwrap();
+        let mut states: Vec<PowerSgd> = (0..4).map(|_| state().values(values).unwrap()).collect();
+        // The f32 reference's states start alike and then follow their own results.
+        let mut shadow: Vec<PowerSgd> = (0..4).map(|_| state()).collect();
+        let mut out = Vec::new();
         for round in 0..3u64 {
             let mut grads: Vec<Vec<f32>> = (0..4).map(|p| normal_vec(LEN, 40 * round + p)).collect();
             let want = reference(&mut shadow, &grads);
@@ -120,24 +123,40 @@ async fn four_peers_hold_the_same_low_rank_average_as_a_plain_reference() {
                     .map(|((a, g), s)| a.step_low_rank(g, 1.0, deadline, s)),
             )
             .await;
+            let mut bytes = Vec::new();
             for (p, r) in reports.iter().enumerate() {
                 let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
                 assert_eq!(r.group.len(), 4);
                 assert!(matches!(&r.spans[0].outcome, SpanOutcome::Averaged { contributors } if contributors.len() == 4));
-                // Both all-reduces together: far fewer bytes than one f32 all-reduce (3/4 of
-                // the buffer out to reducers and 3/4 back, at 4 bytes a value).
-                let dense = (LEN * 4 * 3 / 4 * 2) as u64;
-                assert!(r.bytes_sent * 10 < dense, "round {round} peer {p}: {} bytes", r.bytes_sent);
+                bytes.push(r.bytes_sent);
             }
             for p in 1..4 {
                 assert!(grads[p] == grads[0], "round {round}: peer {p} holds other bits than peer 0");
             }
-            let e = rel(&grads[0], &want);
-            assert!(e < 1e-4, "round {round}: {e} from the reference");
+            out.push((bytes, rel(&grads[0], &want)));
         }
         swarm.shutdown().await;
+        out
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_peers_hold_the_same_low_rank_average_as_a_plain_reference() {
+    for (round, (bytes, e)) in four_peer_rounds("lowrank", Codec::None)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        // Both all-reduces together: far fewer bytes than one f32 all-reduce (3/4 of the
+        // buffer out to reducers and 3/4 back, at 4 bytes a value).
+        let dense = (LEN * 4 * 3 / 4 * 2) as u64;
+        assert!(
+            bytes.iter().all(|b| b * 10 < dense),
+            "round {round}: {bytes:?} bytes"
+        );
+        assert!(e < 1e-4, "round {round}: {e} from the reference");
+    }
 }
 
 /// Two peers whose low-rank states differ in `states` never average together: neither's
@@ -213,61 +232,27 @@ async fn f32_and_bf16_factors_are_other_schemas() {
 /// f32 reference, for about half the bytes of f32 factors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bf16_factors_leave_every_member_the_same_bits_for_half_the_bytes() {
-    init_tracing();
-    bounded(Duration::from_secs(120), async {
-        let swarm = AveragingSwarm::start(4, node_cfg(), |_| avg_cfg("lowrank-bf16", 4))
-            .await
-            .unwrap();
-        let mut states: Vec<PowerSgd> = (0..4)
-            .map(|_| {
-                PowerSgd::new(4, LEN, &layout(), 9)
-                    .unwrap()
-                    .values(Codec::BFloat16)
-                    .unwrap()
-            })
-            .collect();
-        // The f32 reference runs on states that start alike and then follow their own results.
-        let mut shadow: Vec<PowerSgd> = (0..4)
-            .map(|_| PowerSgd::new(4, LEN, &layout(), 9).unwrap())
-            .collect();
-        // As f32: 3/4 of both vectors out to the other reducers, 3/4 back from them.
-        let f32_bytes = (states[0].elements_per_round() * 4 * 3 / 4 * 2) as u64;
-        for round in 0..3u64 {
-            let mut grads: Vec<Vec<f32>> = (0..4).map(|p| normal_vec(LEN, 40 * round + p)).collect();
-            let want = reference(&mut shadow, &grads);
-            let deadline = Instant::now() + Duration::from_secs(40);
-            let reports = futures::future::join_all(
-                swarm
-                    .averagers()
-                    .iter()
-                    .zip(&mut grads)
-                    .zip(&mut states)
-                    .map(|((a, g), s)| a.step_low_rank(g, 1.0, deadline, s)),
-            )
-            .await;
-            for (p, r) in reports.iter().enumerate() {
-                let r = r.as_ref().unwrap_or_else(|e| panic!("peer {p}: {e}"));
-                assert!(matches!(&r.spans[0].outcome, SpanOutcome::Averaged { contributors } if contributors.len() == 4));
-                // At 2 bytes a value (plus the round's messages and frame headers).
-                assert!(
-                    r.bytes_sent * 100 < f32_bytes * 65,
-                    "round {round} peer {p}: {} bytes, {f32_bytes} as f32",
-                    r.bytes_sent
-                );
-            }
-            for p in 1..4 {
-                assert!(grads[p] == grads[0], "round {round}: peer {p} holds other bits than peer 0");
-            }
-            // Only the first round's states match the reference's exactly (later ones follow
-            // their own rounded results): the first is held to bf16's precision, the later
-            // ones to staying an approximation of the same subspace.
-            let e = rel(&grads[0], &want);
-            let bound = if round == 0 { 1e-2 } else { 0.1 };
-            assert!(e > 0.0 && e < bound, "round {round}: {e} from the f32 reference");
-        }
-        swarm.shutdown().await;
-    })
-    .await;
+    // As f32: 3/4 of both vectors out to the other reducers, 3/4 back from them.
+    let elements = PowerSgd::new(4, LEN, &layout(), 9)
+        .unwrap()
+        .elements_per_round();
+    let f32_bytes = (elements * 4 * 3 / 4 * 2) as u64;
+    let rounds = four_peer_rounds("lowrank-bf16", Codec::BFloat16).await;
+    for (round, (bytes, e)) in rounds.into_iter().enumerate() {
+        // At 2 bytes a value (plus the round's messages and frame headers).
+        assert!(
+            bytes.iter().all(|b| b * 100 < f32_bytes * 65),
+            "round {round}: {bytes:?} bytes, {f32_bytes} as f32"
+        );
+        // Only the first round's states match the reference's exactly (later ones follow
+        // their own rounded results): the first is held to bf16's precision, the later ones
+        // to staying an approximation of the same subspace.
+        let bound = if round == 0 { 1e-2 } else { 0.1 };
+        assert!(
+            e > 0.0 && e < bound,
+            "round {round}: {e} from the f32 reference"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
