@@ -7,8 +7,9 @@
 //! One [`Search`] is one search window of one peer. Its [`Phase`]:
 //!
 //! - **Searching**: declared under the group key; reads the key every
-//!   [`Params::refresh_ms`] (sooner at first: [`Params::first_refresh_ms`]) and asks the earliest-ranked leader ahead of it; accepts join
-//!   requests from peers ranked behind it (it *leads* them until it begins or disbands them);
+//!   [`Params::refresh_ms`] (sooner at first: [`Params::first_refresh_ms`]) and asks the
+//!   earliest-ranked leader ahead of it; accepts join requests from peers ranked behind it (it
+//!   *leads* them until it begins or disbands them);
 //! - **Requesting** a leader: a join request is in flight; other join requests get `Busy`;
 //! - **Following** a leader that accepted: other join requests get `NotLeading`; the leader's
 //!   `Begin` (a group) or `Disband` (search again) ends it;
