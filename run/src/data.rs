@@ -374,7 +374,8 @@ fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
     Ok(data)
 }
 
-/// An IDX image file (3 dimensions: count, rows, columns): pixels / 255 and values per image.
+/// An IDX image file (3 dimensions: count, rows, columns): its pixels as stored, and the pixels
+/// per image.
 pub fn read_idx_images(path: &Path) -> Result<(Vec<u8>, usize)> {
     let mut r = open(path)?;
     let sizes = idx_header(&mut r, path, 3, "image")?;
