@@ -303,14 +303,7 @@ impl GradientCompression {
                     "the PowerSGD rank must be within 1..={max}, not {rank}"
                 ));
             }
-            let (mut momentum, mut bf16) = (1.0f32, false);
-            for (i, part) in parts.enumerate() {
-                match (i, part, part.strip_prefix("momentum=")) {
-                    (0, "bf16", _) => bf16 = true,
-                    (_, _, Some(b)) if momentum == 1.0 => momentum = parse_momentum("powersgd", b)?,
-                    _ => return Err(format!("{usage}, not powersgd:{rest} ({part:?})")),
-                }
-            }
+            let (bf16, momentum) = flag_and_momentum("powersgd", "bf16", usage, rest, parts)?;
             return Ok((
                 Codec::None,
                 GradientCompression::PowerSgd {
@@ -329,18 +322,8 @@ impl GradientCompression {
                 parts.next().and_then(|p| p.parse().ok()).ok_or_else(usage)
             };
             let (chunk, k) = (number()?, number()?);
-            let (mut sign, mut momentum) = (false, 1.0f32);
-            for (i, part) in parts.enumerate() {
-                match (i, part, part.strip_prefix("momentum=")) {
-                    (0, "sign", _) if !sign => sign = true,
-                    (_, _, Some(b)) if momentum == 1.0 => momentum = parse_momentum("dct-topk", b)?,
-                    _ => {
-                        return Err(format!(
-                            "dct-topk:CHUNK:K[:sign][:momentum=B], not dct-topk:{rest} ({part:?})"
-                        ))
-                    }
-                }
-            }
+            let usage = "dct-topk:CHUNK:K[:sign][:momentum=B]";
+            let (sign, momentum) = flag_and_momentum("dct-topk", "sign", usage, rest, parts)?;
             let max = starling_compression::dct::MAX_CHUNK;
             if !((2..=max).contains(&chunk) && (1..=chunk).contains(&k)) {
                 return Err(format!(
@@ -362,6 +345,26 @@ impl GradientCompression {
         })?;
         Ok((codec, GradientCompression::Codec))
     }
+}
+
+/// The options after a compressor's numbers: `flag` (first only), then `momentum=B`; anything
+/// else is refused, naming `usage` and the spec (`{compressor}:{rest}`).
+fn flag_and_momentum<'a>(
+    compressor: &str,
+    flag: &str,
+    usage: &str,
+    rest: &str,
+    parts: impl Iterator<Item = &'a str>,
+) -> Result<(bool, f32), String> {
+    let (mut set, mut momentum) = (false, 1.0f32);
+    for (i, part) in parts.enumerate() {
+        match (i, part, part.strip_prefix("momentum=")) {
+            (0, f, _) if f == flag => set = true,
+            (_, _, Some(b)) if momentum == 1.0 => momentum = parse_momentum(compressor, b)?,
+            _ => return Err(format!("{usage}, not {compressor}:{rest} ({part:?})")),
+        }
+    }
+    Ok((set, momentum))
 }
 
 /// A compressor's `momentum=B`, within (0, 1].
