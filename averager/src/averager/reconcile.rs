@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{write_flat, Averager, FlagGuard};
+use super::step::write_flat;
+use super::{Averager, FlagGuard};
 use crate::allreduce::{run_allreduce, Outcome};
 use crate::group::Group;
 use crate::{Aggregation, AveragerConfig, AveragerError, AveragingMode, RoundReport};

@@ -1,7 +1,7 @@
 //! Flat writes across tensor boundaries and the schema hash, without a swarm.
 
 use super::schema::{group_schema_hash as schema_hash, Schema};
-use super::write_flat;
+use super::step::write_flat;
 
 #[test]
 fn flat_writes_land_across_tensor_boundaries() {
