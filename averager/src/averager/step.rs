@@ -133,7 +133,7 @@ impl Averager {
     }
 
     /// This averager's configuration with the exact codec and no zstd stage.
-    pub(super) fn exact_config(&self) -> Arc<AveragerConfig> {
+    fn exact_config(&self) -> Arc<AveragerConfig> {
         if self.config.codec == starling_compression::Codec::None
             && self.config.zstd_level.is_none()
         {
@@ -347,7 +347,7 @@ impl Averager {
         self.searches_done.load(Ordering::Acquire)
     }
 
-    pub(super) async fn search(
+    async fn search(
         &self,
         schema: &Schema,
         deadline: Instant,

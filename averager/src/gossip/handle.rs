@@ -9,10 +9,11 @@ use tokio::task::JoinHandle;
 
 use super::{GossipBuffer, GossipReport, Shared};
 
-/// A background gossip loop ([`GossipAverager::start_background`](super::GossipAverager::start_background)). [`GossipHandle::stop`]
-/// ends it after the round in flight; dropping the handle aborts it at once (an exchange cut
-/// in its last message can then leave the pair's mass moved by one update, see the module
-/// docs).
+/// A background gossip loop
+/// ([`GossipAverager::start_background`](super::GossipAverager::start_background)).
+/// [`GossipHandle::stop`] ends it after the round in flight; dropping the handle aborts it at
+/// once (an exchange cut in its last message can then leave the pair's mass moved by one
+/// update, see the module docs).
 pub struct GossipHandle {
     pub(super) shared: Arc<Shared>,
     pub(super) buffer: GossipBuffer,
