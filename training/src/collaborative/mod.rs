@@ -152,17 +152,14 @@ pub struct CollaborativeOptimizer {
     rate: f64,
     /// The rate's current window: when it started and the samples since.
     rate_window: Option<(Instant, u64)>,
-    /// Samples per second while computing: batches over the time between batches of one
-    /// epoch (waiting and averaging excluded); 0 until measured.
-    compute_rate: f64,
-    /// When the previous `step` call returned, and the epoch it was called in: the caller computed the
-    /// next batch from then on (compute intervals are within one epoch, and leave out the time
-    /// spent inside `step`: progress reads, a delayed round's application, averaging; counted
-    /// as compute, a long wait there made the others' samples look several times more than
-    /// they were and the swarm step at half its batch).
+    /// When the previous `step` call returned, and the epoch it left this peer in: the caller
+    /// computed the next batch from then on (compute intervals leave out the time spent inside
+    /// `step`: progress reads, a delayed round's application, averaging; counted as compute, a
+    /// long wait there made the others' samples look several times more than they were and
+    /// the swarm step at half its batch).
     last_batch: Option<(Instant, u64)>,
-    /// The compute rate's current window: seconds, samples and batch intervals.
-    compute_window: (f64, u64, u32),
+    /// Samples per second while computing (waiting and averaging excluded); 0 until measured.
+    compute: pace::ComputeMeter,
     /// Samples in the latest batch.
     last_batch_samples: u64,
     /// When the current epoch's first batch arrived.
@@ -306,9 +303,8 @@ impl CollaborativeOptimizer {
             inner: 0,
             rate: 0.0,
             rate_window: None,
-            compute_rate: 0.0,
             last_batch: None,
-            compute_window: (0.0, 0, 0),
+            compute: pace::ComputeMeter::default(),
             last_batch_samples: 0,
             epoch_start: None,
             swarm: None,
@@ -443,7 +439,6 @@ impl CollaborativeOptimizer {
         batch_samples: u64,
     ) -> Result<StepReport, TrainingError> {
         same_len(self.len, params)?;
-        let called_in = self.epoch;
         self.note_batch(batch_samples);
         self.metrics.samples.inc_by(batch_samples);
         let report = match self.cfg.mode {
@@ -452,11 +447,9 @@ impl CollaborativeOptimizer {
         };
         let report = self.with_errors(report);
         self.record(&report);
-        // Stamped with the epoch the call began in: after a call that stepped, the next
-        // batch's interval is not measured (a caller that computes one batch per epoch and
-        // then waits would otherwise publish the rate of its compute alone, and the others
-        // would schedule matchmaking as if its share were already in).
-        self.last_batch = Some((Instant::now(), called_in));
+        // Stamped with the epoch the call leaves: the next batch's interval is measured
+        // unless something else changes the epoch before it (see `note_batch`).
+        self.last_batch = Some((Instant::now(), self.epoch));
         report
     }
 

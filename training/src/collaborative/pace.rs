@@ -18,6 +18,53 @@ const STALE_SYNC_RETRIES: u32 = 3;
 /// Batch intervals after which the compute rate is measured afresh (or a quarter second).
 const COMPUTE_WINDOW_BATCHES: u32 = 8;
 
+/// This peer's compute rate: samples per second of the caller's time between `step` calls,
+/// measured over windows of a quarter second or of [`COMPUTE_WINDOW_BATCHES`] intervals,
+/// whichever fills first, each full window blended half and half with the rate before it.
+///
+/// Every batch counts, the first after a step included (its interval starts when the
+/// stepping call returned): a peer that computes only one batch an epoch would otherwise
+/// never measure again, and one slow window (a neighbour's state sync, an evaluation) would
+/// stay its rate for good. That happened: two charlm peers, 4 batches a global step, one
+/// peer's rate stuck at a third of the other's for 18 epochs; it stopped after one batch, the
+/// other computed three, and every such step took half as long again.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct ComputeMeter {
+    rate: f64,
+    secs: f64,
+    samples: u64,
+    intervals: u32,
+}
+
+impl ComputeMeter {
+    /// Samples per second, 0 before the first measured batch.
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    /// One batch of `samples` that took `secs` of the caller's time.
+    pub fn note(&mut self, secs: f64, samples: u64) {
+        if !secs.is_finite() || secs < 0.0 {
+            return;
+        }
+        self.secs += secs;
+        self.samples += samples;
+        self.intervals += 1;
+        let full = self.secs >= RATE_WINDOW.as_secs_f64() / 8.0
+            || self.intervals >= COMPUTE_WINDOW_BATCHES;
+        let current = self.samples as f64 / self.secs.max(1e-6);
+        if self.rate == 0.0 {
+            // The first measurement stands in until a window is full.
+            self.rate = current;
+        } else if full {
+            self.rate = 0.5 * (self.rate + current);
+        }
+        if full {
+            (self.secs, self.samples, self.intervals) = (0.0, 0, 0);
+        }
+    }
+}
+
 /// A publication or read of the progress that takes this long marks the network slow (a
 /// DHT operation is a few round trips: on loopback or a LAN it takes a few milliseconds, over
 /// 50 ms of round-trip time several hundred). Then those made between batches run in the
@@ -98,25 +145,12 @@ impl CollaborativeOptimizer {
         self.last_batch_samples = batch_samples;
         let now = Instant::now();
         // The compute rate: only the caller's time between a `step` call's return and the
-        // next batch, within one epoch (the first batch after a step waited for the step's
-        // averaging; time inside `step` is not computing), over windows of a quarter second or of
-        // `COMPUTE_WINDOW_BATCHES` intervals, whichever fills first: a peer that computes only a
-        // few fast batches per epoch would otherwise keep its first measurement (often a slow
-        // start) for hundreds of epochs, and the others would count it several times too slow.
+        // next batch (time inside `step` is not computing), unless the epoch changed in between
+        // otherwise than by that call (a state sync, a `try_step` that stepped).
         if let Some((prev, epoch)) = self.last_batch {
             if epoch == self.epoch {
-                let (secs, samples, intervals) = &mut self.compute_window;
-                *secs += now.duration_since(prev).as_secs_f64();
-                *samples += batch_samples;
-                *intervals += 1;
-                let full = *secs >= RATE_WINDOW.as_secs_f64() / 8.0
-                    || *intervals >= COMPUTE_WINDOW_BATCHES;
-                if full || self.compute_rate == 0.0 {
-                    self.compute_rate = *samples as f64 / secs.max(1e-6);
-                }
-                if full {
-                    self.compute_window = (0.0, 0, 0);
-                }
+                self.compute
+                    .note(now.duration_since(prev).as_secs_f64(), batch_samples);
             }
         }
         self.epoch_start.get_or_insert(now);
@@ -150,8 +184,8 @@ impl CollaborativeOptimizer {
         LocalProgress {
             epoch: self.epoch,
             samples: self.samples,
-            samples_per_second: if self.compute_rate > 0.0 {
-                self.compute_rate
+            samples_per_second: if self.compute.rate() > 0.0 {
+                self.compute.rate()
             } else {
                 self.rate
             },
@@ -463,5 +497,54 @@ mod tests {
         // One fast operation (a loopback spike is the reverse case) ends it.
         l.note(Duration::from_millis(2));
         assert!(!l.slow());
+    }
+
+    #[test]
+    fn one_slow_window_does_not_stick_when_a_peer_computes_one_batch_an_epoch() {
+        // 32 samples a batch in 0.325 s (about 98 samples/s), one batch an epoch: every
+        // interval fills a window (a quarter second).
+        let mut m = ComputeMeter::default();
+        assert_eq!(m.rate(), 0.0);
+        m.note(0.325, 32);
+        assert!((m.rate() - 32.0 / 0.325).abs() < 1e-9);
+        // A neighbour's state sync slows one batch to 0.9 s.
+        m.note(0.9, 32);
+        let slow = m.rate();
+        assert!(slow < 32.0 / 0.325 * 0.75, "{slow}");
+        // The next batches bring it back within 5%.
+        for _ in 0..6 {
+            m.note(0.325, 32);
+        }
+        assert!(
+            (m.rate() / (32.0 / 0.325) - 1.0).abs() < 0.05,
+            "{}",
+            m.rate()
+        );
+    }
+
+    #[test]
+    fn fast_batches_are_measured_over_several_intervals() {
+        let mut m = ComputeMeter::default();
+        // 1 ms batches of 32: the first stands in, then windows of 8 intervals.
+        m.note(0.001, 32);
+        assert!((m.rate() - 32_000.0).abs() < 1e-6);
+        for _ in 0..6 {
+            m.note(0.002, 32);
+        }
+        // Not full yet (7 intervals, the first included): the first measurement stands.
+        assert!((m.rate() - 32_000.0).abs() < 1e-6);
+        m.note(0.002, 32);
+        // Full (8 x 32 samples in 15 ms): blended half and half with the rate before.
+        let window = 8.0 * 32.0 / 0.015;
+        assert!(
+            (m.rate() - 0.5 * (32_000.0 + window)).abs() < 1e-6,
+            "{}",
+            m.rate()
+        );
+        // Bad input changes nothing.
+        let before = m.clone();
+        m.note(f64::NAN, 32);
+        m.note(-1.0, 32);
+        assert_eq!(m, before);
     }
 }

@@ -17,7 +17,7 @@ impl CollaborativeOptimizer {
         // past the target by up to a batch per peer; stopping when the target is nearer than
         // half that jump lands the global batch on the target on average, not above it.
         let ahead = self.samples + self.last_batch_samples / 2;
-        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let projection = swarm.projected_with(ahead, self.compute.rate());
         let projected =
             self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
         tracing::trace!(
@@ -25,7 +25,7 @@ impl CollaborativeOptimizer {
             own = self.samples,
             swarm_epoch = swarm.epoch,
             projection,
-            own_compute_rate = self.compute_rate,
+            own_compute_rate = self.compute.rate(),
             peers_in_epoch = swarm.peers_in_epoch,
             peers = swarm.peers,
             rate = swarm.samples_per_second,
@@ -91,7 +91,7 @@ impl CollaborativeOptimizer {
             return false;
         };
         let ahead = self.samples + self.last_batch_samples / 2;
-        swarm.projected_with(ahead, self.compute_rate) >= target
+        swarm.projected_with(ahead, self.compute.rate()) >= target
     }
 }
 
@@ -110,17 +110,17 @@ impl CollaborativeOptimizer {
             || self.samples == 0
             || swarm.peers <= 1
             || swarm.epoch != self.epoch
-            || self.compute_rate.is_nan()
-            || self.compute_rate <= 0.0
+            || self.compute.rate().is_nan()
+            || self.compute.rate() <= 0.0
         {
             return;
         }
         let ahead = self.samples + self.last_batch_samples / 2;
-        let projection = swarm.projected_with(ahead, self.compute_rate);
+        let projection = swarm.projected_with(ahead, self.compute.rate());
         let remaining = self.cfg.target_batch_size.saturating_sub(projection);
         let others = (swarm.samples_per_second - swarm.own_samples_per_second).max(0.0);
-        let eta = remaining as f64 / (self.compute_rate + others);
-        let batch = self.last_batch_samples as f64 / self.compute_rate;
+        let eta = remaining as f64 / (self.compute.rate() + others);
+        let batch = self.last_batch_samples as f64 / self.compute.rate();
         // Never earlier than half the start grace: a leader whose search opened that long ago
         // begins with the peers declared by then, without one that prepares later.
         let grace = self.cfg.averager.effective_start_grace().as_secs_f64();
@@ -160,7 +160,7 @@ impl CollaborativeOptimizer {
         if cfg.start_grace.is_some() || self.last_batch_samples == 0 {
             return;
         }
-        let batch = self.last_batch_samples as f64 / self.compute_rate;
+        let batch = self.last_batch_samples as f64 / self.compute.rate();
         let grace = batch_grace(batch, cfg.effective_start_grace(), cfg.matchmaking_time / 2);
         self.averager.set_start_grace(Some(grace));
     }
