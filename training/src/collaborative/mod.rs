@@ -439,6 +439,7 @@ impl CollaborativeOptimizer {
         batch_samples: u64,
     ) -> Result<StepReport, TrainingError> {
         same_len(self.len, params)?;
+        let called_in = self.epoch;
         self.note_batch(batch_samples);
         self.metrics.samples.inc_by(batch_samples);
         let report = match self.cfg.mode {
@@ -448,8 +449,17 @@ impl CollaborativeOptimizer {
         let report = self.with_errors(report);
         self.record(&report);
         // Stamped with the epoch the call leaves: the next batch's interval is measured
-        // unless something else changes the epoch before it (see `note_batch`).
-        self.last_batch = Some((Instant::now(), self.epoch));
+        // unless something else changes the epoch before it (see `note_batch`). A caller that
+        // gives each peer an exact share (`projected_batch` off: a batch, then `try_step` until
+        // the swarm steps) may not compute between a call that stepped and its next batch at
+        // all; measured, that made its rate look boundless and the others start a round
+        // without a peer about to join: not measured (the epoch the call began in).
+        let stamp = if self.cfg.projected_batch {
+            self.epoch
+        } else {
+            called_in
+        };
+        self.last_batch = Some((Instant::now(), stamp));
         report
     }
 

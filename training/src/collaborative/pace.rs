@@ -23,7 +23,8 @@ const COMPUTE_WINDOW_BATCHES: u32 = 8;
 /// whichever fills first, each full window blended half and half with the rate before it.
 ///
 /// Every batch counts, the first after a step included (its interval starts when the
-/// stepping call returned): a peer that computes only one batch an epoch would otherwise
+/// stepping call returned; not with `projected_batch` off, whose callers may not compute
+/// between a step and their next batch): a peer that computes only one batch an epoch would otherwise
 /// never measure again, and one slow window (a neighbour's state sync, an evaluation) would
 /// stay its rate for good. That happened: two charlm peers, 4 batches a global step, one
 /// peer's rate stuck at a third of the other's for 18 epochs; it stopped after one batch, the
@@ -146,7 +147,8 @@ impl CollaborativeOptimizer {
         let now = Instant::now();
         // The compute rate: only the caller's time between a `step` call's return and the
         // next batch (time inside `step` is not computing), unless the epoch changed in between
-        // otherwise than by that call (a state sync, a `try_step` that stepped).
+        // otherwise than by that call (a state sync, a `try_step` that stepped; see `step` for
+        // `projected_batch` off).
         if let Some((prev, epoch)) = self.last_batch {
             if epoch == self.epoch {
                 self.compute
