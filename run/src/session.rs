@@ -318,12 +318,20 @@ impl Trainer {
         cfg.max_rounds = 5;
         match sync_state(node, &cfg, &layout).await {
             Ok((synced, report)) => match self.collab.restore_from(&mut self.params, &synced) {
-                Ok(()) => reporter.event(&Event::Synced {
-                    epoch: report.epoch,
-                    bytes: report.bytes,
-                    donors: report.donors.iter().filter(|d| d.chunks > 0).count(),
-                    seconds: report.seconds,
-                }),
+                Ok(()) => {
+                    reporter.event(&Event::Synced {
+                        epoch: report.epoch,
+                        bytes: report.bytes,
+                        donors: report.donors.iter().filter(|d| d.chunks > 0).count(),
+                        seconds: report.seconds,
+                    });
+                    // The others count this peer from now on, not from its first batch: a
+                    // donor training alone waits for it instead of stepping past the state it
+                    // just sent (which would make this peer sync again).
+                    if let Err(e) = self.collab.announce().await {
+                        tracing::debug!("announcing this peer after state sync: {e}");
+                    }
+                }
                 Err(e) => tracing::warn!("state sync: the synced state does not apply: {e}"),
             },
             Err(SyncError::NoDonors { .. }) => {

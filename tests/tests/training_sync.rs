@@ -5,6 +5,8 @@
 //! - Chunks come from every donor (the report counts them per donor).
 //! - A donor killed mid-transfer, or one that corrupts every chunk, does not stop the sync, and
 //!   no corrupted chunk is ever applied.
+//! - A run's only peer, stepping every few milliseconds, waits for a joiner fetching its state
+//!   instead of stepping past it: the joiner syncs once and steps with it at once.
 //! - `measure_sync_of_ten_million_params` (ignored; run it by name) prints the time of a sync of
 //!   10^7 parameters with AdamW state from 3 donors.
 
@@ -570,6 +572,109 @@ async fn a_peer_started_after_three_epochs_syncs_and_steps_with_the_others() {
                 );
             }
         }
+        node.shutdown().await;
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// A run's only peer steps every ~10 ms (two 5 ms batches an epoch), far faster than a joiner
+/// finds its announcement, fetches its state and applies it. Before, it stepped alone past
+/// the state the joiner was fetching, and the joiner, an epoch behind, had to sync again (a
+/// second transfer of the whole state; joiners of the charlm table synced twice in most runs).
+/// Now the lone peer waits for the joiner, which announces itself right after applying the
+/// state: the donor serves one manifest, the joiner is never behind, and their first round
+/// together is the joiner's first step, after which both hold the same parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_peer_waits_for_a_joiner_fetching_its_state_which_syncs_once() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let run = "sync-lone-donor";
+        let cluster = LocalCluster::start(1, NodeConfig::default()).await.unwrap();
+        let boot = cluster.nodes[0].listen_addrs().await.unwrap()[0].clone();
+        let cfg = |run: &str| {
+            let mut cfg = CollaborativeConfig::new(run, 2 * BATCH, Mode::Gradients);
+            cfg.averager.target_group_size = 2;
+            cfg.averager.min_group_size = 2;
+            cfg.averager.matchmaking_time = Duration::from_secs(2);
+            cfg.state_averaging_every = None;
+            cfg
+        };
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut server_cfg = StateServerConfig::new(run);
+        server_cfg.chunk_elems = 512;
+        let server = StateServer::start(cluster.nodes[0].clone(), server_cfg).unwrap();
+        // The donor: batches until told to stop; keeps its parameters after every step.
+        let donor = {
+            let (node, stop, server) = (cluster.nodes[0].clone(), stop.clone(), server.clone());
+            tokio::spawn(async move {
+                let mut params = model();
+                let opt = adamw(params.len());
+                let mut collab =
+                    CollaborativeOptimizer::new(node, Box::new(opt), &params, cfg(run))
+                        .await
+                        .unwrap();
+                collab.serve_state(server, &params).await;
+                let mut after = std::collections::BTreeMap::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    gradient(&mut params, 0, collab.epoch());
+                    let r = collab.step(&mut params, BATCH).await.unwrap();
+                    if r.stepped {
+                        after.insert(r.epoch, (r.group_size, params.params().to_vec()));
+                    }
+                }
+                after
+            })
+        };
+        let node = Node::start(
+            NodeConfig::default()
+                .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+                .bootstrap_from(boot),
+        )
+        .await
+        .unwrap();
+        node.bootstrap().await.unwrap();
+        wait_for_announcements(&node, run, 1).await;
+        // Let the donor step ahead of its announcement.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut params = model();
+        params.params_mut().fill(0.0);
+        let opt = adamw(params.len());
+        let mut collab =
+            CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg(run))
+                .await
+                .unwrap();
+        let layout = collab.state_view(&params).layout();
+        let (synced, _) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
+        collab.restore_from(&mut params, &synced).unwrap();
+        collab.announce().await.unwrap();
+        let synced_at = collab.epoch();
+        let first = loop {
+            gradient(&mut params, 1, collab.epoch());
+            let r = collab.step(&mut params, BATCH).await.unwrap();
+            assert!(
+                !r.behind,
+                "the joiner fell behind after syncing epoch {synced_at}: {r:?}"
+            );
+            if r.stepped {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let after = donor.await.unwrap();
+        assert_eq!(first.epoch, synced_at + 1);
+        assert_eq!(first.group_size, Some(2), "{first:?}");
+        let (group, donor_params) = &after[&first.epoch];
+        assert_eq!(*group, Some(2));
+        assert!(
+            donor_params == params.params(),
+            "joiner and donor differ after epoch {}",
+            first.epoch
+        );
+        assert_eq!(server.stats().manifests_served, 1, "{:?}", server.stats());
+        server.shutdown().await;
         node.shutdown().await;
         cluster.shutdown().await;
     })

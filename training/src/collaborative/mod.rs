@@ -185,6 +185,8 @@ pub struct CollaborativeOptimizer {
     node_metrics: starling_node::metrics::Metrics,
     /// A state-server refresh in flight (hashing and announcing the new snapshot).
     serving: Option<tokio::task::JoinHandle<()>>,
+    /// The state server's manifests served at the last look (see `wait_for_joiners`).
+    manifests_seen: u64,
     /// Delayed update: the round in flight.
     pending: Option<delayed::Pending>,
     /// Delayed update: rounds dropped unapplied (state replaced), awaited at shutdown.
@@ -316,6 +318,7 @@ impl CollaborativeOptimizer {
             metrics,
             node_metrics,
             serving: None,
+            manifests_seen: 0,
             pending: None,
             cancelled: Vec::new(),
             spare: Vec::new(),
@@ -683,6 +686,12 @@ impl CollaborativeOptimizer {
                     *m = beta * *m + *g;
                     *g = *m;
                 });
+        }
+        if report.swarm.as_ref().is_some_and(|s| s.peers <= 1) {
+            // Alone, but perhaps a joiner is fetching this peer's state: it joins this round.
+            if let Some(swarm) = self.wait_for_joiners().await? {
+                report.swarm = Some(swarm);
+            }
         }
         // Every live peer searches about now: a group of them need not wait out the window.
         self.averager

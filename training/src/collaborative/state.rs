@@ -1,12 +1,23 @@
 //! State sync for the collaborative optimizer: serving this peer's state as a donor, and
 //! taking a synced state as a joiner.
 
+use std::time::Duration;
+
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::params::ParamSet;
+use crate::progress::{LocalProgress, SwarmProgress};
 use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
-use super::CollaborativeOptimizer;
+use super::{CollaborativeOptimizer, TrainingError};
+
+/// How often a lone peer waiting for a joiner (see `wait_for_joiners`) looks again.
+const JOIN_POLL: Duration = Duration::from_millis(5);
+/// How long after the joiner's last session closes the lone peer reads the progress for the
+/// joiner's announcement ([`CollaborativeOptimizer::announce`], right after it applies the
+/// state): one DHT write and read, a few milliseconds on a LAN.
+const JOINER_GRACE: Duration = Duration::from_millis(250);
 
 /// State sync: the donor side and the joiner side.
 impl CollaborativeOptimizer {
@@ -112,6 +123,58 @@ impl CollaborativeOptimizer {
                 self.serving = Some(tokio::spawn(refresh.in_current_span()));
             }
             Err(e) => tracing::warn!(epoch, "state sync: serving the new state failed: {e}"),
+        }
+    }
+
+    /// A run's only peer (by its progress records), about to step alone while a joiner fetches
+    /// its state, or after one fetched it since the last look: stepping would leave the joiner
+    /// an epoch behind with the state it fetched, and it would sync again (a second transfer
+    /// of the whole state); waiting costs the lone peer little. Waits while joiners' sessions
+    /// are open (at most the averaging timeout), then reads the progress every 20 ms for up to
+    /// [`JOINER_GRACE`] for the joiner's announcement; returns the reading if it names another
+    /// peer. Without a state server, or when nobody fetched anything since the last look,
+    /// returns at once (the reading this peer goes on with may be up to `fetch_interval` old).
+    pub(super) async fn wait_for_joiners(
+        &mut self,
+    ) -> Result<Option<SwarmProgress>, TrainingError> {
+        let Some(server) = self.state_server.clone() else {
+            return Ok(None);
+        };
+        let fetched = server.stats().manifests_served;
+        if server.sessions_open() == 0 && fetched == self.manifests_seen {
+            return Ok(None);
+        }
+        // The joiner reads this peer's samples as they are (its batch, complete, and no
+        // more coming): it takes one batch of its own and joins the round, instead of
+        // computing what it would project this peer still computes.
+        self.settle_publication().await?;
+        let done = LocalProgress {
+            samples_per_second: 0.0,
+            ..self.local_progress()
+        };
+        let published = self.tracker.publish(done).await;
+        self.tolerate(published)?;
+        let started = Instant::now();
+        while server.sessions_open() > 0 && started.elapsed() < self.cfg.averaging_timeout {
+            tokio::time::sleep(JOIN_POLL).await;
+        }
+        self.manifests_seen = server.stats().manifests_served;
+        let grace_end = Instant::now() + JOINER_GRACE;
+        loop {
+            self.swarm = None;
+            let swarm = self.swarm_progress().await?;
+            if swarm.peers > 1 {
+                tracing::debug!(
+                    epoch = self.epoch,
+                    waited_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "waited for a joiner fetching this peer's state instead of stepping alone"
+                );
+                return Ok(Some(swarm));
+            }
+            if Instant::now() >= grace_end {
+                return Ok(None);
+            }
+            tokio::time::sleep(4 * JOIN_POLL).await;
         }
     }
 }

@@ -311,6 +311,24 @@ impl StateServer {
         current.map(|c| c.hash_now().served.clone())
     }
 
+    /// Joiners' sessions open now: each is a joiner fetching this peer's state (or about to,
+    /// or done and not yet closed).
+    ///
+    /// ```no_run
+    /// # fn demo(server: &starling_training::StateServer) {
+    /// if server.sessions_open() > 0 {
+    ///     println!("a joiner is fetching this peer's state");
+    /// }
+    /// # }
+    /// ```
+    pub fn sessions_open(&self) -> usize {
+        let shared = &self.inner.shared;
+        shared
+            .cfg
+            .max_sessions
+            .saturating_sub(shared.sessions.available_permits())
+    }
+
     /// Counters since the server started.
     pub fn stats(&self) -> ServerStats {
         let c = &self.inner.shared.counters;
