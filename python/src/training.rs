@@ -375,6 +375,11 @@ impl PyCollaborative {
                         .restore_from(&mut params, &synced)
                         .map_err(sync_error)?;
                     self.epoch.store(collab.epoch(), Ordering::Release);
+                    // Counted in the run from now on: a donor training alone waits for this
+                    // peer instead of stepping past the state it just sent.
+                    if let Err(e) = collab.announce().await {
+                        tracing::debug!("announcing this peer after state sync: {e}");
+                    }
                     Ok(Some(collab.epoch()))
                 }
                 Err(SyncError::NoDonors { .. }) => Ok(None),
