@@ -44,6 +44,17 @@ async fn wait_for_announcements(node: &Node, run: &str, n: usize) {
     panic!("{seen} of {n} state announcements after {limit:?}");
 }
 
+/// A node on 127.0.0.1 that bootstraps from `boot` (a peer joining the run).
+async fn joiner_node(boot: starling_node::Multiaddr) -> Node {
+    Node::start(
+        NodeConfig::default()
+            .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+            .bootstrap_from(boot),
+    )
+    .await
+    .unwrap()
+}
+
 fn adamw(n: usize) -> AdamW {
     AdamW::new(AdamWConfig::new(1e-2), n).unwrap()
 }
@@ -521,10 +532,7 @@ async fn a_peer_started_after_three_epochs_syncs_and_steps_with_the_others() {
 
         // The joiner's node starts only once the others have trained 3 epochs.
         gates.0.wait().await;
-        let cfg = NodeConfig::default()
-            .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
-            .bootstrap_from(boot);
-        let node = Node::start(cfg).await.unwrap();
+        let node = joiner_node(boot).await;
         node.bootstrap().await.unwrap();
         let mut params = model();
         params.params_mut().fill(0.0);
@@ -627,13 +635,7 @@ async fn a_lone_peer_waits_for_a_joiner_fetching_its_state_which_syncs_once() {
                 after
             })
         };
-        let node = Node::start(
-            NodeConfig::default()
-                .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
-                .bootstrap_from(boot),
-        )
-        .await
-        .unwrap();
+        let node = joiner_node(boot).await;
         node.bootstrap().await.unwrap();
         wait_for_announcements(&node, run, 1).await;
         // Let the donor step ahead of its announcement.
@@ -839,13 +841,7 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
 
         // Restarted once the swarm moved on (a new node) from its checkpoint: 2 epochs behind.
         gates.1.wait().await;
-        let node = Node::start(
-            NodeConfig::default()
-                .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
-                .bootstrap_from(boot),
-        )
-        .await
-        .unwrap();
+        let node = joiner_node(boot).await;
         let mut params = model();
         let mut opt = adamw(params.len());
         let meta = StateTarget::new(&mut params)
