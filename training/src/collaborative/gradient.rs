@@ -46,12 +46,7 @@ impl CollaborativeOptimizer {
         same_len(self.len, params)?;
         match self.cfg.mode {
             Mode::Gradients => {
-                // Its count is final for this epoch: a rate of 0, so that nobody projects
-                // samples it will not compute.
-                let last = LocalProgress {
-                    samples_per_second: 0.0,
-                    ..self.local_progress()
-                };
+                let last = self.final_progress();
                 let reported = if self.pending.is_none() {
                     self.settle_publication().await?;
                     self.tracker.report_final(last).await

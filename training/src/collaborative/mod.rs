@@ -78,7 +78,7 @@ use crate::metrics::{LossPoint, TrainingBoard, TrainingMetrics};
 
 use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
-use crate::progress::{LocalProgress, ProgressError, ProgressTracker, SwarmProgress};
+use crate::progress::{ProgressError, ProgressTracker, SwarmProgress};
 use crate::sync::StateServer;
 
 mod config;

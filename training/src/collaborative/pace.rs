@@ -194,6 +194,15 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// This peer's progress with its count final for the epoch: a rate of 0, so that nobody
+    /// projects samples it will not compute (a peer waiting for the swarm, or for a joiner).
+    pub(super) fn final_progress(&self) -> LocalProgress {
+        LocalProgress {
+            samples_per_second: 0.0,
+            ..self.local_progress()
+        }
+    }
+
     /// The swarm's progress: read from the DHT at most every `fetch_interval`, extrapolated in
     /// between with this peer's own new samples. A read that fails (a DHT neighbour that died
     /// and has not been noticed yet) falls back to the last reading, with this peer's own

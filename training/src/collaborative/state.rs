@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::params::ParamSet;
-use crate::progress::{LocalProgress, SwarmProgress};
+use crate::progress::SwarmProgress;
 use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
 
 use super::{CollaborativeOptimizer, TrainingError};
@@ -148,11 +148,7 @@ impl CollaborativeOptimizer {
         // more coming): it takes one batch of its own and joins the round, instead of
         // computing what it would project this peer still computes.
         self.settle_publication().await?;
-        let done = LocalProgress {
-            samples_per_second: 0.0,
-            ..self.local_progress()
-        };
-        let published = self.tracker.publish(done).await;
+        let published = self.tracker.publish(self.final_progress()).await;
         self.tolerate(published)?;
         let started = Instant::now();
         while server.sessions_open() > 0 && started.elapsed() < self.cfg.averaging_timeout {
