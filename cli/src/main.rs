@@ -5,6 +5,7 @@ mod dht_cmd;
 mod experts_cmd;
 mod node_cmd;
 mod observe;
+mod sched;
 mod status_cmd;
 mod train;
 
@@ -173,6 +174,10 @@ fn main() {
         .init();
     let cli = Cli::parse();
     raise_open_file_limit();
+    if let Command::Train(args) = &cli.command {
+        // Before any thread starts: they all inherit it.
+        args.sched().apply_to_this_thread();
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

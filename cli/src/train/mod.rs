@@ -19,6 +19,7 @@ use starling_run::setup::{
 use starling_run::{data, model, Reporter};
 
 use crate::observe::{ObserveArgs, Observer};
+use crate::sched::CpuPolicy;
 use crate::{JoinArgs, ListenArgs, NatArgs};
 use ui::{Bar, JsonLines};
 
@@ -75,12 +76,24 @@ pub struct TrainArgs {
     /// one step stale). Peers with and without it train together and stay identical.
     #[arg(long)]
     delayed_update: bool,
+    /// How the kernel schedules this process: `batch` (Linux's SCHED_BATCH: the network's
+    /// short wake-ups wait for the running batch instead of cutting into it, and the peer
+    /// yields to interactive programs) or `normal` (the system's default).
+    #[arg(long, value_enum, value_name = "POLICY", default_value_t = CpuPolicy::Batch)]
+    sched: CpuPolicy,
     /// One JSON object per line (events: node, devices, started, synced, step, eval,
     /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
     json: bool,
     #[command(flatten)]
     observe: ObserveArgs,
+}
+
+impl TrainArgs {
+    /// The scheduling policy asked for (applied before the async runtime starts).
+    pub fn sched(&self) -> CpuPolicy {
+        self.sched
+    }
 }
 
 /// Hyper-parameters of a new run (a joiner takes them from the manifest).
