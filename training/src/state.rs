@@ -30,7 +30,7 @@ use crate::optim::Optimizer;
 use crate::params::ParamSet;
 
 /// A donor's training state, borrowed, at a step boundary: parameters, optimizers, extra
-/// buffers, epoch and counters. [`StateView::capture`] copies it into a [`StateSnapshot`] for a
+/// buffers, epoch and counters. [`StateView::capture`] copies it into a [`StateSnapshot`](crate::sync::StateSnapshot) for a
 /// [`StateServer`](super::StateServer).
 ///
 /// ```
@@ -106,7 +106,7 @@ impl<'a> StateView<'a> {
     }
 }
 
-/// Where a joiner writes a verified [`SyncedState`]: its parameters, optimizers and extra
+/// Where a joiner writes a verified [`SyncedState`](crate::sync::SyncedState): its parameters, optimizers and extra
 /// buffers, named as on the donors' [`StateView`].
 ///
 /// ```

@@ -375,7 +375,7 @@ fn parse_momentum(compressor: &str, b: &str) -> Result<f32, String> {
         .ok_or_else(|| format!("{compressor}: the momentum must be within (0, 1], not {b:?}"))
 }
 
-/// What one call to [`CollaborativeOptimizer::step`] did.
+/// What one call to [`CollaborativeOptimizer::step`](super::CollaborativeOptimizer::step) did.
 #[derive(Debug, Clone)]
 pub struct StepReport {
     /// The epoch (global steps taken) after this call.
