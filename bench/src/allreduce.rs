@@ -27,8 +27,8 @@ pub struct AllreduceArgs {
     /// Codec on the wire (none, f16, bf16, u8, blockwise8, ...).
     #[arg(long, default_value = "none")]
     pub codec: String,
-    /// How reducers combine contributions (mean, median, trimmed-mean[:F],
-    /// centered-clip[:iters=N][,tau=T][,reject=K]). The exactness check (`rel_error`) is against the mean.
+    /// How reducers combine contributions (mean, median, `trimmed-mean[:F]`,
+    /// `centered-clip[:iters=N][,tau=T][,reject=K]`). The exactness check (`rel_error`) is against the mean.
     #[arg(long, default_value = "mean")]
     pub aggregation: String,
     /// Check reducers: each peer recomputes one random block of another reducer's result

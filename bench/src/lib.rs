@@ -5,7 +5,7 @@
 //! [`BenchCommand`] gathers them; the binary nests it under `starling bench` and calls [`run`].
 //! Multi-process benches start their workers through the same binary ([`Workers`]).
 //!
-//! - [`allreduce`]: rounds of butterfly all-reduce, beside [`reference`], a plain-TCP butterfly
+//! - [`allreduce`]: rounds of butterfly all-reduce, beside [`reference`](mod@reference), a plain-TCP butterfly
 //!   over the same sockets' kind, in one process or one process per peer (optionally in network
 //!   namespaces).
 //! - [`training`]: where a collaborative global step's time goes, and (with simulated compute)

@@ -64,7 +64,7 @@ fn ips(addrs: &[Multiaddr]) -> Vec<IpAddr> {
 }
 
 impl TcpButterfly {
-    /// Listens on every interface, publishes the listener under [`RENDEZVOUS_KEY`] through
+    /// Listens on every interface, publishes the listener under `RENDEZVOUS_KEY` through
     /// `node`, and connects to the other `n - 1` peers (each found the same way).
     pub async fn connect(
         node: &Node,

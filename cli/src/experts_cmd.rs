@@ -28,7 +28,7 @@ pub enum ExpertArch {
 pub enum ExpertsCommand {
     /// Host experts and serve them to the swarm until interrupted (Ctrl-C).
     Serve {
-        /// Expert uids, with ranges: 'ffn.0.[0:8]' is ffn.0.0 .. ffn.0.7.
+        /// Expert uids, with ranges: `ffn.0.[0:8]` is ffn.0.0 .. ffn.0.7.
         #[arg(long)]
         uids: String,
         /// Architecture of every hosted expert.

@@ -67,7 +67,7 @@ pub struct JoinArgs {
     /// Swarm key file of a private swarm (see `starling init-swarm`).
     #[arg(long, value_name = "FILE")]
     swarm: Option<PathBuf>,
-    /// Peer to join through, as a full multiaddr ending in /p2p/<peer id>. Repeatable.
+    /// Peer to join through, as a full multiaddr ending in `/p2p/<peer id>`. Repeatable.
     #[arg(long, value_name = "MULTIADDR")]
     bootstrap: Vec<Multiaddr>,
     /// Identity key file (created with 0600 permissions when absent). Default: a fresh identity.

@@ -7,7 +7,7 @@
 //!   8-bit and quantile 8-bit with codebooks of bin means (so the decoded mean is the input's), blockwise 8-bit
 //!   with per-block absmax and a bitsandbytes-style dynamic map, uniform 4-bit, and a size-adaptive policy. An
 //!   optional lossless zstd stage runs over the encoded body where it shrinks it.
-//! - **The wire format** ([`format`]): a versioned, self-describing 48-byte header (magic, version, codec,
+//! - **The wire format** ([`format`](mod@format)): a versioned, self-describing 48-byte header (magic, version, codec,
 //!   flags, element count, offset and total for chunking, lengths) before the codec's parameters and payload.
 //!   Decoders check every field before they allocate or index, refuse more than [`MAX_ELEMENTS`] (or a lower
 //!   limit), reject NaN/Inf unless told otherwise, and never leave an output half-written on error.

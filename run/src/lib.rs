@@ -1,11 +1,11 @@
 //! A Starling training run as a library: what `starling train` and `starling demo` do, usable
 //! from any Rust program (and from the Python package) without spawning the binary.
 //!
-//! - [`manifest`]: a run is a [`RunManifest`](manifest::RunManifest) (model, data kind,
+//! - [`manifest`]: a run is a [`RunManifest`] (model, data kind,
 //!   optimizer, hyper-parameters, mode, codec, tensor schema), signed by its creator
-//!   ([`SignedManifest`](manifest::SignedManifest)) and kept in the DHT under
+//!   ([`SignedManifest`]) and kept in the DHT under
 //!   `starling.run.NAME` by every peer of the run.
-//! - [`setup`]: a new run's manifest from [`Hyper`](setup::Hyper)-parameters, its data and its
+//! - [`setup`]: a new run's manifest from [`Hyper`]-parameters, its data and its
 //!   model, and the checks a joiner makes on what it built.
 //! - [`data`]: the data loaders: the embedded 8x8 digits, MNIST-style IDX directories, UTF-8
 //!   text with a character vocabulary.
@@ -14,7 +14,7 @@
 //!   parameter buffers.
 //! - [`session`]: a peer training in a run until its last epoch: state sync, the collaborative
 //!   optimizer (or DiLoCo), checkpoints, evaluation, re-publishing the manifest.
-//! - [`event`]: what a session reports, to a [`Reporter`](event::Reporter) of the caller's.
+//! - [`event`]: what a session reports, to a [`Reporter`] of the caller's.
 //!
 //! ```
 //! use starling_run::{data, manifest::DataSpec, model::{self, Eval}, setup};

@@ -52,11 +52,12 @@ pub struct Hyper {
     /// DiLoCo: outer Nesterov momentum (default 0.9).
     pub outer_momentum: Option<f64>,
     /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
-    /// gradient rounds: powersgd:RANK[:bf16][:momentum=B] (low rank), dct-topk:CHUNK:K[:sign][:momentum=B]
+    /// gradient rounds: `powersgd:RANK[:bf16][:momentum=B]` (low rank),
+    /// `dct-topk:CHUNK:K[:sign][:momentum=B]`
     /// (K of every CHUNK DCT coefficients); B < 1 makes what was not sent a decaying momentum.
     pub codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
-    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T][,reject=K] (robust to lying peers).
+    /// `trimmed-mean[:FRACTION]`, `centered-clip[:iters=N][,tau=T][,reject=K]` (robust to lying peers).
     pub aggregation: Option<String>,
     /// Check reducers: after each round, recompute one random block of another reducer's
     /// result with this probability, and refuse peers caught lying (default 0: off).

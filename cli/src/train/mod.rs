@@ -145,12 +145,13 @@ pub struct HyperArgs {
     #[arg(long)]
     pub(crate) outer_momentum: Option<f64>,
     /// Averaging codec: none (exact), f16, bf16, u8, u4, ... (default none); or compressed
-    /// gradient rounds: powersgd:RANK[:bf16][:momentum=B] (low rank), dct-topk:CHUNK:K[:sign][:momentum=B]
+    /// gradient rounds: `powersgd:RANK[:bf16][:momentum=B]` (low rank),
+    /// `dct-topk:CHUNK:K[:sign][:momentum=B]`
     /// (K of every CHUNK DCT coefficients); B < 1 makes what was not sent a decaying momentum.
     #[arg(long)]
     pub(crate) codec: Option<String>,
     /// How reducers combine the peers' contributions: mean (default), median,
-    /// trimmed-mean[:FRACTION], centered-clip[:iters=N][,tau=T][,reject=K] (robust to lying
+    /// `trimmed-mean[:FRACTION]`, `centered-clip[:iters=N][,tau=T][,reject=K]` (robust to lying
     /// peers; reject=K leaves out contributions K clipping radii away).
     #[arg(long)]
     pub(crate) aggregation: Option<String>,
