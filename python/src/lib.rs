@@ -1,11 +1,11 @@
 //! The `starling._native` extension module: Python classes over Starling's library crates.
 //!
-//! Everything a call does runs on one tokio runtime per process (the `runtime` module), with the GIL
-//! released for as long as it waits on the network ([`Python::detach`]), so other Python
-//! threads keep running during a round. Tensors cross without copies: the `tensors` module reads each
-//! numpy array's `__array_interface__` (float32, C-contiguous, writable) and the averager
-//! writes the result into the array's own memory. The Python package `starling` (next to this
-//! crate) re-exports these classes and adds `starling.torch`.
+//! Everything a call does runs on one tokio runtime per process (the `runtime` module), with
+//! the GIL released for as long as it waits on the network ([`Python::detach`]), so other
+//! Python threads keep running during a round. Tensors cross without copies: the `tensors`
+//! module reads each numpy array's `__array_interface__` (float32, C-contiguous, writable) and
+//! the averager writes the result into the array's own memory. The Python package `starling`
+//! (next to this crate) re-exports these classes and adds `starling.torch`.
 
 use pyo3::prelude::*;
 
