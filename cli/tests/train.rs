@@ -130,6 +130,100 @@ fn two_peers_take_300_steps_without_waiting_out_a_window_and_end_identical() {
     );
 }
 
+/// Four `starling train` processes on the digits MLP (plain SGD, lr 0.05), one of them started
+/// with `--byzantine scale:100`: under the run's `--aggregation mean` the lie wrecks every
+/// peer's model (or the training diverges), under `centered-clip` the honest peers end as
+/// accurate as an honest swarm and identical. What a lab would run before opening its swarm.
+#[test]
+fn a_lying_process_wrecks_the_mean_but_not_centered_clipping() {
+    let _one = serial();
+    // Each peer: who, its accuracy and parameter digest (None if it failed), and how many of
+    // its rounds had all four peers (so a pass is not a liar that never got in).
+    type Peer = (String, Option<(f64, String)>, usize);
+    let swarm = |aggregation: &str, name: &str| -> Vec<Peer> {
+        let a = train(&[
+            "--new-run",
+            name,
+            "--model",
+            "mlp",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--epochs",
+            "150",
+            "--seed",
+            "1",
+            "--aggregation",
+            aggregation,
+        ]);
+        let (addr, _) = address(&a);
+        let joiner = |extra: &[&str]| {
+            let mut args = vec!["--run", name, "--bootstrap", &addr];
+            args.extend_from_slice(extra);
+            train(&args)
+        };
+        let (b, c) = (joiner(&[]), joiner(&[]));
+        let liar = joiner(&["--byzantine", "scale:100"]);
+        [
+            (a, "creator"),
+            (b, "joiner 1"),
+            (c, "joiner 2"),
+            (liar, "liar"),
+        ]
+        .into_iter()
+        .map(|(p, who)| {
+            let (ok, lines) = p.finish(who, LIMIT);
+            let end = ok.then(|| {
+                let f = &events(&lines, "finished")[0];
+                (
+                    f["test_accuracy"].as_f64().unwrap(),
+                    f["params_sha256"].as_str().unwrap().to_string(),
+                )
+            });
+            if !ok {
+                let tail = lines.iter().rev().take(3).cloned().collect::<Vec<_>>();
+                println!("{aggregation}: {who} failed: {tail:?}");
+            }
+            let full = events(&lines, "step")
+                .iter()
+                .filter(|s| s["group_size"] == 4)
+                .count();
+            (who.to_string(), end, full)
+        })
+        .collect()
+    };
+    let clipped = swarm("centered-clip", "byz-cc");
+    println!("centered-clip: {clipped:?}");
+    for (who, _, full) in &clipped {
+        assert!(
+            *full >= 50,
+            "{who} averaged with all four in only {full} rounds"
+        );
+    }
+    let honest: Vec<&(f64, String)> = clipped[..3]
+        .iter()
+        .map(|(who, end, _)| end.as_ref().unwrap_or_else(|| panic!("{who} failed")))
+        .collect();
+    for (acc, sha) in &honest {
+        assert!(
+            *acc >= 0.9,
+            "an honest peer under centered-clip: accuracy {acc}"
+        );
+        assert_eq!(sha, &honest[0].1, "the honest peers end identical");
+    }
+    let averaged = swarm("mean", "byz-mean");
+    println!("mean: {averaged:?}");
+    assert!(averaged[3].2 >= 50, "the liar got into the mean's rounds");
+    for (who, end, _) in &averaged[..3] {
+        // Wrecked: near chance (0.1 on ten digits), or the loss left the finite numbers and
+        // the process stopped with "training diverged".
+        if let Some((acc, _)) = end {
+            assert!(*acc < 0.5, "{who} under mean with a liar: accuracy {acc}");
+        }
+    }
+}
+
 /// Writes images and labels as MNIST-style IDX files; the labels gzip-compressed.
 fn write_idx(dir: &Path, prefix: &str, x: &[f32], y: &[u32], side: usize) {
     let mut img = vec![0u8, 0, 8, 3];

@@ -15,6 +15,7 @@
 //! - [`session`]: a peer training in a run until its last epoch: state sync, the collaborative
 //!   optimizer (or DiLoCo), checkpoints, evaluation, re-publishing the manifest.
 //! - [`event`]: what a session reports, to a [`Reporter`] of the caller's.
+//! - [`attack`]: a peer that lies on purpose, to test a swarm's defences.
 //!
 //! ```
 //! use starling_run::{data, manifest::DataSpec, model::{self, Eval}, setup};
@@ -36,6 +37,7 @@
 
 #![warn(missing_docs)]
 
+pub mod attack;
 pub mod data;
 pub mod event;
 pub mod manifest;

@@ -9,6 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use starling_node::Node;
 use starling_training::state::{StateTarget, StateView};
 use starling_training::{
@@ -17,6 +19,7 @@ use starling_training::{
     StepReport, SyncConfig, SyncError, VarBinding,
 };
 
+use crate::attack::Attack;
 use crate::data::Dataset;
 use crate::event::{split, Event, Reporter};
 use crate::manifest::{
@@ -63,6 +66,9 @@ pub struct Session {
     /// Apply each global step one epoch late, computing the next batches while the round
     /// runs (`CollaborativeConfig::delayed_update`).
     pub delayed_update: bool,
+    /// Lie on purpose: send this instead of each batch's gradient (testing a swarm's
+    /// defences; see [`crate::attack`]). `None` for an honest peer.
+    pub attack: Option<Attack>,
 }
 
 /// How a session ended.
@@ -193,6 +199,7 @@ struct Ctx {
     sample_seed: u64,
     stop: Arc<AtomicBool>,
     reporter: Arc<dyn Reporter>,
+    attack: Option<Attack>,
 }
 
 struct Trainer {
@@ -219,6 +226,7 @@ impl Session {
             reporter,
             progress_interval,
             delayed_update,
+            attack,
         } = self;
         let Built {
             net,
@@ -292,7 +300,11 @@ impl Session {
             sample_seed,
             stop,
             reporter,
+            attack,
         };
+        if let Some(a) = attack {
+            tracing::warn!("this peer lies on purpose: it sends {a} instead of its gradients");
+        }
         let result = t.train(&ctx, &m).await;
         republish.abort();
         server.shutdown().await;
@@ -365,6 +377,7 @@ impl Trainer {
         let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
         let mut failures = 0u32;
         let mut steps = Steps::default();
+        let mut liar_rng = StdRng::seed_from_u64(s.sample_seed ^ 0x6c69_6172);
         while self.collab.epoch() < m.epochs {
             if s.stop.load(Ordering::Relaxed) {
                 self.flush(s, m, &mut steps).await?;
@@ -426,6 +439,9 @@ impl Trainer {
             steps.loss_sum += f64::from(loss);
             steps.loss_batches += 1;
             steps.last_loss = f64::from(loss);
+            if let Some(a) = &s.attack {
+                a.apply(self.params.grads_mut(), &mut liar_rng);
+            }
             let report = self.collab.step(&mut self.params, samples).await?;
             if diloco || report.stepped {
                 self.binding.params_to_vars(&self.params)?;

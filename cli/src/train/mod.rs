@@ -81,6 +81,11 @@ pub struct TrainArgs {
     /// yields to interactive programs) or `normal` (the system's default).
     #[arg(long, value_enum, value_name = "POLICY", default_value_t = CpuPolicy::Batch)]
     sched: CpuPolicy,
+    /// Testing a swarm's defences: this peer lies on purpose, sending in every round instead
+    /// of its gradient `scale:K` (the gradient times K), `sign-flip` or `noise:K` (Gaussian
+    /// noise of K times its norm). Whether the lie lands is up to the run's --aggregation.
+    #[arg(long, value_name = "ATTACK", hide = true)]
+    byzantine: Option<starling_run::attack::Attack>,
     /// One JSON object per line (events: node, devices, started, synced, step, eval,
     /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
@@ -462,6 +467,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         reporter,
         progress_interval: None,
         delayed_update: args.delayed_update,
+        attack: args.byzantine,
     };
     let outcome = session.run().await;
     watcher.abort();
