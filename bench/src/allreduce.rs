@@ -74,6 +74,21 @@ pub struct AllreduceArgs {
     /// search when the step begins. 0 (the default) searches when the step begins.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub prepare_ms: u64,
+    /// Simulated round trips between the peers, in milliseconds (`NodeConfig::simulated_rtt`:
+    /// every TCP read, libp2p's and the fast lane's, is held back half of it; a simulation
+    /// for benches, this kernel has no netem). 0: none.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub sim_rtt_ms: u64,
+}
+
+impl AllreduceArgs {
+    /// A node's configuration for these flags (the simulated round trip).
+    fn node_config(&self) -> NodeConfig {
+        NodeConfig {
+            simulated_rtt: (self.sim_rtt_ms > 0).then(|| Duration::from_millis(self.sim_rtt_ms)),
+            ..NodeConfig::default()
+        }
+    }
 }
 
 /// One worker's view of one round.
@@ -421,7 +436,7 @@ pub async fn run(args: AllreduceArgs) -> Result<()> {
 async fn run_in_process(args: &AllreduceArgs) -> Result<AllreduceBench> {
     let cfg = averager_config(args)?;
     let mean = exact_mean(args.peers, args.size);
-    let swarm = AveragingSwarm::start(args.peers, NodeConfig::default(), |_| cfg.clone()).await?;
+    let swarm = AveragingSwarm::start(args.peers, args.node_config(), |_| cfg.clone()).await?;
     // Each peer runs its own loop of rounds (as a worker process does), not `step_all`: a peer
     // that finishes a round checks its result and starts the next one on its own time.
     let mut per_peer = match peer_loops(swarm.averagers(), args, &mean) {
@@ -521,6 +536,7 @@ async fn run_procs(args: &AllreduceArgs) -> Result<AllreduceBench> {
             .args(["--verify", &args.verify.to_string()])
             .args(["--chunk-bytes", &args.chunk_bytes.to_string()])
             .args(["--prepare-ms", &args.prepare_ms.to_string()])
+            .args(["--sim-rtt-ms", &args.sim_rtt_ms.to_string()])
             .args(args.equal_spans.then_some("--equal-spans"))
             .args(args.no_fast_lane.then_some("--no-fast-lane"))
             .args(args.reference.then_some("--reference"))
@@ -587,7 +603,10 @@ async fn await_reachability(node: &Node, secs: u64) -> Result<()> {
 pub async fn worker(args: WorkerArgs) -> Result<()> {
     let cfg = averager_config(&args.common)?;
     let started = Instant::now();
-    let mut node_cfg = NodeConfig::default().bootstrap_from(args.place.bootstrap.clone());
+    let mut node_cfg = args
+        .common
+        .node_config()
+        .bootstrap_from(args.place.bootstrap.clone());
     node_cfg.listen.extend(args.place.listen.clone());
     args.nat.apply(&mut node_cfg);
     let node = Node::start(node_cfg).await?;
