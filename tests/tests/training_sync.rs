@@ -55,6 +55,38 @@ async fn joiner_node(boot: starling_node::Multiaddr) -> Node {
     .unwrap()
 }
 
+/// A joiner's model with its parameters zeroed (what its sync must replace) and a collaborative
+/// optimizer (AdamW) over it.
+async fn zeroed_joiner(
+    node: &Node,
+    cfg: CollaborativeConfig,
+) -> (ParamSet, CollaborativeOptimizer) {
+    let mut params = model();
+    params.params_mut().fill(0.0);
+    let opt = adamw(params.len());
+    let collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg)
+        .await
+        .unwrap();
+    (params, collab)
+}
+
+/// Syncs `params` and `collab` from the run's state servers, taking only states at `min_epoch`
+/// or later, as `starling train` does; returns the sync's report.
+async fn sync_into(
+    node: &Node,
+    run: &str,
+    min_epoch: u64,
+    collab: &mut CollaborativeOptimizer,
+    params: &mut ParamSet,
+) -> SyncReport {
+    let layout = collab.state_view(params).layout();
+    let mut cfg = sync_cfg(run);
+    cfg.min_epoch = min_epoch;
+    let (synced, report) = sync_state(node, &cfg, &layout).await.unwrap();
+    collab.restore_from(params, &synced).unwrap();
+    report
+}
+
 fn adamw(n: usize) -> AdamW {
     AdamW::new(AdamWConfig::new(1e-2), n).unwrap()
 }
@@ -534,17 +566,9 @@ async fn a_peer_started_after_three_epochs_syncs_and_steps_with_the_others() {
         gates.0.wait().await;
         let node = joiner_node(boot).await;
         node.bootstrap().await.unwrap();
-        let mut params = model();
-        params.params_mut().fill(0.0);
-        let opt = adamw(params.len());
-        let mut collab =
-            CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, collab_cfg(run))
-                .await
-                .unwrap();
+        let (mut params, mut collab) = zeroed_joiner(&node, collab_cfg(run)).await;
         wait_for_announcements(&node, run, DONORS).await;
-        let layout = collab.state_view(&params).layout();
-        let (synced, report) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
-        collab.restore_from(&mut params, &synced).unwrap();
+        let report = sync_into(&node, run, 0, &mut collab, &mut params).await;
         assert_eq!(
             (report.epoch, collab.epoch()),
             (EPOCHS_BEFORE, EPOCHS_BEFORE)
@@ -640,16 +664,8 @@ async fn a_lone_peer_waits_for_a_joiner_fetching_its_state_which_syncs_once() {
         wait_for_announcements(&node, run, 1).await;
         // Let the donor step ahead of its announcement.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let mut params = model();
-        params.params_mut().fill(0.0);
-        let opt = adamw(params.len());
-        let mut collab =
-            CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg(run))
-                .await
-                .unwrap();
-        let layout = collab.state_view(&params).layout();
-        let (synced, _) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
-        collab.restore_from(&mut params, &synced).unwrap();
+        let (mut params, mut collab) = zeroed_joiner(&node, cfg(run)).await;
+        sync_into(&node, run, 0, &mut collab, &mut params).await;
         collab.announce().await.unwrap();
         let synced_at = collab.epoch();
         let first = loop {
@@ -858,13 +874,11 @@ async fn a_killed_peer_restarts_from_its_checkpoint_and_catches_up() {
                 .await
                 .unwrap();
         wait_for_announcements(&node, run, DONORS).await;
-        let layout = collab.state_view(&params).layout();
-        let (synced, report) = sync_state(&node, &sync_cfg(run), &layout).await.unwrap();
+        let report = sync_into(&node, run, 0, &mut collab, &mut params).await;
         // The survivors wait at the third gate after BEFORE + WITHOUT epochs: that is the state
         // they serve.
         assert_eq!(report.epoch, BEFORE + WITHOUT, "synced epoch");
         assert_eq!(report.bad_chunks, 0);
-        collab.restore_from(&mut params, &synced).unwrap();
         assert_eq!(collab.epoch(), BEFORE + WITHOUT);
         gates.2.wait().await;
         let mut history = Vec::new();
@@ -963,11 +977,7 @@ async fn a_peer_an_outer_step_behind_does_not_average_with_the_others_until_it_s
                     if let Some(floor) = behind_at.take() {
                         // Told it is behind: it syncs, as `starling train` does (here once the
                         // others have finished the round it missed, so that one sync does).
-                        let layout = collab.state_view(&params).layout();
-                        let mut sync = sync_cfg(run);
-                        sync.min_epoch = floor;
-                        let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
-                        collab.restore_from(&mut params, &synced).unwrap();
+                        sync_into(&node, run, floor, &mut collab, &mut params).await;
                     }
                     let mut last = None;
                     for _ in 0..H {
@@ -1078,11 +1088,8 @@ async fn a_peer_whose_round_failed_while_the_others_stepped_syncs_instead_of_ste
                 }
                 let last = reports.last().unwrap().clone();
                 if last.behind {
-                    let layout = collab.state_view(&params).layout();
-                    let mut sync = sync_cfg(run);
-                    sync.min_epoch = last.sync_floor();
-                    let (synced, _) = sync_state(&node, &sync, &layout).await.unwrap();
-                    collab.restore_from(&mut params, &synced).unwrap();
+                    let floor = last.sync_floor();
+                    sync_into(&node, run, floor, &mut collab, &mut params).await;
                 }
                 done.wait().await;
                 let epoch = collab.epoch();
