@@ -26,9 +26,9 @@ const COMPUTE_WINDOW_BATCHES: u32 = 8;
 /// stepping call returned; not with `projected_batch` off, whose callers may not compute
 /// between a step and their next batch): a peer that computes only one batch an epoch would
 /// otherwise never measure again, and one slow window (a neighbour's state sync, an
-/// evaluation) would stay its rate for good. That happened: two charlm peers, 4 batches a global step, one
-/// peer's rate stuck at a third of the other's for 18 epochs; it stopped after one batch, the
-/// other computed three, and every such step took half as long again.
+/// evaluation) would stay its rate for good. That happened: two charlm peers, 4 batches a
+/// global step, one peer's rate stuck at a third of the other's for 18 epochs; it stopped after
+/// one batch, the other computed three, and every such step took half as long again.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub(super) struct ComputeMeter {
     rate: f64,
