@@ -74,19 +74,13 @@ impl Attack {
                     .sum::<f64>()
                     .sqrt();
                 let sd = f64::from(k) * norm / (grads.len() as f64).sqrt();
-                for g in grads.iter_mut() {
-                    *g = (sd * standard_normal(rng)) as f32;
+                let noise = starling_compression::synthetic::normal(grads.len(), rng.gen());
+                for (g, z) in grads.iter_mut().zip(noise) {
+                    *g = (sd * f64::from(z)) as f32;
                 }
             }
         }
     }
-}
-
-/// One draw of N(0, 1) (Box-Muller).
-fn standard_normal(rng: &mut impl Rng) -> f64 {
-    let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
-    let u2: f64 = rng.gen();
-    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
 #[cfg(test)]
