@@ -3,6 +3,7 @@
 mod demo;
 mod dht_cmd;
 mod experts_cmd;
+mod malloc;
 mod node_cmd;
 mod observe;
 mod sched;
@@ -173,6 +174,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    malloc::tune_for_tensors();
     raise_open_file_limit();
     if let Command::Train(args) = &cli.command {
         // Before any thread starts: they all inherit it.
