@@ -272,6 +272,7 @@ impl CollaborativeOptimizer {
         self.accumulated.fill(0.0);
         self.samples = 0;
         self.swarm = self.progress_after_round(&report, starling_dht::now_ms());
+        self.schedule_after_step();
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         let stepped_at = Instant::now();
