@@ -105,6 +105,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             // batch averaged 292-353 for 256 (1.14-1.38x); at 25 ms, 257-273 (6 runs each).
             progress_interval: Some(Duration::from_millis(25)),
             delayed_update: args.delayed_update,
+            max_stale: None,
             attack: None,
         };
         tasks.push(tokio::spawn(session.run()));

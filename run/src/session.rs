@@ -66,6 +66,9 @@ pub struct Session {
     /// Apply each global step one epoch late, computing the next batches while the round
     /// runs (`CollaborativeConfig::delayed_update`).
     pub delayed_update: bool,
+    /// With `delayed_update`: the part of the next batch computed before the round in flight
+    /// must be applied (`CollaborativeConfig::delayed_max_stale`; `None`: its default).
+    pub max_stale: Option<f64>,
     /// Lie on purpose: send this instead of each batch's gradient (testing a swarm's
     /// defences; see [`crate::attack`]). `None` for an honest peer.
     pub attack: Option<Attack>,
@@ -226,6 +229,7 @@ impl Session {
             reporter,
             progress_interval,
             delayed_update,
+            max_stale,
             attack,
         } = self;
         let Built {
@@ -257,6 +261,9 @@ impl Session {
             cfg.fetch_interval = every;
         }
         cfg.delayed_update = delayed_update && matches!(cfg.mode, Mode::Gradients);
+        if let Some(f) = max_stale {
+            cfg.delayed_max_stale = f;
+        }
         let mut collab = CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
         if let (Some(epoch), Some(dir)) = (resumed, &checkpoint_dir) {
             collab.resume(epoch, &params);

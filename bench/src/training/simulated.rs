@@ -48,6 +48,11 @@ pub struct SimArgs {
     /// Simulated compute: apply each step one epoch late, averaging while computing.
     #[arg(long)]
     pub delayed_update: bool,
+    /// Simulated compute, with --delayed-update: the part of the next batch computed before
+    /// the step in flight must be applied (`CollaborativeConfig::delayed_max_stale`; default
+    /// its default).
+    #[arg(long, value_name = "FRACTION", requires = "delayed_update")]
+    pub max_stale: Option<f64>,
     /// Simulated compute: run peer i in network namespace i (comma-separated, one per peer;
     /// needs root; the bench runs inside the first one).
     #[arg(long, value_delimiter = ',')]
@@ -139,6 +144,8 @@ struct SimBench {
     params: usize,
     codec: String,
     delayed_update: bool,
+    /// `--max-stale`, if given.
+    max_stale: Option<f64>,
     netns: bool,
     /// The simulated round-trip time between peers (`--sim-rtt-ms`), if any.
     sim_rtt_ms: Option<u64>,
@@ -221,6 +228,9 @@ pub async fn worker(args: SimWorkerArgs) -> Result<()> {
         starling_training::GradientCompression::parse_codec(&common.codec)
             .map_err(|e| anyhow::anyhow!("codec: {e}"))?;
     cfg.delayed_update = sim.delayed_update;
+    if let Some(f) = sim.max_stale {
+        cfg.delayed_max_stale = f;
+    }
     let mut collab = CollaborativeOptimizer::new(node.clone(), Box::new(opt), &params, cfg).await?;
     print_line(&Line::Ready)?;
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
@@ -293,6 +303,12 @@ pub async fn run(args: &TrainingArgs) -> Result<()> {
             .args(["--batch", &sim.batch.to_string()])
             .args(["--warmup", &sim.warmup.to_string()])
             .args(sim.delayed_update.then_some("--delayed-update"))
+            .args(
+                sim.max_stale
+                    .map(|f| ["--max-stale".to_string(), f.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(sim.per_step.then_some("--per-step"))
             .args(
                 sim.sim_rtt_ms
@@ -440,6 +456,7 @@ fn summarize(
         params: args.params,
         codec: args.codec.clone(),
         delayed_update: sim.delayed_update,
+        max_stale: sim.max_stale,
         netns: !sim.netns.is_empty(),
         sim_rtt_ms: sim.sim_rtt_ms,
         sample_ms,

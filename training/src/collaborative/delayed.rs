@@ -164,12 +164,14 @@ impl CollaborativeOptimizer {
             .is_some_and(|p| self.averager.searches_done() > p.searches_before)
     }
 
-    /// A call while a delayed update's round is in flight. Until this peer's share of the
-    /// batch is in, it computes on (and, once the round's group has formed, the next round's
-    /// search may start beside its all-reduce). With its share in while the round still runs
-    /// (a round that outlasts an epoch's compute), it waits for that round rather than compute
-    /// past the batch it was asked for (the others do the same), starting the next search as
-    /// soon as the round's group has formed, and applies it.
+    /// A call while a delayed update's round is in flight. Until the swarm is projected to
+    /// have computed `delayed_max_stale` of the next batch (and, with a bound of 1, until this
+    /// peer's share of it is in), it computes on (and, once the round's group has formed, the
+    /// next round's search may start beside its all-reduce). Past that, while the round still
+    /// runs, it waits for that round rather than compute more of the next gradient on the
+    /// parameters before it (with its share in: rather than compute past the batch it was
+    /// asked for; the others do the same), starting the next search as soon as the round's
+    /// group has formed, and applies it.
     pub(super) async fn round_in_flight(
         &mut self,
         params: &mut ParamSet,
@@ -177,7 +179,7 @@ impl CollaborativeOptimizer {
         if self.pending.is_none() {
             return Ok(InFlight::Settled(None));
         }
-        if !self.share_ready() {
+        if !self.share_ready() && !self.staleness_bound_reached() {
             self.schedule_beside_pending();
             return Ok(InFlight::Computing);
         }

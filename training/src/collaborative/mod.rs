@@ -216,6 +216,12 @@ impl CollaborativeOptimizer {
                     .into(),
             ));
         }
+        if !(cfg.delayed_max_stale > 0.0 && cfg.delayed_max_stale <= 1.0) {
+            return Err(TrainingError::Config(format!(
+                "delayed_max_stale {} is not in (0, 1]",
+                cfg.delayed_max_stale
+            )));
+        }
         if let Some(s) = &cfg.lr_schedule {
             s.validate()?;
         }

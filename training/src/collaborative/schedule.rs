@@ -93,6 +93,20 @@ impl CollaborativeOptimizer {
         let ahead = self.samples + self.last_batch_samples / 2;
         swarm.projected_with(ahead, self.compute.rate()) >= target
     }
+
+    /// While a delayed update's round is in flight: whether the swarm is projected to have
+    /// computed [`CollaborativeConfig::delayed_max_stale`] of the next batch (this peer's
+    /// samples since the round began, and the others' at the last reading's rates; this
+    /// peer's alone with `projected_batch` off), past which the round is waited for.
+    pub(super) fn staleness_bound_reached(&self) -> bool {
+        let bound = (self.cfg.target_batch_size as f64 * self.cfg.delayed_max_stale).ceil() as u64;
+        if self.samples >= bound {
+            return true;
+        }
+        self.nothing_reported_yet()
+            .filter(|_| self.cfg.projected_batch)
+            .is_some_and(|swarm| swarm.projected_with(self.samples, self.compute.rate()) >= bound)
+    }
 }
 
 impl CollaborativeOptimizer {
