@@ -409,10 +409,10 @@ impl Trainer {
             let net = self.net.clone();
             let binding = self.binding.clone();
             let mut params = std::mem::take(&mut self.params);
-            // The network's threads woken during the last batch run before the next one.
-            // Under `SCHED_BATCH` (`--sched batch`) a woken thread does not preempt a running
-            // one, and with a core per process the next batch began before them: a search's
-            // round trips waited for one batch after another (two digits-MLP peers on a core
+            // The network's threads woken during the last batch run before the next one. Under
+            // `SCHED_BATCH` (`--sched batch`) a woken thread does not preempt a running one, and
+            // with a core per process the next batch began before them: a search's round trips
+            // waited for one batch after another (two generated-glyphs MLP peers on a core
             // each: 7 ms from starting a search to asking its leader, 1.5 ms with a yield; the
             // pair's run 1.66-1.72 s against 1.72-1.88 s, six alternating runs each; the lone
             // peer's 2.42-2.46 s against 2.44-2.47 s). Yielding here rather than in the batch's

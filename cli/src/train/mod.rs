@@ -80,7 +80,7 @@ pub struct TrainArgs {
     /// With --delayed-update: the part of the next global batch (0 to 1] computed before the
     /// step in flight must be applied; past it the peer waits for the step. Larger overlaps
     /// more communication with compute and leaves more of each gradient a step stale
-    /// (default 0.125; 1: a whole step late, which cost the digits MLP 6-14 points)
+    /// (default 0.125; 1: a whole step late, which cost the glyphs MLP 6-14 points)
     #[arg(long, value_name = "FRACTION", requires = "delayed_update", value_parser = parse_fraction)]
     max_stale: Option<f64>,
     /// How the kernel schedules this process: `batch` (Linux's SCHED_BATCH: the network's

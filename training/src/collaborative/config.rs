@@ -132,14 +132,14 @@ pub struct CollaborativeConfig {
     ///
     /// [`delayed_max_stale`]: CollaborativeConfig::delayed_max_stale
     pub delayed_update: bool,
-    /// With [`delayed_update`]: the part of the next global batch (the swarm's samples as this
-    /// peer projects them, against `target_batch_size`) that may be computed before the round
-    /// in flight is applied; past it, the peer waits for the round. In (0, 1]; 1 lets a round
-    /// run until this peer's whole share of the next batch is in (every gradient may be a
-    /// step stale). Default 0.125. Measured on two digits-MLP peers (target 2048, 188 epochs,
-    /// test accuracy 0.82-0.84 without the delayed update): 1 gave 0.68-0.77 (rounds that
-    /// ended late in the next epoch), 0.5 gave 0.78-0.79, 0.25 0.81-0.82, 0.125 0.82-0.83,
-    /// at the same speed on loopback, where a round ends within a few batches.
+    /// With [`delayed_update`]: the part of the next global batch (the swarm's samples as this peer
+    /// projects them, against `target_batch_size`) that may be computed before the round in flight
+    /// is applied; past it, the peer waits for the round. In (0, 1]; 1 lets a round run until this
+    /// peer's whole share of the next batch is in (every gradient may be a step stale). Default
+    /// 0.125. Measured on two generated-glyphs MLP peers (target 2048, 188 epochs, test accuracy
+    /// 0.82-0.84 without the delayed update): 1 gave 0.68-0.77 (rounds that ended late in the next
+    /// epoch), 0.5 gave 0.78-0.79, 0.25 0.81-0.82, 0.125 0.82-0.83, at the same speed on loopback,
+    /// where a round ends within a few batches.
     ///
     /// [`delayed_update`]: CollaborativeConfig::delayed_update
     pub delayed_max_stale: f64,

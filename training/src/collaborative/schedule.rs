@@ -115,20 +115,19 @@ impl CollaborativeOptimizer {
     /// the time until this is checked again), the round's search starts in the background, so
     /// that its group is ready when the gradients are. Not before a round measured how long
     /// matchmaking takes, nor while a delayed update's round is in flight, nor for a peer
-    /// alone in the run.
+    /// alone in the run, nor past the run's last epoch.
     pub(super) fn schedule_matchmaking(&self, swarm: &SwarmProgress) {
         self.schedule_search(swarm, false);
     }
 
     /// Right after a step whose round held every live peer (`self.swarm` is then the swarm's
-    /// progress made up by [`Self::progress_after_round`]): an epoch projected to take at most
-    /// half the start grace starts its search now rather than a lead before its end. Every
-    /// member of that round is at the same point, so their searches meet at once, and their
-    /// first round trips go while no peer computes; started mid-epoch, a search's messages
-    /// wait for each peer's batch to end. Two digits-MLP peers on a core each (6 ms epochs):
-    /// the group formed 1.6-2.1 ms after the step, and the run took 1.68-1.71 s against
-    /// 1.73-1.75 s with the search started a lead before the epoch's end (six alternating
-    /// runs each).
+    /// progress made up by [`Self::progress_after_round`]): an epoch projected to take at most half
+    /// the start grace starts its search now rather than a lead before its end. Every member of
+    /// that round is at the same point, so their searches meet at once, and their first round trips
+    /// go while no peer computes; started mid-epoch, a search's messages wait for each peer's batch
+    /// to end. Two generated-glyphs MLP peers on a core each (6 ms epochs): the group formed
+    /// 1.6-2.1 ms after the step, and the run took 1.68-1.71 s against 1.73-1.75 s with the search
+    /// started a lead before the epoch's end (six alternating runs each).
     pub(super) fn schedule_after_step(&self) {
         if let Some((_, swarm)) = self.swarm.as_ref() {
             self.schedule_search(swarm, true);
@@ -145,6 +144,7 @@ impl CollaborativeOptimizer {
             || self.last_batch_samples == 0
             || swarm.peers <= 1
             || swarm.epoch != self.epoch
+            || self.cfg.final_epoch.is_some_and(|last| self.epoch >= last)
             || self.compute.rate().is_nan()
             || self.compute.rate() <= 0.0
         {
