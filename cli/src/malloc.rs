@@ -1,15 +1,15 @@
 //! The C allocator's thresholds for a process that computes tensors (glibc only).
 //!
-//! Every batch allocates its activations and gradients afresh (candle's tensors), and frees
-//! them before the next: for the digits MLP, a dozen buffers of 100 KiB to 1 MiB a batch. glibc
-//! serves an allocation at or above its mmap threshold (128 KiB at start) with a fresh `mmap`
-//! and returns it with `munmap` when freed, so each such buffer cost a system call each way and
-//! a page fault for every 4 KiB page it touched, every batch. glibc raises the threshold itself
-//! once the process frees a mapped buffer larger than it (up to 32 MiB), which is why a run sped
-//! up after its first evaluation freed the test set's tensors: measured on the MLP (188 epochs
-//! of 2048 samples, one core), 3.2-3.7 s with no evaluation before the end, 2.7-3.0 s with one
-//! every 31 epochs, and 2.4-2.5 s either way with the thresholds set at start as below. The
-//! peak resident memory did not change (90 MiB against 93 MiB; the charlm 603 against 593).
+//! Every batch allocates its activations and gradients afresh (candle's tensors), and frees them
+//! before the next: for the generated-glyphs MLP, a dozen buffers of 100 KiB to 1 MiB a batch.
+//! glibc serves an allocation at or above its mmap threshold (128 KiB at start) with a fresh `mmap`
+//! and returns it with `munmap` when freed, so each such buffer cost a system call each way and a
+//! page fault for every 4 KiB page it touched, every batch. glibc raises the threshold itself once
+//! the process frees a mapped buffer larger than it (up to 32 MiB), which is why a run sped up
+//! after its first evaluation freed the test set's tensors: measured on the MLP (188 epochs of 2048
+//! samples, one core), 3.2-3.7 s with no evaluation before the end, 2.7-3.0 s with one every 31
+//! epochs, and 2.4-2.5 s either way with the thresholds set at start as below. The peak resident
+//! memory did not change (90 MiB against 93 MiB; the charlm 603 against 593).
 //!
 //! Set here to what glibc would reach after freeing a 32 MiB buffer: the mmap threshold at
 //! 32 MiB, the trim threshold (free memory at the top of the heap kept for reuse rather than

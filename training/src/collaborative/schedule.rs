@@ -80,18 +80,8 @@ impl CollaborativeOptimizer {
     /// batch, projected at the rates of the last reading (its own samples against the
     /// others' rates, as [`Self::batch_ready`] does with no report of theirs yet).
     pub(super) fn share_ready(&self) -> bool {
-        let target = self.cfg.target_batch_size;
-        if self.samples >= target {
-            return true;
-        }
-        let Some(swarm) = self
-            .nothing_reported_yet()
-            .filter(|_| self.cfg.projected_batch)
-        else {
-            return false;
-        };
         let ahead = self.samples + self.last_batch_samples / 2;
-        swarm.projected_with(ahead, self.compute.rate()) >= target
+        self.next_batch_reaches(ahead, self.cfg.target_batch_size)
     }
 
     /// While a delayed update's round is in flight: whether the swarm is projected to have
@@ -100,12 +90,18 @@ impl CollaborativeOptimizer {
     /// peer's alone with `projected_batch` off), past which the round is waited for.
     pub(super) fn staleness_bound_reached(&self) -> bool {
         let bound = (self.cfg.target_batch_size as f64 * self.cfg.delayed_max_stale).ceil() as u64;
-        if self.samples >= bound {
-            return true;
-        }
-        self.nothing_reported_yet()
-            .filter(|_| self.cfg.projected_batch)
-            .is_some_and(|swarm| swarm.projected_with(self.samples, self.compute.rate()) >= bound)
+        self.next_batch_reaches(self.samples, bound)
+    }
+
+    /// While a delayed update's round is in flight: whether this peer's samples reach `bound`,
+    /// or (with `projected_batch`) the swarm's do, projected from `own` of this peer's at the
+    /// rates of the last reading.
+    fn next_batch_reaches(&self, own: u64, bound: u64) -> bool {
+        self.samples >= bound
+            || self
+                .nothing_reported_yet()
+                .filter(|_| self.cfg.projected_batch)
+                .is_some_and(|swarm| swarm.projected_with(own, self.compute.rate()) >= bound)
     }
 }
 
