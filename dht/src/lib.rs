@@ -40,6 +40,7 @@ pub mod lock;
 pub mod owner;
 mod quota;
 mod record;
+mod seen;
 mod store;
 mod time;
 mod validate;

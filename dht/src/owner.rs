@@ -58,7 +58,11 @@ impl OwnerKey {
     /// ```
     pub fn sign_entry(&self, key: &str, entry: &mut Entry) {
         let msg = signed_message(key, entry);
-        entry.signature = Some(self.signing.sign(&msg).to_bytes().to_vec());
+        let sig = self.signing.sign(&msg).to_bytes();
+        // This process made it: its checks (before sending, when stored locally, when read
+        // back) need no curve arithmetic.
+        crate::seen::remember(crate::seen::digest(&self.public(), &sig, &msg));
+        entry.signature = Some(sig.to_vec());
     }
 
     /// Signs a document `msg` for the purpose named by `domain` (for example a training run's
@@ -128,7 +132,7 @@ fn find_owner(s: &str) -> Result<Option<VerifyingKey>, DhtError> {
         let bytes: [u8; 32] = bytes
             .try_into()
             .map_err(|_| DhtError::BadOwner("owner key must be 32 bytes".into()))?;
-        let key = VerifyingKey::from_bytes(&bytes)
+        let key = crate::seen::owner_key(&bytes)
             .map_err(|_| DhtError::BadOwner("owner key is not a valid ed25519 point".into()))?;
         if found.is_some_and(|f: VerifyingKey| f != key) {
             return Err(DhtError::BadOwner(
@@ -175,10 +179,19 @@ pub fn verify_entry(key: &str, entry: &Entry) -> Result<(), DhtError> {
         .ok_or_else(bad)?
         .try_into()
         .map_err(|_| bad())?;
-    let sig = Signature::from_bytes(&sig_bytes);
+    // An entry is checked several times in one process (before sending, when stored, each
+    // time a lookup returns it): the curve arithmetic runs once per exact (owner, signature,
+    // message), see `seen`.
+    let msg = signed_message(key, entry);
+    let digest = crate::seen::digest(&owner, &sig_bytes, &msg);
+    if crate::seen::checked(&digest) {
+        return Ok(());
+    }
     owner
-        .verify(&signed_message(key, entry), &sig)
-        .map_err(|_| bad())
+        .verify(&msg, &Signature::from_bytes(&sig_bytes))
+        .map_err(|_| bad())?;
+    crate::seen::remember(digest);
+    Ok(())
 }
 
 fn signed_message(key: &str, entry: &Entry) -> Vec<u8> {
@@ -233,6 +246,37 @@ mod tests {
         let mut truncated = e.clone();
         truncated.signature = Some(vec![0; 10]);
         assert!(verify_entry(&k, &truncated).is_err());
+    }
+
+    #[test]
+    fn a_remembered_check_never_passes_another_entry() {
+        let alice = key(4);
+        let k = format!("progress.{}", alice.marker());
+        let mut e = Entry::new("s", b"v".to_vec(), 10);
+        alice.sign_entry(&k, &mut e);
+        // Checked twice (the second from memory), then every change is checked afresh.
+        assert!(verify_entry(&k, &e).is_ok() && verify_entry(&k, &e).is_ok());
+        let mut forged = e.clone();
+        forged.value = b"w".to_vec();
+        assert!(verify_entry(&k, &forged).is_err());
+        assert!(
+            verify_entry(&k, &forged).is_err(),
+            "a failed check is not remembered"
+        );
+        let mut resigned = e.clone();
+        key(5).sign_entry(&k, &mut resigned);
+        assert!(verify_entry(&k, &resigned).is_err());
+        // A signature another process made (nothing remembered of it) still verifies.
+        let bob = key(6);
+        let kb = format!("progress.{}", bob.marker());
+        let mut theirs = Entry::new("s", b"v".to_vec(), 10);
+        theirs.signature = Some(
+            bob.signing
+                .sign(&signed_message(&kb, &theirs))
+                .to_bytes()
+                .to_vec(),
+        );
+        assert!(verify_entry(&kb, &theirs).is_ok());
     }
 
     #[test]
