@@ -99,6 +99,18 @@ pub struct AveragerConfig {
     /// `starling_node::fastlane`) where both peers have one; `false` uses libp2p streams only.
     /// A peer whose lane cannot be reached falls back to libp2p streams by itself.
     pub fast_lane: bool,
+    /// A lying reducer, to test a swarm's defences (`starling train --byzantine reducer:K`):
+    /// adds this to every value of the results this peer returns as a reducer (before sealing
+    /// them when the group verifies), well-formed values that a group with
+    /// [`AveragerConfig::verify`] above 0 catches and refuses, and one without applies. `None`
+    /// (the default) for every peer meant to be honest.
+    ///
+    /// ```
+    /// let mut cfg = starling_averager::AveragerConfig::new("defence-drill");
+    /// cfg.verify = 1.0;
+    /// cfg.result_bias = Some(1.0); // this peer's spans come back 1.0 too high
+    /// ```
+    pub result_bias: Option<f32>,
     /// Fault injection for tests: crash this peer at a chosen point of the next rounds
     /// (only with the `testing` feature).
     #[cfg(feature = "testing")]
@@ -155,9 +167,6 @@ pub enum Rogue {
     DuplicateResult,
     /// Reducer: its first delta chunk claims this element offset.
     DeltaOffset(u64),
-    /// Reducer: adds this to every value of its span's result before returning (and, when the
-    /// group verifies, sealing) it: well-formed values, a consistent lie.
-    AlterResult(i32),
 }
 
 impl AveragerConfig {
@@ -198,6 +207,7 @@ impl AveragerConfig {
             max_frame_bytes: 16 << 20,
             load_balance: true,
             fast_lane: true,
+            result_bias: None,
             #[cfg(feature = "testing")]
             fault: None,
         }
@@ -241,6 +251,9 @@ impl AveragerConfig {
         }
         if self.verify > 0.0 && !self.aggregation.is_coordinatewise() {
             return bad("verify needs a coordinate-wise aggregation (mean, median, trimmed-mean): centered-clip cannot be recomputed one block at a time");
+        }
+        if self.result_bias.is_some_and(|b| !b.is_finite()) {
+            return bad("result_bias must be a finite number");
         }
         if let Some(b) = self.bandwidth {
             if !(b.is_finite() && b > 0.0) {

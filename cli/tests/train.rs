@@ -224,6 +224,184 @@ fn a_lying_process_wrecks_the_mean_but_not_centered_clipping() {
     }
 }
 
+/// Four `starling train` processes on the digits MLP, one of them a lying *reducer*
+/// (`--byzantine reducer:1`: the results it returns for its span are 1.0 too high, well-formed
+/// values). With the run's `--verify 1` an honest peer catches it in the first round it reduces
+/// for them, no honest peer applies its span, every honest peer refuses it from then on (its
+/// `finished` event names it, and no later round holds it) and the honest peers end accurate and
+/// identical; with `--verify 0` the same lie wrecks every model.
+#[test]
+fn a_lying_reducer_process_is_caught_refused_and_harmless_with_verify() {
+    let _one = serial();
+    struct Peer {
+        who: &'static str,
+        id: String,
+        /// Accuracy and parameter digest (None if it failed).
+        end: Option<(f64, String)>,
+        refused: Vec<String>,
+        /// (epoch, reducer) of each check that caught a liar.
+        caught: Vec<(u64, String)>,
+        /// Epochs of the rounds that held all four peers.
+        full: Vec<u64>,
+    }
+    let swarm = |verify: &str, name: &str| -> Vec<Peer> {
+        let a = train(&[
+            "--new-run",
+            name,
+            "--model",
+            "mlp",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--epochs",
+            "120",
+            "--seed",
+            "1",
+            "--verify",
+            verify,
+        ]);
+        let (addr, _) = address(&a);
+        let joiner = |extra: &[&str]| {
+            let mut args = vec!["--run", name, "--bootstrap", &addr];
+            args.extend_from_slice(extra);
+            train(&args)
+        };
+        let (b, c) = (joiner(&[]), joiner(&[]));
+        let liar = joiner(&["--byzantine", "reducer:1"]);
+        [
+            (a, "creator"),
+            (b, "joiner 1"),
+            (c, "joiner 2"),
+            (liar, "liar"),
+        ]
+        .into_iter()
+        .map(|(p, who)| {
+            let (ok, lines) = p.finish(who, LIMIT);
+            if !ok {
+                let tail = lines.iter().rev().take(3).cloned().collect::<Vec<_>>();
+                println!("verify {verify}: {who} failed: {tail:?}");
+            }
+            let steps = events(&lines, "step");
+            let fin = events(&lines, "finished");
+            let id = events(&lines, "started")
+                .first()
+                .and_then(|e| e["peer"].as_str())
+                .unwrap_or_default()
+                .to_string();
+            Peer {
+                who,
+                id,
+                end: fin.first().filter(|_| ok).map(|f| {
+                    (
+                        f["test_accuracy"].as_f64().unwrap(),
+                        f["params_sha256"].as_str().unwrap().to_string(),
+                    )
+                }),
+                refused: fin
+                    .first()
+                    .and_then(|f| f["refused_peers"].as_array())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|p| p.as_str().map(String::from))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                caught: steps
+                    .iter()
+                    .filter(|s| s["audit"]["outcome"] == "caught")
+                    .map(|s| {
+                        (
+                            s["epoch"].as_u64().unwrap(),
+                            s["audit"]["reducer"].as_str().unwrap().to_string(),
+                        )
+                    })
+                    .collect(),
+                full: steps
+                    .iter()
+                    .filter(|s| s["group_size"] == 4)
+                    .map(|s| s["epoch"].as_u64().unwrap())
+                    .collect(),
+            }
+        })
+        .collect()
+    };
+    let checked = swarm("1", "lying-reducer-verified");
+    for p in &checked {
+        println!(
+            "verify 1: {} end {:?} refused {:?} caught {:?} full rounds {:?}",
+            p.who, p.end, p.refused, p.caught, p.full
+        );
+    }
+    let liar = &checked[3].id;
+    let honest = &checked[..3];
+    let first_full = honest
+        .iter()
+        .filter_map(|p| p.full.first().copied())
+        .min()
+        .expect("the liar never got into a round with the honest peers");
+    let caught: Vec<u64> = honest
+        .iter()
+        .flat_map(|p| &p.caught)
+        .map(|(epoch, who)| {
+            assert_eq!(who, liar, "an honest reducer was accused");
+            *epoch
+        })
+        .collect();
+    let first_caught = *caught
+        .iter()
+        .min()
+        .expect("nobody caught the lying reducer");
+    assert!(
+        first_caught < first_full + 10,
+        "caught at epoch {first_caught}, ten rounds after its first ({first_full})"
+    );
+    for p in honest {
+        let (acc, sha) = p.end.as_ref().unwrap_or_else(|| panic!("{} failed", p.who));
+        assert!(*acc >= 0.9, "{}: accuracy {acc} with a caught liar", p.who);
+        assert_eq!(
+            sha,
+            &honest[0].end.as_ref().unwrap().1,
+            "honest peers end identical"
+        );
+        assert!(
+            p.refused.contains(liar),
+            "{} does not refuse the liar",
+            p.who
+        );
+        assert!(
+            !p.refused.iter().any(|r| r != liar),
+            "{} refuses an honest peer",
+            p.who
+        );
+        // Refused from the round after it was caught (every honest peer heard the verdict).
+        assert!(
+            p.full.iter().all(|e| *e <= first_caught),
+            "{} averaged with the liar after it was caught: {:?}",
+            p.who,
+            p.full
+        );
+    }
+    let unchecked = swarm("0", "lying-reducer-unchecked");
+    for p in &unchecked {
+        println!(
+            "verify 0: {} end {:?} full rounds {}",
+            p.who,
+            p.end,
+            p.full.len()
+        );
+    }
+    assert!(
+        unchecked[3].full.len() >= 50,
+        "the liar got into the rounds"
+    );
+    for p in &unchecked[..3] {
+        if let Some((acc, _)) = &p.end {
+            assert!(*acc < 0.5, "{} without verification: accuracy {acc}", p.who);
+        }
+    }
+}
+
 /// Writes images and labels as MNIST-style IDX files; the labels gzip-compressed.
 fn write_idx(dir: &Path, prefix: &str, x: &[f32], y: &[u32], side: usize) {
     let mut img = vec![0u8, 0, 8, 3];

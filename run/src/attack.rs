@@ -1,9 +1,12 @@
 //! A peer that lies on purpose (`starling train --byzantine ATTACK`), to test a swarm's
-//! defences with separate processes before opening it to volunteers: each batch's gradient is
-//! replaced by a wrong one before the collaborative optimizer sees it, so the peer sends the
-//! lie in every round (and, with worker momentum, the momentum of its lies), while it applies
-//! the swarm's averaged step like everyone else. Whether the lie lands is up to the run's
-//! `--aggregation` (see the README's "Peers who lie").
+//! defences with separate processes before opening it to volunteers. A lying *sender*
+//! (`scale:K`, `sign-flip`, `noise:K`): each batch's gradient is replaced by a wrong one before
+//! the collaborative optimizer sees it, so the peer sends the lie in every round (and, with
+//! worker momentum, the momentum of its lies), while it applies the swarm's averaged step like
+//! everyone else; whether the lie lands is up to the run's `--aggregation`. A lying *reducer*
+//! (`reducer:K`): it sends its true gradient, but the results it returns for its span are K too
+//! high (`AveragerConfig::result_bias`); a run with `--verify` above 0 catches it, publishes
+//! the evidence and refuses it, one without applies the lie. See the README's "Peers who lie".
 
 use std::fmt;
 use std::str::FromStr;
@@ -19,6 +22,9 @@ pub enum Attack {
     SignFlip,
     /// Gaussian noise whose norm is about `K` times the gradient's (`noise:K`).
     Noise(f32),
+    /// As a reducer, `K` added to every value of the results it returns (`reducer:K`, `K` any
+    /// finite number but 0); its gradients are true.
+    ReducerBias(f32),
 }
 
 impl FromStr for Attack {
@@ -29,6 +35,7 @@ impl FromStr for Attack {
     /// assert_eq!("scale:100".parse::<Attack>(), Ok(Attack::Scale(100.0)));
     /// assert_eq!("sign-flip".parse::<Attack>(), Ok(Attack::SignFlip));
     /// assert!("noise:nan".parse::<Attack>().is_err());
+    /// assert_eq!("reducer:-0.5".parse::<Attack>(), Ok(Attack::ReducerBias(-0.5)));
     /// ```
     fn from_str(s: &str) -> Result<Self, String> {
         let factor = |k: &str| -> Result<f32, String> {
@@ -41,8 +48,14 @@ impl FromStr for Attack {
             None if s == "sign-flip" => Ok(Attack::SignFlip),
             Some(("scale", k)) => factor(k).map(Attack::Scale),
             Some(("noise", k)) => factor(k).map(Attack::Noise),
+            Some(("reducer", k)) => match k.parse::<f32>() {
+                Ok(k) if k.is_finite() && k != 0.0 => Ok(Attack::ReducerBias(k)),
+                _ => Err(format!(
+                    "{k:?}: the bias must be a finite number other than 0"
+                )),
+            },
             _ => Err(format!(
-                "unknown attack {s:?}: scale:K, sign-flip or noise:K"
+                "unknown attack {s:?}: scale:K, sign-flip, noise:K or reducer:K"
             )),
         }
     }
@@ -54,14 +67,26 @@ impl fmt::Display for Attack {
             Attack::Scale(k) => write!(f, "scale:{k}"),
             Attack::SignFlip => write!(f, "sign-flip"),
             Attack::Noise(k) => write!(f, "noise:{k}"),
+            Attack::ReducerBias(k) => write!(f, "reducer:{k}"),
         }
     }
 }
 
 impl Attack {
-    /// Replaces `grads` (one batch's gradient) with the lie.
+    /// What a lying reducer adds to its results (`AveragerConfig::result_bias`), if this is
+    /// that attack.
+    pub fn result_bias(&self) -> Option<f32> {
+        match *self {
+            Attack::ReducerBias(k) => Some(k),
+            _ => None,
+        }
+    }
+
+    /// Replaces `grads` (one batch's gradient) with the lie; a lying reducer's gradients stay
+    /// true.
     pub fn apply(&self, grads: &mut [f32], rng: &mut impl Rng) {
         match *self {
+            Attack::ReducerBias(_) => {}
             Attack::Scale(k) => grads.iter_mut().for_each(|g| *g *= k),
             Attack::SignFlip => grads.iter_mut().for_each(|g| *g = -*g),
             Attack::Noise(k) => {
@@ -95,7 +120,14 @@ mod tests {
 
     #[test]
     fn parses_and_prints_every_attack_and_refuses_the_rest() {
-        for s in ["scale:100", "sign-flip", "noise:100", "scale:0.5"] {
+        for s in [
+            "scale:100",
+            "sign-flip",
+            "noise:100",
+            "scale:0.5",
+            "reducer:1",
+            "reducer:-0.25",
+        ] {
             assert_eq!(s.parse::<Attack>().unwrap().to_string(), s);
         }
         for bad in [
@@ -108,6 +140,9 @@ mod tests {
             "noise:x",
             "flip",
             "sign-flip:2",
+            "reducer:0",
+            "reducer:nan",
+            "reducer",
         ] {
             assert!(bad.parse::<Attack>().is_err(), "{bad:?} was accepted");
         }
@@ -123,6 +158,12 @@ mod tests {
         let mut f = g.clone();
         Attack::SignFlip.apply(&mut f, &mut rng);
         assert!(f.iter().zip(&g).all(|(f, g)| *f == -g));
+        // A lying reducer sends its true gradient; its lie is in the averager's results.
+        let mut r = g.clone();
+        Attack::ReducerBias(1.0).apply(&mut r, &mut rng);
+        assert_eq!(r, g);
+        assert_eq!(Attack::ReducerBias(1.0).result_bias(), Some(1.0));
+        assert_eq!(Attack::Scale(2.0).result_bias(), None);
     }
 
     #[test]

@@ -6,6 +6,37 @@ use serde::Serialize;
 
 use crate::model::Eval;
 
+/// What a check of another reducer's result found (see `starling_averager::verify`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Audit {
+    /// The reducer checked (peer id).
+    pub reducer: String,
+    /// `clean` (the block recomputed to its signed result), `caught` (it lied: its span was
+    /// not applied, it is refused from now on and the evidence is published) or `unanswered`
+    /// (it did not show the block: its span was not applied, nothing is proven).
+    pub outcome: &'static str,
+    /// The evidence or the failure, described (not for `clean`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+impl Audit {
+    /// The event's form of an averager's audit report.
+    pub fn of(a: &starling_averager::AuditReport) -> Self {
+        use starling_averager::AuditOutcome as O;
+        let (outcome, detail) = match &a.outcome {
+            O::Clean => ("clean", None),
+            O::Caught(why) => ("caught", Some(why.clone())),
+            O::Unanswered(why) => ("unanswered", Some(why.clone())),
+        };
+        Audit {
+            reducer: a.reducer.to_string(),
+            outcome,
+            detail,
+        }
+    }
+}
+
 /// Something that happened in a training session.
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
@@ -95,6 +126,10 @@ pub enum Event {
         /// reads and writes).
         #[serde(skip_serializing_if = "Vec::is_empty")]
         errors: Vec<String>,
+        /// This peer's check of another reducer in the step's round (runs with `--verify`), when
+        /// it made one.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        audit: Option<Audit>,
     },
     /// An evaluation.
     Eval {
@@ -131,6 +166,10 @@ pub enum Event {
         /// SHA-256 of the final parameters' bits (f32, little-endian, in the model's tensor
         /// order), hex: equal on peers that ended bit-identical.
         params_sha256: String,
+        /// Peers refused for the rest of the run because evidence proved they lied (runs with
+        /// `--verify`), by peer id.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        refused_peers: Vec<String>,
     },
     /// The session left before the end (Ctrl-C).
     Left {

@@ -264,6 +264,7 @@ impl Session {
         if let Some(f) = max_stale {
             cfg.delayed_max_stale = f;
         }
+        cfg.averager.result_bias = attack.and_then(|a| a.result_bias());
         let mut collab = CollaborativeOptimizer::new(node.clone(), optimizer, &params, cfg).await?;
         if let (Some(epoch), Some(dir)) = (resumed, &checkpoint_dir) {
             collab.resume(epoch, &params);
@@ -309,8 +310,14 @@ impl Session {
             reporter,
             attack,
         };
-        if let Some(a) = attack {
-            tracing::warn!("this peer lies on purpose: it sends {a} instead of its gradients");
+        match attack {
+            Some(a @ Attack::ReducerBias(_)) => tracing::warn!(
+                "this peer lies on purpose: as a reducer it returns results altered by {a}"
+            ),
+            Some(a) => {
+                tracing::warn!("this peer lies on purpose: it sends {a} instead of its gradients")
+            }
+            None => {}
         }
         let result = t.train(&ctx, &m).await;
         republish.abort();
@@ -492,6 +499,12 @@ impl Trainer {
             samples: samples_total,
             seconds: started.elapsed().as_secs_f64(),
             params_sha256: params_sha256(self.params.params()),
+            refused_peers: self
+                .collab
+                .refused_peers()
+                .iter()
+                .map(|p| p.to_string())
+                .collect(),
         });
         Ok(Outcome {
             epoch: self.collab.epoch(),
@@ -548,6 +561,11 @@ impl Trainer {
             group_size: report.group_size,
             averaging_error: report.averaging_error.clone(),
             errors: report.errors.clone(),
+            audit: report
+                .round
+                .as_ref()
+                .and_then(|r| r.audit.as_ref())
+                .map(crate::event::Audit::of),
         });
         let epoch = report.epoch;
         // With a delayed update in flight the parameters are one epoch short: evaluations and

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use starling_averager::verify::Evidence;
-use starling_averager::{AuditOutcome, AveragerConfig, Fault, Rogue, SpanOutcome};
+use starling_averager::{AuditOutcome, AveragerConfig, SpanOutcome};
 use starling_node::{NodeConfig, PeerId};
 use starling_tests::{bounded, init_tracing, normal_tensors, AveragingSwarm, RoundCheck};
 
@@ -85,7 +85,7 @@ async fn catch_a_liar(prefix: &str, verify: f64) -> Option<u64> {
             let mut c = avg_cfg(prefix, verify);
             if i == LIAR {
                 // Well-formed values, consistently sealed: only a recomputation shows the lie.
-                c.fault = Some(Fault::Rogue(Rogue::AlterResult(1)));
+                c.result_bias = Some(1.0);
             }
             c
         })

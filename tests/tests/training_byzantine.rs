@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use starling_averager::{Aggregation, Fault, Rogue};
+use starling_averager::Aggregation;
 use starling_node::{cluster::LocalCluster, NodeConfig};
 use starling_tests::{bounded, init_tracing};
 use starling_training::{CollaborativeOptimizer, Mode, ParamSet, Sgd, SgdConfig};
@@ -310,7 +310,7 @@ async fn train_verified(
         cfg.averager.verify = verify;
         cfg.worker_momentum = beta;
         if lying_reducer {
-            cfg.averager.fault = Some(Fault::Rogue(Rogue::AlterResult(1)));
+            cfg.averager.result_bias = Some(1.0);
         }
         // A round a liar was caught in can leave honest members apart (those that heard the
         // verdict in time did not apply its span): the state rounds bring them back.
@@ -395,9 +395,21 @@ async fn train_verified(
             let done = |c: &CollaborativeOptimizer| {
                 attack == Attack::LyingReducer && c.epoch() >= epochs as u64
             };
+            let mut extra = 0;
             while !r.stepped && !done(&collab) {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                r = collab.try_step(&mut params).await.unwrap();
+                if attack == Attack::LyingReducer && !lying_reducer {
+                    // A refused liar's samples do not count towards the swarm's batch (they are
+                    // never averaged in): the honest peers compute more of the epoch until
+                    // their own samples make the global batch.
+                    params
+                        .grads_mut()
+                        .copy_from_slice(&grads_of(BATCHES_PER_EPOCH + extra));
+                    extra += 1;
+                    r = collab.step(&mut params, BATCH as u64).await.unwrap();
+                } else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    r = collab.try_step(&mut params).await.unwrap();
+                }
             }
             if attack == Attack::LyingReducer {
                 // Groups change while the peers learn of the liar (each reads the evidence

@@ -245,6 +245,8 @@ pub struct ProgressTracker {
     cfg: ProgressConfig,
     /// The last report published, and when.
     last: Mutex<Option<(Instant, LocalProgress)>>,
+    /// Peers whose reports [`Self::fetch`] leaves out ([`Self::set_ignored`]).
+    ignored: Mutex<Vec<PeerId>>,
 }
 
 impl ProgressTracker {
@@ -254,7 +256,23 @@ impl ProgressTracker {
             node,
             cfg,
             last: Mutex::new(None),
+            ignored: Mutex::new(Vec::new()),
         }
+    }
+
+    /// From now on [`Self::fetch`] leaves out these peers' reports (this peer's own always
+    /// counts): the peers a verifying averager refuses for lying. Their samples are never
+    /// averaged in, so they must not count towards the global batch, nor as live peers a round
+    /// waits for (a swarm that counted a refused liar waited out a start grace every round for
+    /// it, and stepped on the honest peers' smaller batch).
+    ///
+    /// ```no_run
+    /// # fn demo(tracker: &starling_training::progress::ProgressTracker, liar: starling_node::PeerId) {
+    /// tracker.set_ignored(vec![liar]);
+    /// # }
+    /// ```
+    pub fn set_ignored(&self, peers: Vec<PeerId>) {
+        *self.ignored.lock().unwrap_or_else(|e| e.into_inner()) = peers;
     }
 
     /// The configuration in force.
@@ -379,6 +397,13 @@ impl ProgressTracker {
             .iter()
             .find(|(p, _)| *p == me)
             .map(|(_, r)| r.clone());
+        let reports = {
+            let ignored = self.ignored.lock().unwrap_or_else(|e| e.into_inner());
+            reports
+                .into_iter()
+                .filter(|(p, _)| *p == me || !ignored.contains(p))
+                .collect()
+        };
         let reports = live_reports(reports, me, &connected, self.cfg.unconnected_lifetime, now);
         let mut swarm = SwarmProgress::estimate(&reports, self.cfg.target_batch_size, now);
         if let Some(own) = own.filter(|r| r.epoch == swarm.epoch) {

@@ -212,10 +212,11 @@ impl Reduction {
             let Some(contributors) = self.reduce_part(&part) else {
                 continue; // nobody's data: the part stays local
             };
-            if let Some(Rogue::AlterResult(bias)) = rogue::of(cfg) {
+            if let Some(bias) = cfg.result_bias {
+                // A lying reducer on purpose (`AveragerConfig::result_bias`).
                 self.values[part.clone()]
                     .iter_mut()
-                    .for_each(|v| *v += bias as f32);
+                    .for_each(|v| *v += bias);
             }
             if values_back {
                 // Rounded as every member will decode it (a no-op with the exact codec; the

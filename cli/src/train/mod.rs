@@ -90,7 +90,8 @@ pub struct TrainArgs {
     sched: CpuPolicy,
     /// Testing a swarm's defences: this peer lies on purpose, sending in every round instead
     /// of its gradient `scale:K` (the gradient times K), `sign-flip` or `noise:K` (Gaussian
-    /// noise of K times its norm). Whether the lie lands is up to the run's --aggregation.
+    /// noise of K times its norm), whose fate is up to the run's --aggregation; or, as a
+    /// reducer, returning results K too high (`reducer:K`), which a run with --verify catches.
     #[arg(long, value_name = "ATTACK", hide = true)]
     byzantine: Option<starling_run::attack::Attack>,
     /// One JSON object per line (events: node, devices, started, synced, step, eval,

@@ -123,9 +123,17 @@ impl Reporter for Bar {
                 peers,
                 group_size,
                 averaging_error,
+                audit,
                 ..
             } => {
                 self.bar.set_position(*epoch);
+                if let Some(a) = audit.as_ref().filter(|a| a.outcome == "caught") {
+                    self.line(format!(
+                        "epoch {epoch}: caught reducer {} lying (its span was not applied; refused from now on): {}",
+                        a.reducer,
+                        a.detail.as_deref().unwrap_or("")
+                    ));
+                }
                 let eval = self.last_eval.lock().map(|e| e.clone()).unwrap_or_default();
                 let group = match (group_size, averaging_error) {
                     (_, Some(_)) => " | alone this step".to_string(),
@@ -156,6 +164,7 @@ impl Reporter for Bar {
                 val_loss_nats,
                 samples,
                 seconds,
+                refused_peers,
                 ..
             } => {
                 self.bar.set_position(*epoch);
@@ -164,6 +173,9 @@ impl Reporter for Bar {
                     "finished at epoch {epoch}: {} ({samples} samples here in {seconds:.1} s)",
                     eval_text(*test_accuracy, *val_loss_nats)
                 ));
+                if !refused_peers.is_empty() {
+                    self.line(format!("refused for lying: {}", refused_peers.join(", ")));
+                }
             }
             Event::Left { epoch, reason } => {
                 self.bar.abandon();

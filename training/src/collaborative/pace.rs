@@ -227,6 +227,7 @@ impl CollaborativeOptimizer {
                     return Ok(fresh);
                 }
                 if self.fetching.is_none() {
+                    self.tracker.set_ignored(self.averager.refused_peers());
                     let tracker = self.tracker.clone();
                     let fetch = async move {
                         let started = Instant::now();
@@ -242,6 +243,8 @@ impl CollaborativeOptimizer {
         if let Some((_, task)) = self.fetching.take() {
             task.abort();
         }
+        // Peers refused for lying count neither as peers nor towards the batch.
+        self.tracker.set_ignored(self.averager.refused_peers());
         let started = Instant::now();
         let fetched = self.tracker.fetch().await;
         self.fetch_took.note(started.elapsed());
