@@ -130,6 +130,57 @@ fn two_peers_take_300_steps_without_waiting_out_a_window_and_end_identical() {
     );
 }
 
+/// A creator of a digits MLP run (plain SGD, lr 0.05, `epochs`, seed 1, and `run_flags`), two
+/// honest joiners and one joiner started with `--byzantine attack`, run to the end: each one's
+/// name, whether it exited successfully, and its output.
+fn four_with_a_liar(
+    name: &str,
+    epochs: &str,
+    run_flags: &[&str],
+    attack: &str,
+) -> Vec<(&'static str, bool, Vec<String>)> {
+    let mut creator = vec![
+        "--new-run",
+        name,
+        "--model",
+        "mlp",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--epochs",
+        epochs,
+        "--seed",
+        "1",
+    ];
+    creator.extend_from_slice(run_flags);
+    let a = train(&creator);
+    let (addr, _) = address(&a);
+    let joiner = |extra: &[&str]| {
+        let mut args = vec!["--run", name, "--bootstrap", &addr];
+        args.extend_from_slice(extra);
+        train(&args)
+    };
+    let (b, c) = (joiner(&[]), joiner(&[]));
+    let liar = joiner(&["--byzantine", attack]);
+    [
+        (a, "creator"),
+        (b, "joiner 1"),
+        (c, "joiner 2"),
+        (liar, "liar"),
+    ]
+    .into_iter()
+    .map(|(p, who)| {
+        let (ok, lines) = p.finish(who, LIMIT);
+        if !ok {
+            let tail = lines.iter().rev().take(3).cloned().collect::<Vec<_>>();
+            println!("{name}: {who} failed: {tail:?}");
+        }
+        (who, ok, lines)
+    })
+    .collect()
+}
+
 /// Four `starling train` processes on the digits MLP (plain SGD, lr 0.05), one of them started
 /// with `--byzantine scale:100`: under the run's `--aggregation mean` the lie wrecks every
 /// peer's model (or the training diverges), under `centered-clip` the honest peers end as
@@ -141,57 +192,23 @@ fn a_lying_process_wrecks_the_mean_but_not_centered_clipping() {
     // its rounds had all four peers (so a pass is not a liar that never got in).
     type Peer = (String, Option<(f64, String)>, usize);
     let swarm = |aggregation: &str, name: &str| -> Vec<Peer> {
-        let a = train(&[
-            "--new-run",
-            name,
-            "--model",
-            "mlp",
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.05",
-            "--epochs",
-            "150",
-            "--seed",
-            "1",
-            "--aggregation",
-            aggregation,
-        ]);
-        let (addr, _) = address(&a);
-        let joiner = |extra: &[&str]| {
-            let mut args = vec!["--run", name, "--bootstrap", &addr];
-            args.extend_from_slice(extra);
-            train(&args)
-        };
-        let (b, c) = (joiner(&[]), joiner(&[]));
-        let liar = joiner(&["--byzantine", "scale:100"]);
-        [
-            (a, "creator"),
-            (b, "joiner 1"),
-            (c, "joiner 2"),
-            (liar, "liar"),
-        ]
-        .into_iter()
-        .map(|(p, who)| {
-            let (ok, lines) = p.finish(who, LIMIT);
-            let end = ok.then(|| {
-                let f = &events(&lines, "finished")[0];
-                (
-                    f["test_accuracy"].as_f64().unwrap(),
-                    f["params_sha256"].as_str().unwrap().to_string(),
-                )
-            });
-            if !ok {
-                let tail = lines.iter().rev().take(3).cloned().collect::<Vec<_>>();
-                println!("{aggregation}: {who} failed: {tail:?}");
-            }
-            let full = events(&lines, "step")
-                .iter()
-                .filter(|s| s["group_size"] == 4)
-                .count();
-            (who.to_string(), end, full)
-        })
-        .collect()
+        four_with_a_liar(name, "150", &["--aggregation", aggregation], "scale:100")
+            .into_iter()
+            .map(|(who, ok, lines)| {
+                let end = ok.then(|| {
+                    let f = &events(&lines, "finished")[0];
+                    (
+                        f["test_accuracy"].as_f64().unwrap(),
+                        f["params_sha256"].as_str().unwrap().to_string(),
+                    )
+                });
+                let full = events(&lines, "step")
+                    .iter()
+                    .filter(|s| s["group_size"] == 4)
+                    .count();
+                (who.to_string(), end, full)
+            })
+            .collect()
     };
     let clipped = swarm("centered-clip", "byz-cc");
     println!("centered-clip: {clipped:?}");
@@ -245,86 +262,52 @@ fn a_lying_reducer_process_is_caught_refused_and_harmless_with_verify() {
         full: Vec<u64>,
     }
     let swarm = |verify: &str, name: &str| -> Vec<Peer> {
-        let a = train(&[
-            "--new-run",
-            name,
-            "--model",
-            "mlp",
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.05",
-            "--epochs",
-            "120",
-            "--seed",
-            "1",
-            "--verify",
-            verify,
-        ]);
-        let (addr, _) = address(&a);
-        let joiner = |extra: &[&str]| {
-            let mut args = vec!["--run", name, "--bootstrap", &addr];
-            args.extend_from_slice(extra);
-            train(&args)
-        };
-        let (b, c) = (joiner(&[]), joiner(&[]));
-        let liar = joiner(&["--byzantine", "reducer:1"]);
-        [
-            (a, "creator"),
-            (b, "joiner 1"),
-            (c, "joiner 2"),
-            (liar, "liar"),
-        ]
-        .into_iter()
-        .map(|(p, who)| {
-            let (ok, lines) = p.finish(who, LIMIT);
-            if !ok {
-                let tail = lines.iter().rev().take(3).cloned().collect::<Vec<_>>();
-                println!("verify {verify}: {who} failed: {tail:?}");
-            }
-            let steps = events(&lines, "step");
-            let fin = events(&lines, "finished");
-            let id = events(&lines, "started")
-                .first()
-                .and_then(|e| e["peer"].as_str())
-                .unwrap_or_default()
-                .to_string();
-            Peer {
-                who,
-                id,
-                end: fin.first().filter(|_| ok).map(|f| {
-                    (
-                        f["test_accuracy"].as_f64().unwrap(),
-                        f["params_sha256"].as_str().unwrap().to_string(),
-                    )
-                }),
-                refused: fin
+        four_with_a_liar(name, "120", &["--verify", verify], "reducer:1")
+            .into_iter()
+            .map(|(who, ok, lines)| {
+                let steps = events(&lines, "step");
+                let fin = events(&lines, "finished");
+                let id = events(&lines, "started")
                     .first()
-                    .and_then(|f| f["refused_peers"].as_array())
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|p| p.as_str().map(String::from))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-                caught: steps
-                    .iter()
-                    .filter(|s| s["audit"]["outcome"] == "caught")
-                    .map(|s| {
+                    .and_then(|e| e["peer"].as_str())
+                    .unwrap_or_default()
+                    .to_string();
+                Peer {
+                    who,
+                    id,
+                    end: fin.first().filter(|_| ok).map(|f| {
                         (
-                            s["epoch"].as_u64().unwrap(),
-                            s["audit"]["reducer"].as_str().unwrap().to_string(),
+                            f["test_accuracy"].as_f64().unwrap(),
+                            f["params_sha256"].as_str().unwrap().to_string(),
                         )
-                    })
-                    .collect(),
-                full: steps
-                    .iter()
-                    .filter(|s| s["group_size"] == 4)
-                    .map(|s| s["epoch"].as_u64().unwrap())
-                    .collect(),
-            }
-        })
-        .collect()
+                    }),
+                    refused: fin
+                        .first()
+                        .and_then(|f| f["refused_peers"].as_array())
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|p| p.as_str().map(String::from))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    caught: steps
+                        .iter()
+                        .filter(|s| s["audit"]["outcome"] == "caught")
+                        .map(|s| {
+                            (
+                                s["epoch"].as_u64().unwrap(),
+                                s["audit"]["reducer"].as_str().unwrap().to_string(),
+                            )
+                        })
+                        .collect(),
+                    full: steps
+                        .iter()
+                        .filter(|s| s["group_size"] == 4)
+                        .map(|s| s["epoch"].as_u64().unwrap())
+                        .collect(),
+                }
+            })
+            .collect()
     };
     let checked = swarm("1", "lying-reducer-verified");
     for p in &checked {
