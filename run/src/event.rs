@@ -11,13 +11,24 @@ use crate::model::Eval;
 pub struct Audit {
     /// The reducer checked (peer id).
     pub reducer: String,
-    /// `clean` (the block recomputed to its signed result), `caught` (it lied: its span was
-    /// not applied, it is refused from now on and the evidence is published) or `unanswered`
-    /// (it did not show the block: its span was not applied, nothing is proven).
-    pub outcome: &'static str,
+    /// What the check found.
+    pub outcome: AuditFinding,
     /// The evidence or the failure, described (not for `clean`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+}
+
+/// What a check of a reducer found, as events name it (`clean`, `caught`, `unanswered`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AuditFinding {
+    /// The block recomputed to its signed result.
+    Clean,
+    /// It lied: its span was not applied, it is refused from now on and the evidence is
+    /// published.
+    Caught,
+    /// It did not show the block: its span was not applied, nothing is proven.
+    Unanswered,
 }
 
 impl Audit {
@@ -25,9 +36,9 @@ impl Audit {
     pub fn of(a: &starling_averager::AuditReport) -> Self {
         use starling_averager::AuditOutcome as O;
         let (outcome, detail) = match &a.outcome {
-            O::Clean => ("clean", None),
-            O::Caught(why) => ("caught", Some(why.clone())),
-            O::Unanswered(why) => ("unanswered", Some(why.clone())),
+            O::Clean => (AuditFinding::Clean, None),
+            O::Caught(why) => (AuditFinding::Caught, Some(why.clone())),
+            O::Unanswered(why) => (AuditFinding::Unanswered, Some(why.clone())),
         };
         Audit {
             reducer: a.reducer.to_string(),

@@ -397,14 +397,19 @@ impl ProgressTracker {
             .iter()
             .find(|(p, _)| *p == me)
             .map(|(_, r)| r.clone());
-        let reports = {
-            let ignored = self.ignored.lock().unwrap_or_else(|e| e.into_inner());
-            reports
-                .into_iter()
-                .filter(|(p, _)| *p == me || !ignored.contains(p))
-                .collect()
-        };
-        let reports = live_reports(reports, me, &connected, self.cfg.unconnected_lifetime, now);
+        let ignored = self
+            .ignored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let reports = live_reports(
+            reports,
+            me,
+            &connected,
+            &ignored,
+            self.cfg.unconnected_lifetime,
+            now,
+        );
         let mut swarm = SwarmProgress::estimate(&reports, self.cfg.target_batch_size, now);
         if let Some(own) = own.filter(|r| r.epoch == swarm.epoch) {
             let alone = SwarmProgress::estimate(&[own], 0, now);
@@ -416,11 +421,13 @@ impl ProgressTracker {
 }
 
 /// The reports that count: this peer's own and connected peers' (the DHT already dropped
-/// those past `report_lifetime`), and others' younger than `unconnected_lifetime` at `now_ms`.
+/// those past `report_lifetime`), and others' younger than `unconnected_lifetime` at `now_ms`;
+/// never those of `ignored` peers (refused for lying) but this peer's own.
 fn live_reports(
     reports: Vec<(PeerId, PeerProgress)>,
     me: PeerId,
     connected: &[PeerId],
+    ignored: &[PeerId],
     unconnected_lifetime: Duration,
     now_ms: u64,
 ) -> Vec<PeerProgress> {
@@ -428,7 +435,9 @@ fn live_reports(
     reports
         .into_iter()
         .filter(|(peer, r)| {
-            *peer == me || connected.contains(peer) || now_ms.saturating_sub(r.time_ms) <= max_age
+            *peer == me
+                || (!ignored.contains(peer)
+                    && (connected.contains(peer) || now_ms.saturating_sub(r.time_ms) <= max_age))
         })
         .map(|(_, r)| r)
         .collect()
@@ -483,9 +492,28 @@ mod tests {
             // Not connected but reported 3 s ago: alive in a large swarm.
             (fresh, r(1, 8, 1.0, now - 3_000)),
         ];
-        let live = live_reports(reports, me, &[linked], Duration::from_secs(10), now);
+        let live = live_reports(
+            reports.clone(),
+            me,
+            &[linked],
+            &[],
+            Duration::from_secs(10),
+            now,
+        );
         let samples: Vec<u64> = live.iter().map(|r| r.samples).collect();
         assert_eq!(samples, [1, 2, 8]);
+        // Peers refused for lying never count, connected or fresh; this peer's own always does.
+        let ignored = [me, linked, fresh];
+        let live = live_reports(
+            reports,
+            me,
+            &[linked],
+            &ignored,
+            Duration::from_secs(10),
+            now,
+        );
+        let samples: Vec<u64> = live.iter().map(|r| r.samples).collect();
+        assert_eq!(samples, [1]);
     }
 
     #[test]

@@ -127,7 +127,10 @@ impl Reporter for Bar {
                 ..
             } => {
                 self.bar.set_position(*epoch);
-                if let Some(a) = audit.as_ref().filter(|a| a.outcome == "caught") {
+                if let Some(a) = audit
+                    .as_ref()
+                    .filter(|a| a.outcome == starling_run::event::AuditFinding::Caught)
+                {
                     self.line(format!(
                         "epoch {epoch}: caught reducer {} lying (its span was not applied; refused from now on): {}",
                         a.reducer,
