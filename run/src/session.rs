@@ -35,6 +35,12 @@ const MAX_BATCH_FAILURES: u32 = 60;
 const BATCH_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Bound on a state sync at start or after falling behind.
 const SYNC_DEADLINE: Duration = Duration::from_secs(120);
+/// How long a joiner without a checkpoint waits for a peer of the run to serve its state: the
+/// run's manifest was found, so its peers exist or did a moment ago (a creator publishes the
+/// manifest before it serves). Past it the joiner trains from the run's initial values.
+const JOIN_WAIT: Duration = Duration::from_secs(30);
+/// Pause between the reads of a joiner waiting for the run's first donor.
+const JOIN_POLL: Duration = Duration::from_millis(50);
 
 /// What a session needs.
 pub struct Session {
@@ -210,6 +216,8 @@ struct Trainer {
     params: ParamSet,
     binding: VarBinding,
     net: Arc<dyn Net>,
+    /// Whether its progress was published since its last sync (at its start: by the sync).
+    announced: bool,
 }
 
 impl Session {
@@ -280,12 +288,28 @@ impl Session {
             params,
             binding,
             net,
+            announced: false,
         };
         if sync_first {
-            t.sync(&node, &m, reporter.as_ref(), 0).await;
+            // A joiner with nothing of its own (no checkpoint) waits for the run's peers: one
+            // that trained alone from the initial values while the creator was still starting
+            // would step through epochs nobody else took (and pull the others to its state).
+            let wait = if resumed.is_none() {
+                JOIN_WAIT
+            } else {
+                Duration::ZERO
+            };
+            t.sync(&node, &m, reporter.as_ref(), 0, (wait, &stop)).await;
         }
         t.binding.params_to_vars(&t.params)?;
         t.collab.serve_state(server.clone(), &t.params).await;
+        if !t.announced {
+            // A creator's progress record is there before its first batch: a joiner that
+            // synced from it counts it at once (and it counts the joiner, see `sync`).
+            if let Err(e) = t.collab.announce().await {
+                tracing::debug!("announcing this peer's progress: {e}");
+            }
+        }
         let (unigram, bigram) = match data.as_ref() {
             Dataset::Text(text) => (Some(text.unigram_entropy()), Some(text.bigram_entropy())),
             Dataset::Images(_) => (None, None),
@@ -329,20 +353,41 @@ impl Session {
 
 impl Trainer {
     /// Syncs state from the swarm (at least `min_epoch`); a failure is reported and training
-    /// goes on from the local values.
+    /// goes on from the local values. While no peer serves a fitting state, reads again every
+    /// [`JOIN_POLL`] for up to `wait.0` (or until `wait.1` is set).
     async fn sync(
         &mut self,
         node: &Node,
         m: &RunManifest,
         reporter: &dyn Reporter,
         min_epoch: u64,
+        wait: (Duration, &AtomicBool),
     ) {
         let layout = self.collab.state_view(&self.params).layout();
         let mut cfg = SyncConfig::new(m.name.clone());
         cfg.min_epoch = min_epoch;
         cfg.deadline = SYNC_DEADLINE;
         cfg.max_rounds = 5;
-        match sync_state(node, &cfg, &layout).await {
+        let (wait, stop) = wait;
+        let until = Instant::now() + wait;
+        let mut told = false;
+        let synced = loop {
+            match sync_state(node, &cfg, &layout).await {
+                Err(SyncError::NoDonors { .. })
+                    if Instant::now() + JOIN_POLL < until && !stop.load(Ordering::Relaxed) =>
+                {
+                    if !std::mem::replace(&mut told, true) {
+                        tracing::info!(
+                            "state sync: no peer of the run serves its state yet; waiting up to {} s",
+                            wait.as_secs()
+                        );
+                    }
+                    tokio::time::sleep(JOIN_POLL).await;
+                }
+                other => break other,
+            }
+        };
+        match synced {
             Ok((synced, report)) => match self.collab.restore_from(&mut self.params, &synced) {
                 Ok(()) => {
                     reporter.event(&Event::Synced {
@@ -354,9 +399,13 @@ impl Trainer {
                     // The others count this peer from now on, not from its first batch: a
                     // donor training alone waits for it instead of stepping past the state it
                     // just sent (which would make this peer sync again).
-                    if let Err(e) = self.collab.announce().await {
-                        tracing::debug!("announcing this peer after state sync: {e}");
-                    }
+                    self.announced = match self.collab.announce().await {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::debug!("announcing this peer after state sync: {e}");
+                            false
+                        }
+                    };
                 }
                 Err(e) => tracing::warn!("state sync: the synced state does not apply: {e}"),
             },
@@ -482,7 +531,9 @@ impl Trainer {
             // old, or a round that met the others' later epoch) and no step taken: catch up by
             // state sync.
             if report.behind && !report.stepped {
-                self.sync(&s.node, m, reporter, report.sync_floor()).await;
+                let no_wait = (Duration::ZERO, s.stop.as_ref());
+                self.sync(&s.node, m, reporter, report.sync_floor(), no_wait)
+                    .await;
                 self.binding.params_to_vars(&self.params)?;
             }
         }
