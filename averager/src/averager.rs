@@ -198,6 +198,13 @@ impl Averager {
         self.banned.list()
     }
 
+    /// Testing: refuse `peer` from now on, as if this averager had checked evidence that it
+    /// lied (one peer learning of a liar before the others do).
+    #[cfg(feature = "testing")]
+    pub fn refuse_for_testing(&self, peer: &PeerId) {
+        self.banned.insert(peer);
+    }
+
     /// What a round run by this averager needs.
     pub(crate) fn round_env(&self, config: Arc<AveragerConfig>, feedback: bool) -> RoundEnv {
         RoundEnv {

@@ -33,6 +33,8 @@ const JOIN_QUEUE: usize = 64;
 const REPAIR_QUEUE_PER_MEMBER: usize = 4;
 /// Reducer ends of idle lanes waiting for their next hello, at most.
 const MAX_PARKED: usize = 256;
+/// Declined rounds remembered (see [`Router::decline`]).
+const DECLINED_KEPT: usize = 64;
 
 /// A join request routed to the search in progress.
 pub(crate) struct IncomingJoin {
@@ -80,6 +82,10 @@ enum RoundQueue {
 struct Routes {
     searches: HashMap<String, mpsc::Sender<IncomingJoin>>,
     rounds: HashMap<u64, RoundRoute>,
+    /// Rounds this peer was listed in and refused (newest last, at most [`DECLINED_KEPT`]):
+    /// their hellos are answered at once instead of waited on for a registration that will
+    /// not come.
+    declined: std::collections::VecDeque<u64>,
 }
 
 /// Routes inbound averaging streams (cheap to clone).
@@ -163,6 +169,19 @@ impl Router {
             }
         };
         parked.push(tokio::spawn(task.in_current_span()).abort_handle());
+    }
+
+    /// Remembers that this peer refused round `round_id` (listed in its group, it will never
+    /// register it): streams for it are answered at once as for an unknown round, so that its
+    /// members re-delegate this peer's span now rather than after a request timeout.
+    pub fn decline(&self, round_id: u64) {
+        let mut routes = lock(&self.routes);
+        if routes.declined.len() >= DECLINED_KEPT {
+            routes.declined.pop_front();
+        }
+        routes.declined.push_back(round_id);
+        drop(routes);
+        self.registered.notify_waiters();
     }
 
     /// Drops every parked lane (the averager is shutting down).
@@ -303,6 +322,9 @@ impl Router {
             ReduceMsg::Hello { round_id, .. } => (round_id, RoundQueue::Senders),
             ReduceMsg::RepairHello { round_id, .. } => (round_id, RoundQueue::Repairs),
             ReduceMsg::Verdict { round_id, .. } => (round_id, RoundQueue::Verdicts),
+            // Another member leaves the round: the reduction of this peer's span stops
+            // waiting for its part.
+            ReduceMsg::Declined { round_id, .. } => (round_id, RoundQueue::Senders),
             ReduceMsg::Reveal {
                 round_id,
                 start,
@@ -321,15 +343,16 @@ impl Router {
             let registered = self.registered.notified();
             tokio::pin!(registered);
             registered.as_mut().enable();
-            let found = lock(&self.routes)
-                .rounds
-                .get(&round_id)
-                .map(|route| match queue {
+            let (found, declined) = {
+                let routes = lock(&self.routes);
+                let found = routes.rounds.get(&round_id).map(|route| match queue {
                     RoundQueue::Senders => Ok(route.senders.clone()),
                     RoundQueue::Repairs => Ok(route.repairs.clone()),
                     RoundQueue::Verdicts => Err(route.verdicts.clone()),
                 });
-            if found.is_some() || Instant::now() >= give_up {
+                (found, routes.declined.contains(&round_id))
+            };
+            if found.is_some() || declined || Instant::now() >= give_up {
                 break found;
             }
             let _ = tokio::time::timeout_at(give_up, registered).await;

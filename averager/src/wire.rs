@@ -200,6 +200,17 @@ pub enum ReduceMsg {
         /// What this member's check proved, if it caught a liar.
         evidence: Option<Box<Evidence>>,
     },
+    /// Member to member, the only frame of a reduce stream: the sender, listed in round
+    /// `round_id`'s group, refused that group (it holds a peer proven to have lied) and takes
+    /// no part in it. Its part is not waited for; its span, as any failed reducer's, is
+    /// re-delegated (its own peer answers hellos for the round at once with
+    /// [`UNKNOWN_ROUND`]).
+    Declined {
+        /// The round.
+        round_id: u64,
+        /// The sender's index in the member list.
+        sender: MemberIdx,
+    },
 }
 
 /// What a gossiping peer stores in the DHT under `{prefix}.gossip`, in a sub-key under its own

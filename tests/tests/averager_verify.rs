@@ -303,6 +303,80 @@ async fn honest_verified_rounds_are_exact_and_never_accuse_anyone() {
     .await;
 }
 
+/// A member that learned of a liar before its group's leader did (the evidence reaches peers
+/// at different times) refuses the group it is offered with the liar in it, and tells the
+/// others: they average without it at once, every span exact over the two of them (its own
+/// span re-delegated), instead of waiting for its part and its span until their timeouts
+/// (here set past the round's deadline, so that waiting would show as an unfinished round).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_refusing_a_group_with_a_liar_tells_the_others_who_finish_without_it() {
+    init_tracing();
+    const LEADER: usize = 0;
+    const WARY: usize = 1;
+    const SUSPECT: usize = 2;
+    bounded(Duration::from_secs(120), async {
+        let swarm = AveragingSwarm::start(3, node_cfg(), |_| {
+            let mut c = avg_cfg("declined", 0.0);
+            c.target_group_size = 3;
+            c.sender_timeout = Duration::from_secs(60);
+            c.reducer_timeout = Duration::from_secs(60);
+            c
+        })
+        .await
+        .unwrap();
+        let ids = swarm.peer_ids();
+        let a = swarm.averagers();
+        a[WARY].refuse_for_testing(&ids[SUSPECT]);
+        // The leader waits for all three (the earliest window leads: it searches first).
+        a[LEADER].expect_peers(Some(3));
+        let before = data_for(0, 3);
+        let weights = [1.0f32, 2.0, 3.0];
+        let check = RoundCheck::new(ids.clone(), &before, &weights);
+        let mut data = before.clone();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let steps = a.iter().zip(data.iter_mut()).zip(weights).enumerate().map(
+            |(i, ((averager, tensors), w))| async move {
+                if i != LEADER {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                let mut views: Vec<&mut [f32]> =
+                    tensors.iter_mut().map(Vec::as_mut_slice).collect();
+                averager.step(&mut views, w, deadline).await
+            },
+        );
+        let results = futures::future::join_all(steps).await;
+        for i in [LEADER, SUSPECT] {
+            let report = results[i]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("peer {i}: {e}"));
+            // The leader's group listed the wary member (the case under test).
+            assert_eq!(report.group.len(), 3, "peer {i}: {:?}", report.group);
+            check.check_spans(i, report, &data[i]).unwrap();
+            assert_eq!(
+                report.averaged_fraction(),
+                1.0,
+                "peer {i}: {:?}",
+                report.spans
+            );
+            for span in &report.spans {
+                assert!(
+                    !span
+                        .outcome
+                        .contributors()
+                        .unwrap_or(&[])
+                        .contains(&ids[WARY]),
+                    "peer {i}: the member that declined is in {span:?}"
+                );
+            }
+        }
+        if let Ok(report) = &results[WARY] {
+            assert!(!report.group.contains(&ids[SUSPECT]));
+        }
+        swarm.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn verification_refuses_an_aggregation_it_cannot_recompute() {
     let node = starling_node::Node::start(NodeConfig::default())

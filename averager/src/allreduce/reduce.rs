@@ -338,6 +338,22 @@ impl Reduction {
             hello,
             mut stream,
         } = inc;
+        if let ReduceMsg::Declined { sender, .. } = hello {
+            // A member that refused the group: its part will not come (phase 1; a repair
+            // job's senders are those that were there).
+            let its_own = sender.within(round.peers.len()).is_some() && round.peer(sender) == peer;
+            if its_own && self.job.repair.is_none() && self.job.expected.remove(&sender) {
+                tracing::debug!(%peer, "a member declined the round: not waiting for its part");
+                self.job.allowed.remove(&sender);
+                self.failed.push(sender);
+            }
+            let _ = timeout(
+                cfg.request_timeout,
+                write_control(&mut stream, &ReduceMsg::Ready),
+            )
+            .await;
+            return;
+        }
         let (sender, weight, start, hlen) = match (hello, self.job.repair) {
             (
                 ReduceMsg::Hello {

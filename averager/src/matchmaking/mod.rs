@@ -23,8 +23,8 @@ use crate::router::{IncomingJoin, Router};
 use crate::transport::Transport;
 use crate::verify::Banned;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberInfo, RejectReason,
-    MATCHMAKING_PROTOCOL,
+    read_control, write_control, Declaration, MatchMsg, MemberIdx, MemberInfo, ReduceMsg,
+    RejectReason, MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL,
 };
 use crate::AveragerError;
 use proto::{Action, Asked, Event, JoinId, Ms, Outcome, Params, Search};
@@ -581,6 +581,9 @@ async fn follow_inner(
                 return Err(FollowError::Refused("malformed begin message".into()));
             }
             if members.iter().any(|m| mm.banned.contains(&m.peer_id)) {
+                // The leader had not learned of the liar yet: the other members are told now,
+                // or they would wait for this peer's part and span until their timeouts.
+                decline(mm, round_id, &members, my_index);
                 return Err(FollowError::Refused(
                     "the group holds a peer proven to have lied".into(),
                 ));
@@ -592,6 +595,40 @@ async fn follow_inner(
         }
         MatchMsg::Disband => Ok(None),
         other => Err(FollowError::Refused(format!("unexpected {other:?}"))),
+    }
+}
+
+/// Tells the members of round `round_id` that this peer, listed at `my_index`, takes no part
+/// in it: each gets one [`ReduceMsg::Declined`] (in the background, each send bounded by the
+/// request timeout), and this peer's router answers the round's hellos at once. The liar is
+/// told too: the honest members that go on with it wait for its span, which it reduces only
+/// once it stops waiting for this peer's part.
+fn decline(mm: &Matchmaker, round_id: u64, members: &[MemberInfo], my_index: usize) {
+    mm.router.decline(round_id);
+    let limit = mm.config.request_timeout;
+    let msg = ReduceMsg::Declined {
+        round_id,
+        sender: MemberIdx::of(my_index),
+    };
+    for (i, info) in members.iter().enumerate() {
+        if i == my_index {
+            continue;
+        }
+        let Ok(member) = Member::parse(info) else {
+            continue;
+        };
+        let (transport, msg) = (mm.transport.clone(), msg.clone());
+        let tell = async move {
+            let opened = transport.open_stream(member.peer, &member.addrs, REDUCE_PROTOCOL);
+            let Ok(mut stream) = opened.await else {
+                return;
+            };
+            if let Ok(Ok(_)) = timeout(limit, write_control(&mut stream, &msg)).await {
+                // Its answer, so that the stream is not closed before the frame is read.
+                let _ = timeout(limit, read_control::<_, ReduceMsg>(&mut stream)).await;
+            }
+        };
+        tokio::spawn(tell.in_current_span());
     }
 }
 
