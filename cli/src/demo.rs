@@ -107,6 +107,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             delayed_update: args.delayed_update,
             max_stale: None,
             attack: None,
+            min_peers: 0,
         };
         tasks.push(tokio::spawn(session.run()));
     }

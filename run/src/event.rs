@@ -73,6 +73,14 @@ pub enum Event {
         #[serde(skip_serializing_if = "Option::is_none")]
         bigram_entropy_nats: Option<f64>,
     },
+    /// Waiting before the first batch for the run to have `wanted` peers (`--min-peers`):
+    /// sent when the count changes.
+    Waiting {
+        /// Live peers in the run now (this one included).
+        peers: usize,
+        /// Peers it waits for.
+        wanted: usize,
+    },
     /// State came from the swarm.
     Synced {
         /// The epoch synced to.

@@ -41,6 +41,10 @@ const SYNC_DEADLINE: Duration = Duration::from_secs(120);
 const JOIN_WAIT: Duration = Duration::from_secs(30);
 /// Pause between the reads of a joiner waiting for the run's first donor.
 const JOIN_POLL: Duration = Duration::from_millis(50);
+/// How long a peer waits for the run's `min_peers` before training with those there are.
+pub const MIN_PEERS_WAIT: Duration = Duration::from_secs(600);
+/// Pause between the reads of a peer waiting for `min_peers`.
+const MIN_PEERS_POLL: Duration = Duration::from_millis(250);
 
 /// What a session needs.
 pub struct Session {
@@ -78,6 +82,10 @@ pub struct Session {
     /// Lie on purpose: send this instead of each batch's gradient (testing a swarm's
     /// defences; see [`crate::attack`]). `None` for an honest peer.
     pub attack: Option<Attack>,
+    /// Before its first batch, wait (at most [`MIN_PEERS_WAIT`]) until the run has this many
+    /// live peers, this one included: machines started together train together from the
+    /// first epoch instead of the first one stepping alone meanwhile. 0 or 1: no wait.
+    pub min_peers: usize,
 }
 
 /// How a session ended.
@@ -239,6 +247,7 @@ impl Session {
             delayed_update,
             max_stale,
             attack,
+            min_peers,
         } = self;
         let Built {
             net,
@@ -309,6 +318,9 @@ impl Session {
             if let Err(e) = t.collab.announce().await {
                 tracing::debug!("announcing this peer's progress: {e}");
             }
+        }
+        if min_peers > 1 {
+            t.wait_for_peers(min_peers, reporter.as_ref(), &stop).await;
         }
         let (unigram, bigram) = match data.as_ref() {
             Dataset::Text(text) => (Some(text.unigram_entropy()), Some(text.bigram_entropy())),
@@ -416,6 +428,42 @@ impl Trainer {
         }
     }
 
+    /// Waits until the run has `wanted` live peers (this one included), `stop` is set or
+    /// [`MIN_PEERS_WAIT`] passes, keeping this peer's progress record fresh meanwhile.
+    async fn wait_for_peers(&mut self, wanted: usize, reporter: &dyn Reporter, stop: &AtomicBool) {
+        let until = Instant::now() + MIN_PEERS_WAIT;
+        let mut told = None;
+        loop {
+            let peers = match self.collab.live_peers().await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::debug!("reading the run's peers: {e}");
+                    0
+                }
+            };
+            if told != Some(peers) {
+                told = Some(peers);
+                reporter.event(&Event::Waiting { peers, wanted });
+            }
+            if peers >= wanted || stop.load(Ordering::Relaxed) {
+                return;
+            }
+            if Instant::now() >= until {
+                tracing::warn!(
+                    "the run has {peers} of the {wanted} peers --min-peers asks for after {} s: training with them",
+                    MIN_PEERS_WAIT.as_secs()
+                );
+                return;
+            }
+            tokio::time::sleep(MIN_PEERS_POLL).await;
+            // Its record lives `report_lifetime`: refreshed, so that a long wait does not
+            // make this peer vanish from the others' count.
+            if let Err(e) = self.collab.announce().await {
+                tracing::debug!("announcing this peer while waiting for peers: {e}");
+            }
+        }
+    }
+
     fn save(&self, dir: &std::path::Path, reporter: &dyn Reporter) {
         // The epoch the parameters are at (a delayed update's round in flight is not in them).
         let saved = StateView::new(self.collab.params_epoch(), &self.params)
@@ -458,6 +506,17 @@ impl Trainer {
                     samples: samples_total,
                     finished: false,
                 });
+            }
+            if self.collab.refused_peers().contains(&s.node.peer_id()) {
+                // Checked evidence says a result this peer returned as a reducer was wrong (a
+                // liar, or faulty hardware): every peer that read it refuses it for the rest of
+                // the run, so there is nobody left to train with.
+                let reason = "the swarm refuses this peer: published evidence shows a result it returned as a reducer was wrong (the evidence is in the warning above)";
+                reporter.event(&Event::Left {
+                    epoch: self.collab.epoch(),
+                    reason: reason.into(),
+                });
+                anyhow::bail!("{reason}");
             }
             // One batch's gradient, computed off the network's threads.
             let batch = sampler.next(&s.data, context)?;

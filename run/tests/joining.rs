@@ -25,21 +25,28 @@ impl Reporter for Kept {
 
 const EPOCHS: u64 = 30;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_joiner_started_before_the_creator_serves_waits_and_trains_with_it() {
+/// A creator and a joiner of a fresh digits MLP run on two loopback nodes (the manifest
+/// published before either session starts), the second session started `gap` after the first
+/// (the joiner's first if `joiner_first`), both with `min_peers`: every event of each, the
+/// creator's first.
+async fn creator_and_joiner(
+    name: &str,
+    joiner_first: bool,
+    gap: Duration,
+    min_peers: usize,
+) -> (Vec<Event>, Vec<Event>) {
     let hyper = Hyper {
         epochs: Some(EPOCHS),
         seed: Some(3),
         ..Hyper::default()
     };
-    let mut m = new_manifest("early-joiner", "mlp", &hyper, DataSpec::Digits).unwrap();
+    let mut m = new_manifest(name, "mlp", &hyper, DataSpec::Digits).unwrap();
     let digits = Arc::new(Dataset::Images(data::digits()));
     let rt = tokio::runtime::Handle::current();
     let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
     let (creator, joiner) = (&cluster.nodes[0], &cluster.nodes[1]);
     m.schema_hash = model::schema_hex(&build_model(&m, &digits, None, rt.clone()).unwrap().params);
     let signed = SignedManifest::sign(&m, creator.owner_key()).unwrap();
-    // The manifest is out (the joiner has it) before the creator's session starts.
     manifest::publish(creator, &m.name, &signed).await.unwrap();
     let session =
         |node: &starling_node::Node, sync_first: bool, seed: u64, kept: Arc<Kept>| Session {
@@ -58,19 +65,50 @@ async fn a_joiner_started_before_the_creator_serves_waits_and_trains_with_it() {
             delayed_update: false,
             max_stale: None,
             attack: None,
+            min_peers,
         };
     let (kept_creator, kept_joiner) = (Arc::new(Kept::default()), Arc::new(Kept::default()));
-    let early = tokio::spawn(session(joiner, true, 2, kept_joiner.clone()).run());
-    // Long enough for the digits MLP to run all its epochs alone several times over.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let late = tokio::spawn(session(creator, false, 1, kept_creator.clone()).run());
-    let (early, late) = (early.await.unwrap(), late.await.unwrap());
+    let creator_session = session(creator, false, 1, kept_creator.clone());
+    let joiner_session = session(joiner, true, 2, kept_joiner.clone());
+    let (first, second) = if joiner_first {
+        (joiner_session, creator_session)
+    } else {
+        (creator_session, joiner_session)
+    };
+    let first = tokio::spawn(first.run());
+    tokio::time::sleep(gap).await;
+    let second = tokio::spawn(second.run());
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
     cluster.shutdown().await;
-    let (early, late) = (early.unwrap(), late.unwrap());
-    assert!(early.finished && late.finished);
-
+    let (first, second) = (first.unwrap(), second.unwrap());
+    assert!(first.finished && second.finished);
     let events = |kept: &Kept| kept.0.lock().unwrap().clone();
-    let (joiner_events, creator_events) = (events(&kept_joiner), events(&kept_creator));
+    (events(&kept_creator), events(&kept_joiner))
+}
+
+/// The parameters' digest a session ended with.
+fn final_sha(events: &[Event]) -> Option<String> {
+    events.iter().find_map(|e| match e {
+        Event::Finished { params_sha256, .. } => Some(params_sha256.clone()),
+        _ => None,
+    })
+}
+
+/// Steps among `events` that averaged in a group of `group` (`None`: every step).
+fn steps(events: &[Event], group: Option<usize>) -> usize {
+    events
+        .iter()
+        .filter(|e| {
+            matches!(e, Event::Step { group_size, .. } if group.is_none() || *group_size == group)
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_started_before_the_creator_serves_waits_and_trains_with_it() {
+    // Long enough for the digits MLP to run all its epochs alone several times over.
+    let (creator_events, joiner_events) =
+        creator_and_joiner("early-joiner", true, Duration::from_secs(3), 0).await;
     // It synced from the creator (the creator may have stepped alone for the moment the
     // joiner took to notice it serving).
     let synced = joiner_events.iter().find_map(|e| match e {
@@ -83,26 +121,44 @@ async fn a_joiner_started_before_the_creator_serves_waits_and_trains_with_it() {
     );
     // Every step the joiner took, it took with the creator (a failed round or two is allowed
     // for; a joiner that trained alone took none with it).
-    let steps = |group: Option<usize>| {
-        joiner_events
-            .iter()
-            .filter(|e| matches!(e, Event::Step { group_size, .. } if group.is_none() || *group_size == group))
-            .count()
-    };
-    let (all, together) = (steps(None), steps(Some(2)));
+    let (all, together) = (steps(&joiner_events, None), steps(&joiner_events, Some(2)));
     assert!(
         together + 2 >= all && together > 0,
         "the joiner averaged with the creator in {together} of its {all} steps"
     );
-    let sha = |events: &[Event]| {
-        events.iter().find_map(|e| match e {
-            Event::Finished { params_sha256, .. } => Some(params_sha256.clone()),
-            _ => None,
-        })
-    };
     assert_eq!(
-        sha(&joiner_events),
-        sha(&creator_events),
+        final_sha(&joiner_events),
+        final_sha(&creator_events),
         "the two peers end with the same parameters"
     );
+}
+
+/// `--min-peers 2` on both: the creator, started first, takes no step before the joiner is
+/// in; the joiner syncs the initial state, and every step of both is taken together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_min_peers_the_creator_waits_for_the_joiner_before_its_first_batch() {
+    let (creator_events, joiner_events) =
+        creator_and_joiner("min-peers", false, Duration::from_secs(2), 2).await;
+    let waits: Vec<(usize, usize)> = creator_events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Waiting { peers, wanted } => Some((*peers, *wanted)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(waits, [(1, 2), (2, 2)], "the creator's waiting events");
+    assert!(
+        joiner_events
+            .iter()
+            .any(|e| matches!(e, Event::Synced { epoch: 0, .. })),
+        "the joiner synced the initial state: the creator had not stepped"
+    );
+    for (who, events) in [("creator", &creator_events), ("joiner", &joiner_events)] {
+        let (all, together) = (steps(events, None), steps(events, Some(2)));
+        assert!(
+            together + 2 >= all && all as u64 >= EPOCHS - 2,
+            "the {who} averaged with the other in {together} of its {all} steps"
+        );
+    }
+    assert_eq!(final_sha(&joiner_events), final_sha(&creator_events));
 }

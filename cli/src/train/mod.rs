@@ -83,6 +83,11 @@ pub struct TrainArgs {
     /// (default 0.125; 1: a whole step late, which cost the glyphs MLP 6-14 points)
     #[arg(long, value_name = "FRACTION", requires = "delayed_update", value_parser = parse_fraction)]
     max_stale: Option<f64>,
+    /// Before the first batch, wait until the run has N live peers, this one included (at
+    /// most 10 minutes; Ctrl-C ends the wait): machines started together then train together
+    /// from the first epoch instead of the first one stepping alone meanwhile.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    min_peers: usize,
     /// How the kernel schedules this process: `batch` (Linux's SCHED_BATCH: the network's
     /// short wake-ups wait for the running batch instead of cutting into it, and the peer
     /// yields to interactive programs) or `normal` (the system's default).
@@ -94,7 +99,7 @@ pub struct TrainArgs {
     /// reducer, returning results K too high (`reducer:K`), which a run with --verify catches.
     #[arg(long, value_name = "ATTACK", hide = true)]
     byzantine: Option<starling_run::attack::Attack>,
-    /// One JSON object per line (events: node, devices, started, synced, step, eval,
+    /// One JSON object per line (events: node, devices, waiting, started, synced, step, eval,
     /// checkpoint, finished, left) instead of a progress bar.
     #[arg(long)]
     json: bool,
@@ -477,6 +482,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         delayed_update: args.delayed_update,
         max_stale: args.max_stale,
         attack: args.byzantine,
+        min_peers: args.min_peers,
     };
     let outcome = session.run().await;
     watcher.abort();

@@ -99,6 +99,11 @@ impl Reporter for Bar {
                     "peer {peer} trains {model} ({params} parameters) in run {run}, epoch {epoch} of {epochs}{entropy}"
                 ));
             }
+            Event::Waiting { peers, wanted } => {
+                self.line(format!(
+                    "waiting for peers before the first batch: {peers} of {wanted} in the run"
+                ));
+            }
             Event::Synced {
                 epoch,
                 bytes,

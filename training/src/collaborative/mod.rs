@@ -428,6 +428,23 @@ impl CollaborativeOptimizer {
         Ok(self.tracker.publish(self.local_progress()).await?)
     }
 
+    /// The live peers of the run, this one included once it has [announced](Self::announce)
+    /// itself, by a fresh read of their progress records (peers refused for lying left out):
+    /// what a peer waiting for the swarm before its first batch polls.
+    ///
+    /// ```no_run
+    /// # async fn demo(mut opt: starling_training::CollaborativeOptimizer) {
+    /// while opt.live_peers().await.unwrap_or(0) < 4 {
+    ///     let _ = opt.announce().await; // keeps this peer's record fresh meanwhile
+    ///     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    /// }
+    /// # }
+    /// ```
+    pub async fn live_peers(&mut self) -> Result<usize, TrainingError> {
+        self.tracker.set_ignored(self.averager.refused_peers());
+        Ok(self.tracker.fetch().await?.peers)
+    }
+
     /// The local optimizer, to restore its state between steps (from a checkpoint the caller
     /// keeps); follow with [`resume`](Self::resume) for the epoch.
     ///
