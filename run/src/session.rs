@@ -507,17 +507,6 @@ impl Trainer {
                     finished: false,
                 });
             }
-            if self.collab.refused_peers().contains(&s.node.peer_id()) {
-                // Checked evidence says a result this peer returned as a reducer was wrong (a
-                // liar, or faulty hardware): every peer that read it refuses it for the rest of
-                // the run, so there is nobody left to train with.
-                let reason = "the swarm refuses this peer: published evidence shows a result it returned as a reducer was wrong (the evidence is in the warning above)";
-                reporter.event(&Event::Left {
-                    epoch: self.collab.epoch(),
-                    reason: reason.into(),
-                });
-                anyhow::bail!("{reason}");
-            }
             // One batch's gradient, computed off the network's threads.
             let batch = sampler.next(&s.data, context)?;
             let samples = batch.samples;

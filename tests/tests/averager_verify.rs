@@ -316,7 +316,7 @@ async fn a_member_refusing_a_group_with_a_liar_tells_the_others_who_finish_witho
     const SUSPECT: usize = 2;
     bounded(Duration::from_secs(120), async {
         let swarm = AveragingSwarm::start(3, node_cfg(), |_| {
-            let mut c = avg_cfg("declined", 0.0);
+            let mut c = avg_cfg("declined", 1.0);
             c.target_group_size = 3;
             c.sender_timeout = Duration::from_secs(60);
             c.reducer_timeout = Duration::from_secs(60);
