@@ -243,6 +243,7 @@ impl ExpertClient {
         let retry = Retry {
             attempts: OPEN_ATTEMPTS,
             pause: OPEN_RETRY_PAUSE,
+            ..Retry::default()
         };
         let opened = open_confirmed(open, &Request::Hello, 1024, deadline, retry).await;
         match opened {

@@ -50,14 +50,21 @@ pub struct Retry {
     pub attempts: u32,
     /// Pause after the first failed attempt; it grows linearly, capped at 8 times this.
     pub pause: Duration,
+    /// Attempts in a row that could not open a stream at all (no connection to the peer could
+    /// be made or kept) after which it gives up: a peer that is gone fails every dial at once,
+    /// and retrying until the deadline only makes the caller wait for it. Stream drops (the
+    /// peer is there but its accept queue was full) do not count.
+    pub open_failures: u32,
 }
 
 impl Default for Retry {
-    /// Retries until the deadline, pausing 25 ms, 50 ms, ... 200 ms between attempts.
+    /// Retries until the deadline, pausing 25 ms, 50 ms, ... 200 ms between attempts, however
+    /// the attempts fail.
     fn default() -> Self {
         Retry {
             attempts: u32::MAX,
             pause: Duration::from_millis(25),
+            open_failures: u32::MAX,
         }
     }
 }
@@ -116,6 +123,7 @@ where
 {
     let mut last = String::from("no attempt");
     let mut attempts = 0u32;
+    let mut open_failures = 0u32;
     let unanswered = |attempts, last, timed_out| OpenError::Unanswered {
         attempts,
         last,
@@ -131,9 +139,16 @@ where
         }
         attempts += 1;
         let mut stream = match timeout_at(deadline, open()).await {
-            Ok(Ok(s)) => s,
+            Ok(Ok(s)) => {
+                open_failures = 0;
+                s
+            }
             Ok(Err(e)) => {
                 last = format!("cannot open a stream: {e}");
+                open_failures += 1;
+                if open_failures >= retry.open_failures.max(1) {
+                    return Err(unanswered(attempts, last, false));
+                }
                 continue;
             }
             Err(_) => return Err(unanswered(attempts, last, true)),
@@ -291,6 +306,7 @@ mod tests {
             Retry {
                 attempts: 5,
                 pause: Duration::from_millis(1),
+                ..Retry::default()
             },
         )
         .await
@@ -301,11 +317,71 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_peer_that_cannot_be_reached_is_given_up_on_after_open_failures_in_a_row() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let retry = Retry {
+            pause: Duration::from_millis(1),
+            open_failures: 3,
+            ..Retry::default()
+        };
+        // Dropped streams do not count: 2 opens fail, a stream is dropped, 2 more fail, then a
+        // stream answers (4 failures in all, never 3 in a row).
+        let mut n = 0;
+        let got: Confirmed<Fake, String> = open_confirmed(
+            || {
+                n += 1;
+                let s = match n {
+                    3 => Ok(Fake {
+                        input: Cursor::new(Vec::new()),
+                    }),
+                    6 => Ok(answering("ready")),
+                    _ => Err("dial failed"),
+                };
+                async move { s }
+            },
+            &1u8,
+            64,
+            deadline,
+            retry,
+        )
+        .await
+        .unwrap();
+        assert_eq!(got.attempts, 6);
+        // Every open failing: given up after the third, long before the deadline.
+        let mut n = 0;
+        let err = open_confirmed::<Fake, _, _, _, _, String>(
+            || {
+                n += 1;
+                async { Err("dial failed") }
+            },
+            &1u8,
+            64,
+            deadline,
+            retry,
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                OpenError::Unanswered {
+                    attempts: 3,
+                    timed_out: false,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(n, 3);
+    }
+
+    #[tokio::test]
     async fn attempts_run_out_and_bad_replies_are_not_retried() {
         let deadline = Instant::now() + Duration::from_secs(5);
         let retry = Retry {
             attempts: 3,
             pause: Duration::from_millis(1),
+            ..Retry::default()
         };
         let err = open_confirmed::<Fake, _, _, _, _, String>(
             || async { Err("refused") },

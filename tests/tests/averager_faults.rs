@@ -217,6 +217,35 @@ async fn peer_killed_before_sending() {
     .await;
 }
 
+/// A member that is gone when the round starts (its node down: every dial to it fails at
+/// once) is given up on after a few failed dials, not after the open deadline, and the
+/// survivors' reductions stop waiting for its part: with every timeout set past the round's
+/// deadline, they still average every span (the victim's re-delegated) in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_member_is_given_up_on_at_once_not_after_the_timeouts() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let run = survivors_finish_with("kill-unreachable", Fault::BeforeSending, |c| {
+            // Each longer than run_with's 40 s deadline: waiting for any would show.
+            c.request_timeout = Duration::from_secs(45);
+            c.sender_timeout = Duration::from_secs(45);
+            c.reducer_timeout = Duration::from_secs(45);
+        })
+        .await;
+        for s in [0, 1, 3] {
+            let r = run.reports[s].as_ref().unwrap();
+            assert!(r.failed_peers.contains(&run.ids[2]), "peer {s}: {r:?}");
+            for span in &r.spans {
+                assert!(
+                    span.outcome.contributors().is_some(),
+                    "peer {s} kept its own values: {span:?}"
+                );
+            }
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_half_way_through_sending() {
     init_tracing();

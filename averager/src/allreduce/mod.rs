@@ -212,6 +212,38 @@ struct Round {
     flat: Arc<PoolBuf>,
     counters: Counters,
     deadline: Instant,
+    /// Members this peer could not reach at all as reducers (every dial failed): gone, so its
+    /// own reduction stops waiting for their parts (see [`Gone`]).
+    gone: Gone,
+}
+
+/// Members found unreachable in a round, and a wake-up for the reduction waiting on them.
+#[derive(Default)]
+struct Gone {
+    members: Mutex<HashSet<MemberIdx>>,
+    /// How many (a reduction compares it with what it last took in, so that an insert made
+    /// while it was not waiting is not missed).
+    count: std::sync::atomic::AtomicUsize,
+    changed: tokio::sync::Notify,
+}
+
+impl Gone {
+    fn insert(&self, member: MemberIdx) {
+        let mut members = lock(&self.members);
+        if members.insert(member) {
+            self.count.store(members.len(), Ordering::Release);
+            drop(members);
+            self.changed.notify_waiters();
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    fn snapshot(&self) -> HashSet<MemberIdx> {
+        lock(&self.members).clone()
+    }
 }
 
 impl Round {
@@ -334,6 +366,7 @@ async fn run(
         flat: Arc::new(flat),
         counters: Counters::default(),
         deadline,
+        gone: Gone::default(),
     });
     round.crash_if(Fault::BeforeSending).await;
 
@@ -496,6 +529,10 @@ fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, SendTask)> {
             let (round, range) = (round.clone(), round.ranges[j.get()].clone());
             let task = Task::spawn(async move {
                 let sent = send_span(&round, j, range.clone(), SendKind::Span).await;
+                if sent.as_ref().is_err_and(|e| e.unreachable) {
+                    // Its part will not come either: this peer's reduction stops waiting.
+                    round.gone.insert(j);
+                }
                 let verdict = match &sent {
                     Ok((_, values, _, sealed)) if checked == Some(j) => {
                         Some(audit::check_span(&round, j, sealed, range.start, values).await)

@@ -163,13 +163,20 @@ pub(super) async fn reduce_span(
         serve_only: None,
         audit: round.env.signer.as_ref().map(|_| AuditLog::default()),
     };
+    let mut gone_seen = 0;
     loop {
+        if round.gone.count() > gone_seen && !r.job.expected.is_empty() {
+            // Members this peer could not reach as reducers will not send their parts.
+            gone_seen = round.gone.count();
+            r.drop_unreachable(&round.gone.snapshot(), phase1);
+        }
         if !r.finish_ready_parts().await || r.parts.is_done() {
             break;
         }
         tokio::select! {
             Some(inc) = rx.recv() => r.admit(inc).await,
             Some(ev) = ev_rx.recv() => r.on_event(ev),
+            _ = round.gone.changed.notified(), if !r.job.expected.is_empty() => {}
             _ = sleep_until(no_show), if !r.job.expected.is_empty() => {
                 let gone = r.job.expected.drain();
                 if phase1 {
@@ -189,6 +196,25 @@ pub(super) async fn reduce_span(
 }
 
 impl Reduction {
+    /// Stops waiting for the parts of expected senders in `gone` (failed, in phase 1).
+    fn drop_unreachable(&mut self, gone: &HashSet<MemberIdx>, phase1: bool) {
+        let no_shows: Vec<MemberIdx> = self
+            .job
+            .expected
+            .iter()
+            .copied()
+            .filter(|m| gone.contains(m))
+            .collect();
+        for m in no_shows {
+            tracing::debug!(member = m.0, "not waiting for an unreachable member's part");
+            self.job.expected.remove(&m);
+            self.job.allowed.remove(&m);
+            if phase1 {
+                self.failed.push(m);
+            }
+        }
+    }
+
     /// Finishes every part that every present sender has delivered (once every expected sender
     /// showed up). Returns false if this peer crashed by fault injection.
     async fn finish_ready_parts(&mut self) -> bool {

@@ -37,13 +37,23 @@ pub(super) struct SendFail {
     /// The reducer failed (gone, stalled, broke the protocol, not in the round), as opposed to
     /// refusing us, or our own failure or deadline.
     pub reducer_failed: bool,
+    /// No stream to the reducer could be opened at all ([`UNREACHABLE_AFTER`] dials in a row
+    /// failed): the peer is gone, as a sender too.
+    pub unreachable: bool,
 }
+
+/// Failed attempts in a row to open a stream to a reducer after which it is taken as gone
+/// (with the pauses between them, about 150 ms on top of the dials): a peer that crashed fails
+/// every dial at once, and retrying until the open deadline (twice the request timeout) made
+/// its group wait for it.
+const UNREACHABLE_AFTER: u32 = 4;
 
 impl SendFail {
     fn reducer(reason: impl Into<String>) -> Self {
         SendFail {
             reason: reason.into(),
             reducer_failed: true,
+            unreachable: false,
         }
     }
 
@@ -51,6 +61,7 @@ impl SendFail {
         SendFail {
             reason: reason.into(),
             reducer_failed: false,
+            unreachable: false,
         }
     }
 
@@ -59,6 +70,7 @@ impl SendFail {
         SendFail {
             reducer_failed: why == UNKNOWN_ROUND,
             reason: format!("excluded by reducer: {why}"),
+            unreachable: false,
         }
     }
 }
@@ -586,7 +598,10 @@ async fn open_with_hello(
         &Control::Control(hello),
         MAX_CONTROL_BYTES + 1,
         Instant::now() + wait,
-        Retry::default(),
+        Retry {
+            open_failures: UNREACHABLE_AFTER,
+            ..Retry::default()
+        },
     )
     .await;
     match opened {
@@ -597,9 +612,14 @@ async fn open_with_hello(
                 Err(SendFail::reducer(format!("unexpected message {other:?}")))
             }
         },
-        Err(OpenError::Unanswered { last, .. }) => Err(SendFail::reducer(format!(
-            "could not reach the reducer: {last}"
-        ))),
+        Err(OpenError::Unanswered {
+            last, timed_out, ..
+        }) => Err(SendFail {
+            reason: format!("could not reach the reducer: {last}"),
+            reducer_failed: true,
+            // Every dial failed (not a reducer slow to answer): the peer is gone.
+            unreachable: !timed_out,
+        }),
         Err(OpenError::BadReply(e)) => Err(SendFail::reducer(e.to_string())),
     }
 }

@@ -144,6 +144,7 @@ async fn try_once(shared: &Shared, target: &Member, deadline: Instant) -> Attemp
         Retry {
             attempts: 4,
             pause: std::time::Duration::from_millis(25),
+            ..Retry::default()
         },
     )
     .await;

@@ -483,6 +483,7 @@ async fn open_new(
         Retry {
             attempts: 4,
             pause: Duration::from_millis(25),
+            ..Retry::default()
         },
     )
     .await
