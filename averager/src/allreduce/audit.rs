@@ -1,19 +1,26 @@
 //! The verifier's side of a verified round (see [`crate::verify`]): after phase 1, with the
 //! configured probability, ask one other reducer to reveal one random block of its result and
-//! recompute it.
+//! recompute it. Also the reducer's record of what it reduced (its transcript), from which it
+//! answers such checks.
 
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use rand::Rng;
 use starling_node::streams::{open_confirmed, OpenError, Retry};
 use tokio::time::Instant;
 
 use super::Round;
+use crate::pool::PoolBuf;
 use crate::transport::Lane;
-use crate::verify::{merkle, Evidence, Seal, SignedResult};
+use crate::verify::{
+    merkle, Evidence, InputValues, Seal, SealedPart, SignedResult, Transcript, TranscriptInput,
+};
 use crate::wire::{
     read_control, write_control, Control, MemberIdx, ReduceMsg, MAX_CONTROL_BYTES, REDUCE_PROTOCOL,
 };
+use starling_node::lock::lock;
 
 /// Least time before the round's deadline worth starting a check in.
 const MIN_AUDIT_TIME: std::time::Duration = std::time::Duration::from_millis(100);
@@ -417,4 +424,64 @@ mod tests {
         let two: Vec<MemberIdx> = MemberIdx::all(2).collect();
         assert_eq!(assigned(&two[..1], &two, MemberIdx::of(1), 5), None);
     }
+}
+
+/// What a verifying reducer records for its transcript.
+#[derive(Default)]
+pub(super) struct AuditLog {
+    pub inputs: BTreeMap<MemberIdx, (f64, Arc<Mutex<PoolBuf>>, Seals)>,
+    pub parts: Vec<SealedPart>,
+    /// Whether its own values are in some part (sealed when revealed).
+    pub own: bool,
+}
+
+/// A sender's seals as they arrive, by absolute chunk start: (chunk length, seal).
+pub(super) type Seals = Arc<Mutex<HashMap<usize, (usize, Seal)>>>;
+
+/// Keeps what a verifying reducer needs to answer reveals of its span: every contributor's
+/// values and seals, its result and result seals (see [`crate::verify::Transcript`]).
+pub(super) fn keep_transcript(
+    round: &Round,
+    range: &Range<usize>,
+    audit: AuditLog,
+    result: &PoolBuf,
+) {
+    let pool = &round.env.pool;
+    let peer = |m: MemberIdx| round.peer(m).to_bytes();
+    let mut inputs: BTreeMap<MemberIdx, TranscriptInput> = audit
+        .inputs
+        .into_iter()
+        .map(|(m, (weight, values, seals))| {
+            let seals = std::mem::take(&mut *lock(&seals));
+            let input = TranscriptInput {
+                peer: peer(m),
+                weight,
+                values: InputValues::Staged(values),
+                seals,
+                sealer: None,
+            };
+            (m, input)
+        })
+        .collect();
+    if audit.own {
+        inputs.insert(
+            round.me,
+            TranscriptInput {
+                peer: peer(round.me),
+                weight: round.weight,
+                values: InputValues::Own(round.flat.clone()),
+                seals: HashMap::new(),
+                sealer: round.env.signer.clone(),
+            },
+        );
+    }
+    round.env.transcripts.keep(Transcript {
+        round_id: round.round_id,
+        reducer: peer(round.me),
+        aggregation: round.config().aggregation.to_string(),
+        span: range.clone(),
+        inputs,
+        parts: audit.parts,
+        result: pool.copy_of(result),
+    });
 }

@@ -3,7 +3,7 @@
 //! stream each sender its delta while later parts still arrive. [`PartReducer`] holds the
 //! arithmetic and bookkeeping with no I/O (in `part.rs`); [`reduce_span`] drives it over the network.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -14,6 +14,7 @@ use starling_node::PeerId;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
+use super::audit::{keep_transcript, AuditLog, Seals};
 use super::part::{delta_into, Input, PartReducer};
 use super::send::decode_options;
 use super::{chunk_bytes_for, rogue, Round, Segment, Task};
@@ -22,7 +23,7 @@ use crate::metrics::Counted;
 use crate::pool::PoolBuf;
 use crate::router::IncomingSender;
 use crate::transport::{unsplit_fast, LaneReader, LaneWriter};
-use crate::verify::{InputValues, Seal, SealedPart, Transcript, TranscriptInput};
+use crate::verify::{Seal, SealedPart};
 use crate::wire::{
     read_frame_into, write_chunk, write_control, write_data, Frame, MemberIdx, ReduceMsg,
     SpanChunks,
@@ -115,18 +116,6 @@ struct Reduction {
     audit: Option<AuditLog>,
 }
 
-/// What a verifying reducer records for its transcript.
-#[derive(Default)]
-struct AuditLog {
-    inputs: BTreeMap<MemberIdx, (f64, Arc<Mutex<PoolBuf>>, Seals)>,
-    parts: Vec<SealedPart>,
-    /// Whether its own values are in some part (sealed when revealed).
-    own: bool,
-}
-
-/// A sender's seals as they arrive, by absolute chunk start: (chunk length, seal).
-type Seals = Arc<Mutex<HashMap<usize, (usize, Seal)>>>;
-
 /// Receives every sender's values of the job's range and averages them **part by part**: as
 /// soon as every present sender has delivered a part (of [`chunk_bytes_for`] the range), its mean is
 /// computed and each sender gets its delta back while the next parts are still arriving, so the
@@ -168,7 +157,8 @@ pub(super) async fn reduce_span(
         if round.gone.count() > gone_seen && !r.job.expected.is_empty() {
             // Members this peer could not reach as reducers will not send their parts.
             gone_seen = round.gone.count();
-            r.drop_unreachable(&round.gone.snapshot(), phase1);
+            let gone = round.gone.snapshot();
+            r.give_up_on(|m| gone.contains(m), phase1);
         }
         if !r.finish_ready_parts().await || r.parts.is_done() {
             break;
@@ -196,17 +186,15 @@ pub(super) async fn reduce_span(
 }
 
 impl Reduction {
-    /// Stops waiting for the parts of expected senders in `gone` (failed, in phase 1).
-    fn drop_unreachable(&mut self, gone: &HashSet<MemberIdx>, phase1: bool) {
-        let no_shows: Vec<MemberIdx> = self
-            .job
-            .expected
-            .iter()
-            .copied()
-            .filter(|m| gone.contains(m))
-            .collect();
+    /// Stops waiting for the parts of the expected senders in `gone` (who declined the round
+    /// or cannot be reached): failed, in phase 1.
+    fn give_up_on(&mut self, gone: impl Fn(&MemberIdx) -> bool, phase1: bool) {
+        let no_shows: Vec<MemberIdx> = self.job.expected.iter().copied().filter(gone).collect();
         for m in no_shows {
-            tracing::debug!(member = m.0, "not waiting for an unreachable member's part");
+            tracing::debug!(
+                member = m.0,
+                "not waiting for the part of a member that is gone"
+            );
             self.job.expected.remove(&m);
             self.job.allowed.remove(&m);
             if phase1 {
@@ -368,10 +356,8 @@ impl Reduction {
             // A member that refused the group: its part will not come (phase 1; a repair
             // job's senders are those that were there).
             let its_own = sender.within(round.peers.len()).is_some() && round.peer(sender) == peer;
-            if its_own && self.job.repair.is_none() && self.job.expected.remove(&sender) {
-                tracing::debug!(%peer, "a member declined the round: not waiting for its part");
-                self.job.allowed.remove(&sender);
-                self.failed.push(sender);
+            if its_own && self.job.repair.is_none() {
+                self.give_up_on(|m| *m == sender, true);
             }
             let _ = timeout(
                 cfg.request_timeout,
@@ -770,47 +756,4 @@ struct Incoming {
     seals: Option<Seals>,
     /// The offset (within the range) of the chunk whose seal is checked against its values.
     check_at: usize,
-}
-
-/// Keeps what a verifying reducer needs to answer reveals of its span: every contributor's
-/// values and seals, its result and result seals (see [`crate::verify::Transcript`]).
-fn keep_transcript(round: &Round, range: &Range<usize>, audit: AuditLog, result: &PoolBuf) {
-    let pool = &round.env.pool;
-    let peer = |m: MemberIdx| round.peer(m).to_bytes();
-    let mut inputs: BTreeMap<MemberIdx, TranscriptInput> = audit
-        .inputs
-        .into_iter()
-        .map(|(m, (weight, values, seals))| {
-            let seals = std::mem::take(&mut *lock(&seals));
-            let input = TranscriptInput {
-                peer: peer(m),
-                weight,
-                values: InputValues::Staged(values),
-                seals,
-                sealer: None,
-            };
-            (m, input)
-        })
-        .collect();
-    if audit.own {
-        inputs.insert(
-            round.me,
-            TranscriptInput {
-                peer: peer(round.me),
-                weight: round.weight,
-                values: InputValues::Own(round.flat.clone()),
-                seals: HashMap::new(),
-                sealer: round.env.signer.clone(),
-            },
-        );
-    }
-    round.env.transcripts.keep(Transcript {
-        round_id: round.round_id,
-        reducer: peer(round.me),
-        aggregation: round.config().aggregation.to_string(),
-        span: range.clone(),
-        inputs,
-        parts: audit.parts,
-        result: pool.copy_of(result),
-    });
 }
