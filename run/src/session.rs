@@ -224,8 +224,6 @@ struct Trainer {
     params: ParamSet,
     binding: VarBinding,
     net: Arc<dyn Net>,
-    /// Whether its progress was published since its last sync (at its start: by the sync).
-    announced: bool,
 }
 
 impl Session {
@@ -297,8 +295,8 @@ impl Session {
             params,
             binding,
             net,
-            announced: false,
         };
+        let mut announced = false;
         if sync_first {
             // A joiner with nothing of its own (no checkpoint) waits for the run's peers: one
             // that trained alone from the initial values while the creator was still starting
@@ -308,11 +306,11 @@ impl Session {
             } else {
                 Duration::ZERO
             };
-            t.sync(&node, &m, reporter.as_ref(), 0, (wait, &stop)).await;
+            announced = t.sync(&node, &m, reporter.as_ref(), 0, wait, &stop).await;
         }
         t.binding.params_to_vars(&t.params)?;
         t.collab.serve_state(server.clone(), &t.params).await;
-        if !t.announced {
+        if !announced {
             // A creator's progress record is there before its first batch: a joiner that
             // synced from it counts it at once (and it counts the joiner, see `sync`).
             if let Err(e) = t.collab.announce().await {
@@ -366,21 +364,22 @@ impl Session {
 impl Trainer {
     /// Syncs state from the swarm (at least `min_epoch`); a failure is reported and training
     /// goes on from the local values. While no peer serves a fitting state, reads again every
-    /// [`JOIN_POLL`] for up to `wait.0` (or until `wait.1` is set).
+    /// [`JOIN_POLL`] for up to `wait` (or until `stop` is set). Returns whether it synced and
+    /// published this peer's progress after.
     async fn sync(
         &mut self,
         node: &Node,
         m: &RunManifest,
         reporter: &dyn Reporter,
         min_epoch: u64,
-        wait: (Duration, &AtomicBool),
-    ) {
+        wait: Duration,
+        stop: &AtomicBool,
+    ) -> bool {
         let layout = self.collab.state_view(&self.params).layout();
         let mut cfg = SyncConfig::new(m.name.clone());
         cfg.min_epoch = min_epoch;
         cfg.deadline = SYNC_DEADLINE;
         cfg.max_rounds = 5;
-        let (wait, stop) = wait;
         let until = Instant::now() + wait;
         let mut told = false;
         let synced = loop {
@@ -411,13 +410,10 @@ impl Trainer {
                     // The others count this peer from now on, not from its first batch: a
                     // donor training alone waits for it instead of stepping past the state it
                     // just sent (which would make this peer sync again).
-                    self.announced = match self.collab.announce().await {
-                        Ok(()) => true,
-                        Err(e) => {
-                            tracing::debug!("announcing this peer after state sync: {e}");
-                            false
-                        }
-                    };
+                    match self.collab.announce().await {
+                        Ok(()) => return true,
+                        Err(e) => tracing::debug!("announcing this peer after state sync: {e}"),
+                    }
                 }
                 Err(e) => tracing::warn!("state sync: the synced state does not apply: {e}"),
             },
@@ -426,6 +422,7 @@ impl Trainer {
             }
             Err(e) => tracing::warn!("state sync failed ({e}); training from local values"),
         }
+        false
     }
 
     /// Waits until the run has `wanted` live peers (this one included), `stop` is set or
@@ -579,8 +576,8 @@ impl Trainer {
             // old, or a round that met the others' later epoch) and no step taken: catch up by
             // state sync.
             if report.behind && !report.stepped {
-                let no_wait = (Duration::ZERO, s.stop.as_ref());
-                self.sync(&s.node, m, reporter, report.sync_floor(), no_wait)
+                let floor = report.sync_floor();
+                self.sync(&s.node, m, reporter, floor, Duration::ZERO, &s.stop)
                     .await;
                 self.binding.params_to_vars(&self.params)?;
             }

@@ -221,24 +221,20 @@ struct Round {
 #[derive(Default)]
 struct Gone {
     members: Mutex<HashSet<MemberIdx>>,
-    /// How many (a reduction compares it with what it last took in, so that an insert made
-    /// while it was not waiting is not missed).
-    count: std::sync::atomic::AtomicUsize,
     changed: tokio::sync::Notify,
 }
 
 impl Gone {
     fn insert(&self, member: MemberIdx) {
-        let mut members = lock(&self.members);
-        if members.insert(member) {
-            self.count.store(members.len(), Ordering::Release);
-            drop(members);
+        if lock(&self.members).insert(member) {
             self.changed.notify_waiters();
         }
     }
 
+    /// How many (a reduction compares it with what it last took in, so that an insert made
+    /// while it was not waiting is not missed).
     fn count(&self) -> usize {
-        self.count.load(Ordering::Acquire)
+        lock(&self.members).len()
     }
 
     fn snapshot(&self) -> HashSet<MemberIdx> {

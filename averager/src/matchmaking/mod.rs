@@ -12,6 +12,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use starling_dht::now_ms;
+use starling_node::streams::{open_confirmed, Retry};
 use starling_node::{NodeError, PeerId};
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, timeout_at, Instant};
@@ -23,8 +24,8 @@ use crate::router::{IncomingJoin, Router};
 use crate::transport::Transport;
 use crate::verify::Banned;
 use crate::wire::{
-    read_control, write_control, Declaration, MatchMsg, MemberIdx, MemberInfo, ReduceMsg,
-    RejectReason, MATCHMAKING_PROTOCOL, REDUCE_PROTOCOL,
+    read_control, write_control, Control, Declaration, MatchMsg, MemberIdx, MemberInfo, ReduceMsg,
+    RejectReason, MATCHMAKING_PROTOCOL, MAX_CONTROL_BYTES, REDUCE_PROTOCOL,
 };
 use crate::AveragerError;
 use proto::{Action, Asked, Event, JoinId, Ms, Outcome, Params, Search};
@@ -619,13 +620,18 @@ fn decline(mm: &Matchmaker, round_id: u64, members: &[MemberInfo], my_index: usi
         };
         let (transport, msg) = (mm.transport.clone(), msg.clone());
         let tell = async move {
-            let opened = transport.open_stream(member.peer, &member.addrs, REDUCE_PROTOCOL);
-            let Ok(mut stream) = opened.await else {
-                return;
-            };
-            if let Ok(Ok(_)) = timeout(limit, write_control(&mut stream, &msg)).await {
-                // Its answer, so that the stream is not closed before the frame is read.
-                let _ = timeout(limit, read_control::<_, ReduceMsg>(&mut stream)).await;
+            // Its answer is awaited (and a stream dropped by a busy accept queue sent again),
+            // so that the frame is read before the stream closes.
+            let told = open_confirmed::<_, _, _, _, _, Control<ReduceMsg>>(
+                || transport.open_stream(member.peer, &member.addrs, REDUCE_PROTOCOL),
+                &Control::Control(&msg),
+                MAX_CONTROL_BYTES + 1,
+                Instant::now() + limit,
+                Retry::default(),
+            )
+            .await;
+            if let Err(e) = told {
+                tracing::debug!(peer = %member.peer, "telling a member this peer declined: {e}");
             }
         };
         tokio::spawn(tell.in_current_span());

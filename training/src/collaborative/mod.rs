@@ -441,8 +441,7 @@ impl CollaborativeOptimizer {
     /// # }
     /// ```
     pub async fn live_peers(&mut self) -> Result<usize, TrainingError> {
-        self.tracker.set_ignored(self.averager.refused_peers());
-        Ok(self.tracker.fetch().await?.peers)
+        Ok(self.reading_tracker().fetch().await?.peers)
     }
 
     /// The local optimizer, to restore its state between steps (from a checkpoint the caller

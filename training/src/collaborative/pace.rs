@@ -2,6 +2,7 @@
 //! progress it publishes, the swarm's progress it reads (falling back to the last reading when
 //! a read fails), and taking the swarm's epoch when one behind.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -103,7 +104,7 @@ impl Latency {
 /// A background read of the swarm's progress: its result and how long it took.
 pub(super) type Fetching =
     tokio::task::JoinHandle<(Result<SwarmProgress, ProgressError>, Duration)>;
-use crate::progress::{LocalProgress, ProgressError, SwarmProgress};
+use crate::progress::{LocalProgress, ProgressError, ProgressTracker, SwarmProgress};
 
 impl CollaborativeOptimizer {
     /// Moves the failures met during this call into its report.
@@ -203,6 +204,14 @@ impl CollaborativeOptimizer {
         }
     }
 
+    /// The progress tracker, told first which peers the averager refuses for lying (they count
+    /// neither as peers nor towards the batch): every read of the swarm's progress goes
+    /// through it.
+    pub(super) fn reading_tracker(&self) -> Arc<ProgressTracker> {
+        self.tracker.set_ignored(self.averager.refused_peers());
+        self.tracker.clone()
+    }
+
     /// The swarm's progress: read from the DHT at most every `fetch_interval`, extrapolated in
     /// between with this peer's own new samples. A read that fails (a DHT neighbour that died
     /// and has not been noticed yet) falls back to the last reading, with this peer's own
@@ -227,8 +236,7 @@ impl CollaborativeOptimizer {
                     return Ok(fresh);
                 }
                 if self.fetching.is_none() {
-                    self.tracker.set_ignored(self.averager.refused_peers());
-                    let tracker = self.tracker.clone();
+                    let tracker = self.reading_tracker();
                     let fetch = async move {
                         let started = Instant::now();
                         let r = tracker.fetch().await;
@@ -243,10 +251,8 @@ impl CollaborativeOptimizer {
         if let Some((_, task)) = self.fetching.take() {
             task.abort();
         }
-        // Peers refused for lying count neither as peers nor towards the batch.
-        self.tracker.set_ignored(self.averager.refused_peers());
         let started = Instant::now();
-        let fetched = self.tracker.fetch().await;
+        let fetched = self.reading_tracker().fetch().await;
         self.fetch_took.note(started.elapsed());
         let s = match self.tolerate(fetched)? {
             Some(s) => {
