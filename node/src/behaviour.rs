@@ -31,6 +31,8 @@ pub(crate) struct Behaviour {
     /// The ceiling on established connections ([`crate::ConnectionLimits::max_established`]);
     /// pruning below it is the swarm task's (see `node::connections`).
     pub limits: connection_limits::Behaviour,
+    /// Denies dials to peers known to be down ([`crate::down`]).
+    pub down: crate::down::Behaviour,
     pub kad: kad::Behaviour<DhtStore>,
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
@@ -90,6 +92,7 @@ pub(crate) fn build(
         .with_max_established(cfg.connections.max_established);
     Ok(Behaviour {
         limits: connection_limits::Behaviour::new(limits),
+        down: crate::down::Behaviour::new(crate::DownPeers::default()),
         kad,
         identify,
         // Every connection pings both ways; at libp2p's 15 s that was 80 % of an idle swarm's

@@ -55,6 +55,7 @@ pub mod board;
 pub mod cluster;
 mod config;
 mod control;
+mod down;
 mod error;
 pub mod fastlane;
 pub mod framing;
@@ -69,6 +70,7 @@ mod swarm_key;
 pub use config::{
     ConnectionLimits, NatConfig, NodeConfig, RelayServerConfig, DEFAULT_KAD_PROTOCOL,
 };
+pub use down::{DownPeers, PeerDown, DOWN_FOR};
 pub use error::{error_chain, NodeError};
 pub use fastlane::{FastReader, FastStream, FastWriter, IncomingFast};
 pub use identity::{load_or_create_identity, owner_key_of, owner_of_peer, peer_id_of_owner};

@@ -124,6 +124,7 @@ pub(crate) struct NodeMetrics {
     pub dht_records: Gauge,
     pub dht_record_bytes: Gauge,
     pub connections_pruned: prometheus_client::metrics::counter::Counter,
+    pub peers_down: prometheus_client::metrics::counter::Counter,
     query_seconds: Family<QueryLabels, Histogram>,
 }
 
@@ -170,6 +171,7 @@ impl Metrics {
             dht_records: Gauge::default(),
             dht_record_bytes: Gauge::default(),
             connections_pruned: Default::default(),
+            peers_down: Default::default(),
             query_seconds: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
         };
         {
@@ -198,6 +200,12 @@ impl Metrics {
                 "node_connections_pruned",
                 "Peers disconnected by the connection manager (over its high-water mark)",
                 node.connections_pruned.clone(),
+            );
+            r.register(
+                "node_peers_down",
+                "Peers found down: their last connection closed abnormally and their TCP \
+                 addresses then refused connections (dials to them denied for a while)",
+                node.peers_down.clone(),
             );
             r.register_with_unit(
                 "node_dht_query",

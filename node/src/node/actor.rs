@@ -28,6 +28,7 @@ use super::transport::{direct_ip, on_remote_ip, peer_of};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::control::StreamUsage;
+use crate::down::{probe, probe_sockets, Verdict};
 use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
@@ -72,7 +73,13 @@ pub(super) struct Actor {
     metrics: Metrics,
     /// The connection manager's bookkeeping.
     connections: Connections,
+    /// Probes of peers whose last connection closed abnormally ([`crate::down`]); aborted
+    /// with the task.
+    probes: tokio::task::JoinSet<(PeerId, Verdict)>,
 }
+
+/// Probes in flight at most (a mass departure probes the first this many peers).
+const MAX_PROBES: usize = 64;
 
 impl Actor {
     /// The task's state for a swarm that already listens on `listen_addrs`; NAT events go to
@@ -106,6 +113,7 @@ impl Actor {
                 .map_err(|e| NodeError::Config(format!("kad protocol name: {e}")))?,
             metrics,
             connections: Connections::new(cfg.connections, usage),
+            probes: tokio::task::JoinSet::new(),
         })
     }
 
@@ -128,6 +136,9 @@ impl Actor {
                     }
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
+                Some(Ok((peer, verdict))) = self.probes.join_next(), if !self.probes.is_empty() => {
+                    self.on_probed(peer, verdict);
+                }
                 id = self.queries.next_deadline() => {
                     self.queries.on_deadline(kad(&mut self.swarm), id);
                 }
@@ -294,6 +305,43 @@ impl Actor {
         }
     }
 
+    /// `peer`'s last connection closed abnormally (`closed` was its remote address if this
+    /// node dialed it): probe its direct TCP addresses ([`crate::down`]); the verdict comes
+    /// back to [`Self::on_probed`].
+    fn probe(&mut self, peer: PeerId, closed: Option<&Multiaddr>) {
+        if self.probes.len() >= MAX_PROBES {
+            return;
+        }
+        let mut known: Vec<Multiaddr> = closed.into_iter().cloned().collect();
+        if let Some(bucket) = kad(&mut self.swarm).kbucket(peer) {
+            if let Some(entry) = bucket.iter().find(|e| *e.node.key.preimage() == peer) {
+                known.extend(entry.node.value.iter().cloned());
+            }
+        }
+        let sockets = probe_sockets(&known);
+        if sockets.is_empty() {
+            return;
+        }
+        self.probes
+            .spawn(async move { (peer, probe(sockets).await) });
+    }
+
+    /// A probe of `peer` ended. If every address refused, the peer is down: its pending dials
+    /// are aborted (their callers fail now, not at the QUIC handshake timeout), it leaves the
+    /// routing table, and dials to it are denied for [`crate::DOWN_FOR`].
+    fn on_probed(&mut self, peer: PeerId, verdict: Verdict) {
+        tracing::debug!(%peer, ?verdict, "probed");
+        if verdict != Verdict::Down || self.swarm.is_connected(&peer) {
+            return;
+        }
+        tracing::debug!(%peer, "down: its TCP addresses refuse connections");
+        self.swarm.behaviour().down.peers().mark(peer);
+        let _ = self.swarm.disconnect_peer_id(peer);
+        kad(&mut self.swarm).remove_peer(&peer);
+        self.metrics.node().peers_down.inc();
+        self.update_gauges();
+    }
+
     /// Sets the node's gauges from the swarm's state (on connection changes and every sweep).
     fn update_gauges(&mut self) {
         let status = self.status();
@@ -383,6 +431,7 @@ impl Actor {
                 connection_id,
                 cause,
                 num_established,
+                endpoint,
                 ..
             } => {
                 tracing::debug!(%peer_id, ?cause, num_established, "connection closed");
@@ -390,6 +439,10 @@ impl Actor {
                 self.connections.on_closed(connection_id);
                 if num_established == 0 {
                     self.peer_ips.remove(&peer_id);
+                    if cause.is_some() {
+                        let dialed = endpoint.is_dialer().then(|| endpoint.get_remote_address());
+                        self.probe(peer_id, dialed);
+                    }
                 }
             }
             SwarmEvent::IncomingConnectionError {

@@ -32,6 +32,15 @@ use actor::{Actor, Command};
 pub use nat::NatEvent;
 use queries::GetMode;
 
+/// What one dial of [`Node::connect_if_needed`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Dialed {
+    Reached,
+    /// Nothing listens there (the host answered with a reset).
+    Refused,
+    Failed,
+}
+
 /// How long [`Node::shutdown`] waits for the swarm task to stop.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -130,6 +139,8 @@ pub struct Node {
     fast: Option<Arc<FastLane>>,
     nat_events: Arc<nat::NatEvents>,
     metrics: Metrics,
+    /// Peers found down ([`crate::down`]).
+    down: crate::DownPeers,
     /// `node{peer=<short id>}`: entered by the swarm task and every task the node spawns.
     span: tracing::Span,
 }
@@ -172,6 +183,7 @@ impl Node {
         let stream =
             crate::StreamControl::new(swarm.behaviour().stream.new_control(), usage.clone());
         let validator = swarm.behaviour_mut().kad.store_mut().validator().clone();
+        let down = swarm.behaviour().down.peers().clone();
         let listen_addrs = transport::start_listening(&mut swarm, &listen).await?;
         let (tx, rx) = mpsc::channel(cfg.command_queue.max(1));
         let fast = start_fast_lane(&cfg, &listen, stream.clone(), peer_ip_lookup(&tx)).await?;
@@ -196,6 +208,7 @@ impl Node {
             fast,
             nat_events,
             metrics,
+            down,
             span,
         };
         if !cfg.bootstrap.is_empty() {
@@ -419,9 +432,12 @@ impl Node {
     }
 
     /// Makes sure a connection to `peer` is open: returns at once when one is, else dials
-    /// `addrs` in order until one reaches that peer (each dial bounded by the node's request
-    /// timeout). Returns whether the peer is connected afterwards; a failed dial is not an
-    /// error, because libp2p may still reach the peer another way (a relay, other addresses).
+    /// `addrs` until one reaches that peer (each dial bounded by the node's request timeout),
+    /// its direct TCP addresses first. Returns whether the peer is connected afterwards; a
+    /// failed dial is not an error, because libp2p may still reach the peer another way (a
+    /// relay, other addresses). When every direct TCP address refuses the connection, the
+    /// peer is taken as down ([`Self::is_down`]: nothing listens where it did) and its other
+    /// addresses are not tried: a QUIC dial to a dead peer can only time out.
     ///
     /// ```no_run
     /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId, addr: starling_node::Multiaddr) -> Result<(), starling_node::NodeError> {
@@ -438,17 +454,76 @@ impl Node {
         if self.connected_peers().await?.contains(&peer) {
             return Ok(true);
         }
-        for addr in addrs {
-            match self.dial(addr.clone()).await {
-                Ok(reached) if reached == peer => return Ok(true),
-                Ok(reached) => {
-                    tracing::debug!(%peer, %reached, %addr, "address reached another peer")
-                }
-                Err(NodeError::Closed) => return Err(NodeError::Closed),
-                Err(e) => tracing::debug!(%peer, %addr, "dial failed: {e}"),
+        if self.is_down(&peer) {
+            return Ok(false);
+        }
+        let tcp = crate::down::probe_addrs(addrs);
+        let mut refused = 0;
+        for addr in &tcp {
+            match self.dial_for(peer, addr).await? {
+                Dialed::Reached => return Ok(true),
+                Dialed::Refused => refused += 1,
+                Dialed::Failed => {}
+            }
+        }
+        if refused > 0 && refused == tcp.len() {
+            tracing::debug!(%peer, "down: every TCP address refuses connections");
+            self.down.mark(peer);
+            return Ok(false);
+        }
+        for addr in addrs.iter().filter(|a| !tcp.contains(a)) {
+            if self.dial_for(peer, addr).await? == Dialed::Reached {
+                return Ok(true);
             }
         }
         Ok(false)
+    }
+
+    /// One dial of [`Self::connect_if_needed`]: whether `addr` reached `peer`.
+    async fn dial_for(&self, peer: PeerId, addr: &Multiaddr) -> Result<Dialed, NodeError> {
+        match self.dial(addr.clone()).await {
+            Ok(reached) if reached == peer => Ok(Dialed::Reached),
+            Ok(reached) => {
+                tracing::debug!(%peer, %reached, %addr, "address reached another peer");
+                Ok(Dialed::Failed)
+            }
+            Err(NodeError::Closed) => Err(NodeError::Closed),
+            Err(e) => {
+                tracing::debug!(%peer, %addr, "dial failed: {e}");
+                // (The transport's error comes as text here.)
+                let refused = e
+                    .to_string()
+                    .to_ascii_lowercase()
+                    .contains("connection refused");
+                Ok(if refused {
+                    Dialed::Refused
+                } else {
+                    Dialed::Failed
+                })
+            }
+        }
+    }
+
+    /// Whether `peer` is known to be down: its last connection closed abnormally and its TCP
+    /// addresses then refused connections (its process is gone). Dials to it are denied for
+    /// [`crate::DOWN_FOR`] unless it connects again; what it wrote in the DHT (declarations,
+    /// progress) can be disregarded meanwhile. A peer that cannot be probed (QUIC or relay
+    /// only, or a host that vanished) is never marked: `false` does not mean alive.
+    ///
+    /// ```no_run
+    /// # async fn f(node: starling_node::Node, peer: starling_node::PeerId) {
+    /// if node.is_down(&peer) {
+    ///     println!("{peer} crashed; not waiting for it");
+    /// }
+    /// # }
+    /// ```
+    pub fn is_down(&self, peer: &PeerId) -> bool {
+        self.down.is_down(peer)
+    }
+
+    /// Every peer [`Self::is_down`] now.
+    pub fn peers_down(&self) -> Vec<PeerId> {
+        self.down.list()
     }
 
     /// The handle for opening and accepting bulk-data streams on custom protocols.
