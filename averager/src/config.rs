@@ -133,6 +133,10 @@ pub enum Fault {
     WhileReturning(usize),
     /// As leader, after accepting this many followers and before the round begins.
     LeaderAfterFollowers(usize),
+    /// Sends nothing of its own, reduces its span and returns every result, then its node
+    /// goes down: the other reducers wait for a part that never comes, while every send of
+    /// theirs succeeded.
+    SilentReducer,
     /// Breaks the all-reduce protocol in the way given: a rogue member whose malformed
     /// messages honest peers must refuse without corrupting a span or panicking.
     Rogue(Rogue),

@@ -246,6 +246,42 @@ async fn an_unreachable_member_is_given_up_on_at_once_not_after_the_timeouts() {
     .await;
 }
 
+/// A member that returned every result of its span but sent none of its own parts, then died:
+/// every send to it succeeded, so nothing failed on the survivors' side, and their reductions
+/// wait for its part. Their nodes find it down (its connections dropped, its address refuses)
+/// and the reductions stop waiting at once: with every timeout set past the round's deadline,
+/// the survivors still average every span in time. Before, they waited for its part until the
+/// no-show timeout (seen in eight `starling train` processes, one SIGKILLed: a 10 s round).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_found_down_is_not_waited_for() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let run = survivors_finish_with("kill-silent", Fault::SilentReducer, |c| {
+            // Each longer than run_with's 40 s deadline: waiting for any would show.
+            c.request_timeout = Duration::from_secs(45);
+            c.sender_timeout = Duration::from_secs(45);
+            c.reducer_timeout = Duration::from_secs(45);
+        })
+        .await;
+        let victim = run.ids[2];
+        for s in [0, 1, 3] {
+            let r = run.reports[s].as_ref().unwrap();
+            assert!(r.failed_peers.contains(&victim), "peer {s}: {r:?}");
+            for span in &r.spans {
+                let contributors = span
+                    .outcome
+                    .contributors()
+                    .unwrap_or_else(|| panic!("peer {s} kept its own values: {span:?}"));
+                // Its part reached nobody: only its own span (which it returned) holds it.
+                if span.reducer != victim {
+                    assert!(!contributors.contains(&victim), "peer {s}: {span:?}");
+                }
+            }
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_half_way_through_sending() {
     init_tracing();

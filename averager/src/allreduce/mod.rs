@@ -11,6 +11,7 @@
 //! the background repair server for the caller to keep instead of installing it anywhere.
 
 mod audit;
+mod gone;
 mod part;
 mod plan;
 mod reduce;
@@ -39,6 +40,7 @@ use crate::wire::MemberIdx;
 use crate::{AuditOutcome, AuditReport, SpanOutcome, SpanReport};
 use starling_node::lock::lock;
 
+use gone::{watch_down, Gone};
 use reduce::{reduce_span, ReduceJob};
 use repair::Repair;
 use send::{send_span, SendKind};
@@ -217,31 +219,6 @@ struct Round {
     gone: Gone,
 }
 
-/// Members found unreachable in a round, and a wake-up for the reduction waiting on them.
-#[derive(Default)]
-struct Gone {
-    members: Mutex<HashSet<MemberIdx>>,
-    changed: tokio::sync::Notify,
-}
-
-impl Gone {
-    fn insert(&self, member: MemberIdx) {
-        if lock(&self.members).insert(member) {
-            self.changed.notify_waiters();
-        }
-    }
-
-    /// How many (a reduction compares it with what it last took in, so that an insert made
-    /// while it was not waiting is not missed).
-    fn count(&self) -> usize {
-        lock(&self.members).len()
-    }
-
-    fn snapshot(&self) -> HashSet<MemberIdx> {
-        lock(&self.members).clone()
-    }
-}
-
 impl Round {
     fn config(&self) -> &AveragerConfig {
         &self.env.config
@@ -365,6 +342,8 @@ async fn run(
         gone: Gone::default(),
     });
     round.crash_if(Fault::BeforeSending).await;
+    // Stops with the round (the handle aborts it when dropped).
+    let _watch = Task::spawn(watch_down(round.clone()));
 
     let sends = start_sends(&round);
     // Reducer: our own span.
@@ -515,7 +494,9 @@ type SendTask = Task<(send::Sent, Option<audit::Verdict>)>;
 /// goes on to check one block of it as soon as it is back, beside the rest of the round.
 fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, SendTask)> {
     let me = round.me;
-    if round.modes[me.get()] == AveragingMode::Aux {
+    if round.modes[me.get()] == AveragingMode::Aux
+        || round.config().fault() == Some(Fault::SilentReducer)
+    {
         return Vec::new();
     }
     let checked = audit::choose(round);
@@ -524,7 +505,10 @@ fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, SendTask)> {
         .map(|j| {
             let (round, range) = (round.clone(), round.ranges[j.get()].clone());
             let task = Task::spawn(async move {
-                let sent = send_span(&round, j, range.clone(), SendKind::Span).await;
+                let sent = tokio::select! {
+                    sent = send_span(&round, j, range.clone(), SendKind::Span) => sent,
+                    _ = round.gone.wait_for(j) => Err(send::SendFail::down()),
+                };
                 if sent.as_ref().is_err_and(|e| e.unreachable) {
                     // Its part will not come either: this peer's reduction stops waiting.
                     round.gone.insert(j);

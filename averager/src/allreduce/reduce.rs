@@ -511,7 +511,8 @@ impl Reduction {
             }
         }
         self.receivers.clear();
-        if self.serve_only.is_some() {
+        let silent = round.config().fault() == Some(Fault::SilentReducer);
+        if self.serve_only.is_some() || (silent && self.job.repair.is_none()) {
             // Let the served results leave before the connections drop.
             tokio::time::sleep(FAULT_FLUSH_GRACE).await;
             round.env.transport.node().shutdown().await;

@@ -65,6 +65,15 @@ impl SendFail {
         }
     }
 
+    /// The reducer was found down (its process died) while this send waited on it.
+    pub(super) fn down() -> Self {
+        SendFail {
+            reason: "the reducer is down (its connections dropped and its address refuses)".into(),
+            reducer_failed: true,
+            unreachable: true,
+        }
+    }
+
     /// `Excluded(why)` from the reducer: a failure only if it does not know the round.
     fn excluded(why: String) -> Self {
         SendFail {

@@ -255,6 +255,12 @@ async fn run_window(
                             found
                                 .into_iter()
                                 .filter(|d| !mm.banned.contains(&d.info.peer_id))
+                                // A declaration left by a peer that crashed: nobody to
+                                // wait for (see `Node::is_down`).
+                                .filter(|d| {
+                                    PeerId::from_bytes(&d.info.peer_id)
+                                        .map_or(true, |p| !node.is_down(&p))
+                                })
                                 .collect()
                         });
                     pending.extend(search.handle(clock(), Event::Read(read)));

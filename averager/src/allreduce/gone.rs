@@ -1,0 +1,67 @@
+//! Members a round stops waiting for: those this peer could not reach at all as reducers, and
+//! those its node found down while the round ran.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use starling_node::lock::lock;
+
+use super::Round;
+use crate::wire::MemberIdx;
+
+/// Members found unreachable in a round, and a wake-up for the reduction waiting on them.
+#[derive(Default)]
+pub(super) struct Gone {
+    members: Mutex<HashSet<MemberIdx>>,
+    pub(super) changed: tokio::sync::Notify,
+}
+
+impl Gone {
+    pub(super) fn insert(&self, member: MemberIdx) {
+        if lock(&self.members).insert(member) {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// How many (a reduction compares it with what it last took in, so that an insert made
+    /// while it was not waiting is not missed).
+    pub(super) fn count(&self) -> usize {
+        lock(&self.members).len()
+    }
+
+    pub(super) fn snapshot(&self) -> HashSet<MemberIdx> {
+        lock(&self.members).clone()
+    }
+
+    /// Returns once `member` is gone.
+    pub(super) async fn wait_for(&self, member: MemberIdx) {
+        loop {
+            // Created before the check: an insert between the check and the wait wakes it.
+            let changed = self.changed.notified();
+            if lock(&self.members).contains(&member) {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
+/// How often a round looks for members its node found down.
+const DOWN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// While a round runs: every member the node finds down ([`starling_node::Node::is_down`]:
+/// its connections dropped and its address refuses, i.e. its process died) is gone. The
+/// sends to it stop (its span is re-delegated) and this peer's reduction stops waiting for
+/// its part, instead of both waiting out the sender and reducer timeouts (seen: 10 s of a
+/// round of eight peers when one was SIGKILLed as the round began).
+pub(super) async fn watch_down(round: Arc<Round>) {
+    let node = round.env.transport.node().clone();
+    loop {
+        for m in MemberIdx::all(round.peers.len()) {
+            if m != round.me && node.is_down(&round.peer(m)) {
+                round.gone.insert(m);
+            }
+        }
+        tokio::time::sleep(DOWN_POLL).await;
+    }
+}
