@@ -397,11 +397,14 @@ impl ProgressTracker {
             .iter()
             .find(|(p, _)| *p == me)
             .map(|(_, r)| r.clone());
-        let ignored = self
+        // Refused liars, and peers found down (a crashed peer's last report would otherwise
+        // count for `unconnected_lifetime`, and rounds would wait for it).
+        let mut ignored = self
             .ignored
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        ignored.extend(self.node.peers_down());
         let reports = live_reports(
             reports,
             me,

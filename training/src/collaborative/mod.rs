@@ -444,6 +444,23 @@ impl CollaborativeOptimizer {
         Ok(self.reading_tracker().fetch().await?.peers)
     }
 
+    /// The highest epoch any peer of the run has reported, from every progress record the DHT
+    /// still holds (live or not: a peer's last record outlives it for `report_lifetime`).
+    /// A run whose peers reported its last epoch has ended; a joiner with nothing of its own
+    /// should not train it alone.
+    ///
+    /// ```no_run
+    /// # async fn demo(mut opt: starling_training::CollaborativeOptimizer) {
+    /// if opt.highest_reported_epoch().await.ok().flatten() >= Some(100) {
+    ///     println!("the run has ended");
+    /// }
+    /// # }
+    /// ```
+    pub async fn highest_reported_epoch(&mut self) -> Result<Option<u64>, TrainingError> {
+        let reports = self.tracker.reports().await?;
+        Ok(reports.iter().map(|(_, r)| r.epoch).max())
+    }
+
     /// The local optimizer, to restore its state between steps (from a checkpoint the caller
     /// keeps); follow with [`resume`](Self::resume) for the epoch.
     ///

@@ -114,6 +114,7 @@ async fn rounds(
     };
     let mut carried = None;
     let mut last = String::from("no round ran");
+    let mut announced_epoch = None;
     let max_rounds = cfg.max_rounds.max(1);
     for round in 1..=max_rounds {
         report.rounds = round;
@@ -125,8 +126,9 @@ async fn rounds(
                 report.seconds = started.elapsed().as_secs_f64();
                 return Ok((synced, report));
             }
-            Round::Failed { why, kept } => {
+            Round::Failed { why, kept, epoch } => {
                 last = why;
+                announced_epoch = announced_epoch.max(Some(epoch));
                 carried = kept.or(carried);
             }
         }
@@ -140,6 +142,7 @@ async fn rounds(
         missing,
         chunks,
         last,
+        announced_epoch,
     })
 }
 
@@ -150,8 +153,13 @@ type Kept = (Manifest, Vec<Option<Vec<f32>>>);
 enum Round {
     /// Every chunk verified.
     Done(SyncedState),
-    /// Every donor failed; what was verified is kept.
-    Failed { why: String, kept: Option<Kept> },
+    /// Every donor failed; what was verified is kept. `epoch`: the state's epoch the round
+    /// went for.
+    Failed {
+        why: String,
+        kept: Option<Kept>,
+        epoch: u64,
+    },
 }
 
 /// Reads the DHT, takes the agreed manifest and fetches every chunk it does not share with
@@ -180,7 +188,11 @@ async fn one_round(
     let Some((manifest, spans, skip)) = got else {
         merge(report, &donors, &tally);
         let why = format!("no donor of epoch {} sent its manifest", choice.epoch);
-        return Ok(Round::Failed { why, kept: carried });
+        return Ok(Round::Failed {
+            why,
+            kept: carried,
+            epoch: choice.epoch,
+        });
     };
     let mut slots = carry_over(carried, &manifest);
     report.reused_chunks = slots.iter().filter(|s| s.is_some()).count();
@@ -226,9 +238,11 @@ async fn one_round(
                 .filter_map(|d| d.last_failure.clone())
                 .next_back()
                 .unwrap_or_else(|| format!("{missing} chunks missing, no donor left"));
+            let epoch = manifest.epoch;
             Ok(Round::Failed {
                 why,
                 kept: Some((manifest, slots)),
+                epoch,
             })
         }
     }
@@ -267,7 +281,8 @@ async fn find_donors(
             .filter_map(|(subkey, a, _)| {
                 let owner = starling_dht::required_owner(&key, &subkey).ok()??;
                 let peer = starling_node::peer_id_of_owner(&owner)?;
-                (peer != me).then_some((peer, a))
+                // A peer found down (crashed) cannot serve: asking it would cost a dial.
+                (peer != me && !node.is_down(&peer)).then_some((peer, a))
             })
             .collect();
         if cfg.min_agreeing_donors <= 1 {
@@ -640,6 +655,7 @@ fn assemble(
             missing: 1,
             chunks: total,
             last: "a chunk went missing after the fetch completed".into(),
+            announced_epoch: Some(manifest.epoch),
         });
     };
     Ok(SyncedState {

@@ -124,6 +124,9 @@ pub enum SyncError {
         chunks: usize,
         /// The last failure seen.
         last: String,
+        /// The newest epoch of the state the donors announced, if a round found one: where
+        /// the run is (a run whose peers all left still announces its last state for a while).
+        announced_epoch: Option<u64>,
     },
     /// The sync ran past `SyncConfig::deadline`.
     #[error("state sync did not finish within {0:?}")]
