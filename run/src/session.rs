@@ -39,6 +39,8 @@ const SYNC_DEADLINE: Duration = Duration::from_secs(120);
 /// run's manifest was found, so its peers exist or did a moment ago (a creator publishes the
 /// manifest before it serves). Past it the joiner trains from the run's initial values.
 const JOIN_WAIT: Duration = Duration::from_secs(30);
+/// How often a joiner waiting for a donor reads the run's progress to see whether it ended.
+const ENDED_POLL: Duration = Duration::from_secs(1);
 /// Pause between the reads of a joiner waiting for the run's first donor.
 const JOIN_POLL: Duration = Duration::from_millis(50);
 /// How long a peer waits for the run's `min_peers` before training with those there are.
@@ -306,7 +308,21 @@ impl Session {
             } else {
                 Duration::ZERO
             };
-            announced = t.sync(&node, &m, reporter.as_ref(), 0, wait, &stop).await;
+            announced = match t.sync(&node, &m, reporter.as_ref(), 0, wait, &stop).await {
+                Ok(announced) => announced,
+                Err(e) => match e.ended_at(&m).filter(|_| resumed.is_none()) {
+                    // Training the whole run alone from its initial values would end with a
+                    // model nobody else has, reported as if this peer had joined the run.
+                    Some(epoch) => anyhow::bail!(
+                        "run {:?} has ended: its peers' state is at epoch {epoch} of {}, and \
+                         none of them serves it any more; start a new run (--new-run) or \
+                         resume from a checkpoint",
+                        m.name,
+                        m.epochs
+                    ),
+                    None => false,
+                },
+            };
         }
         t.binding.params_to_vars(&t.params)?;
         t.collab.serve_state(server.clone(), &t.params).await;
@@ -362,10 +378,10 @@ impl Session {
 }
 
 impl Trainer {
-    /// Syncs state from the swarm (at least `min_epoch`); a failure is reported and training
-    /// goes on from the local values. While no peer serves a fitting state, reads again every
-    /// [`JOIN_POLL`] for up to `wait` (or until `stop` is set). Returns whether it synced and
-    /// published this peer's progress after.
+    /// Syncs state from the swarm (at least `min_epoch`); a failure is reported (and
+    /// returned): training may go on from the local values. While no peer serves a fitting
+    /// state, reads again every [`JOIN_POLL`] for up to `wait` (or until `stop` is set).
+    /// Returns whether it synced and published this peer's progress after.
     async fn sync(
         &mut self,
         node: &Node,
@@ -374,7 +390,7 @@ impl Trainer {
         min_epoch: u64,
         wait: Duration,
         stop: &AtomicBool,
-    ) -> bool {
+    ) -> Result<bool, Unsynced> {
         let layout = self.collab.state_view(&self.params).layout();
         let mut cfg = SyncConfig::new(m.name.clone());
         cfg.min_epoch = min_epoch;
@@ -382,6 +398,8 @@ impl Trainer {
         cfg.max_rounds = 5;
         let until = Instant::now() + wait;
         let mut told = false;
+        // (Looked at first after one poll: a run's peers publish progress as they start.)
+        let mut ended_looked = Instant::now();
         let synced = loop {
             match sync_state(node, &cfg, &layout).await {
                 Err(SyncError::NoDonors { .. })
@@ -392,6 +410,13 @@ impl Trainer {
                             "state sync: no peer of the run serves its state yet; waiting up to {} s",
                             wait.as_secs()
                         );
+                    }
+                    if ended_looked.elapsed() >= ENDED_POLL {
+                        ended_looked = Instant::now();
+                        let highest = self.collab.highest_reported_epoch().await;
+                        if let Some(epoch) = highest.ok().flatten().filter(|e| *e >= m.epochs) {
+                            return Err(Unsynced::Ended(epoch));
+                        }
                     }
                     tokio::time::sleep(JOIN_POLL).await;
                 }
@@ -411,18 +436,22 @@ impl Trainer {
                     // donor training alone waits for it instead of stepping past the state it
                     // just sent (which would make this peer sync again).
                     match self.collab.announce().await {
-                        Ok(()) => return true,
+                        Ok(()) => return Ok(true),
                         Err(e) => tracing::debug!("announcing this peer after state sync: {e}"),
                     }
                 }
                 Err(e) => tracing::warn!("state sync: the synced state does not apply: {e}"),
             },
-            Err(SyncError::NoDonors { .. }) => {
-                tracing::info!("state sync: no donors yet; starting from the run's initial values")
+            Err(e @ SyncError::NoDonors { .. }) => {
+                tracing::info!("state sync: no donors yet; starting from the run's initial values");
+                return Err(Unsynced::Failed(e));
             }
-            Err(e) => tracing::warn!("state sync failed ({e}); training from local values"),
+            Err(e) => {
+                tracing::warn!("state sync failed ({e}); training from local values");
+                return Err(Unsynced::Failed(e));
+            }
         }
-        false
+        Ok(false)
     }
 
     /// Waits until the run has `wanted` live peers (this one included), `stop` is set or
@@ -577,7 +606,9 @@ impl Trainer {
             // state sync.
             if report.behind && !report.stepped {
                 let floor = report.sync_floor();
-                self.sync(&s.node, m, reporter, floor, Duration::ZERO, &s.stop)
+                // A failure is reported; training goes on from the local values.
+                let _ = self
+                    .sync(&s.node, m, reporter, floor, Duration::ZERO, &s.stop)
                     .await;
                 self.binding.params_to_vars(&self.params)?;
             }
@@ -704,6 +735,31 @@ pub fn params_sha256(params: &[f32]) -> String {
 }
 
 /// Evaluates off the network's threads.
+/// Why [`Trainer::sync`] did not sync.
+enum Unsynced {
+    /// The sync failed (reported already).
+    Failed(SyncError),
+    /// While it waited for a donor, the run's progress records showed it had ended (a peer
+    /// reported this epoch, the run's last or later).
+    Ended(u64),
+}
+
+impl Unsynced {
+    /// The epoch that shows run `m` has ended, if this says so: progress records at its last
+    /// epoch, or a failed sync whose donors announced its last state (the peers left; their
+    /// announcements outlive them for a while).
+    fn ended_at(&self, m: &RunManifest) -> Option<u64> {
+        match self {
+            Unsynced::Ended(epoch) => Some(*epoch),
+            Unsynced::Failed(SyncError::Incomplete {
+                announced_epoch: Some(epoch),
+                ..
+            }) if *epoch + 1 >= m.epochs => Some(*epoch),
+            Unsynced::Failed(_) => None,
+        }
+    }
+}
+
 async fn evaluate(net: Arc<dyn Net>, data: &Arc<Dataset>) -> Result<Eval> {
     let data = data.clone();
     tokio::task::spawn_blocking(move || net.evaluate(&data)).await?

@@ -25,6 +25,71 @@ impl Reporter for Kept {
 
 const EPOCHS: u64 = 30;
 
+/// A fresh digits MLP run on `nodes` loopback nodes, its manifest published by the first.
+struct Fixture {
+    m: manifest::RunManifest,
+    signed: SignedManifest,
+    digits: Arc<Dataset>,
+    rt: tokio::runtime::Handle,
+    cluster: LocalCluster,
+}
+
+impl Fixture {
+    async fn new(name: &str, nodes: usize) -> Fixture {
+        let hyper = Hyper {
+            epochs: Some(EPOCHS),
+            seed: Some(3),
+            ..Hyper::default()
+        };
+        let mut m = new_manifest(name, "mlp", &hyper, DataSpec::Digits).unwrap();
+        let digits = Arc::new(Dataset::Images(data::digits()));
+        let rt = tokio::runtime::Handle::current();
+        let cluster = LocalCluster::start(nodes, NodeConfig::default())
+            .await
+            .unwrap();
+        let creator = &cluster.nodes[0];
+        m.schema_hash =
+            model::schema_hex(&build_model(&m, &digits, None, rt.clone()).unwrap().params);
+        let signed = SignedManifest::sign(&m, creator.owner_key()).unwrap();
+        manifest::publish(creator, &m.name, &signed).await.unwrap();
+        Fixture {
+            m,
+            signed,
+            digits,
+            rt,
+            cluster,
+        }
+    }
+
+    /// A session on node `i` (its events kept), syncing first if `sync_first`.
+    fn session(&self, i: usize, sync_first: bool, min_peers: usize) -> (Session, Arc<Kept>) {
+        let kept = Arc::new(Kept::default());
+        let session = Session {
+            node: self.cluster.nodes[i].clone(),
+            manifest: self.m.clone(),
+            signed: self.signed.clone(),
+            data: self.digits.clone(),
+            built: build_model(&self.m, &self.digits, None, self.rt.clone()).unwrap(),
+            checkpoint_dir: None,
+            checkpoint_every: 10,
+            sync_first,
+            sample_seed: 1 + i as u64,
+            stop: Arc::new(AtomicBool::new(false)),
+            reporter: kept.clone(),
+            progress_interval: Some(Duration::from_millis(25)),
+            delayed_update: false,
+            max_stale: None,
+            attack: None,
+            min_peers,
+        };
+        (session, kept)
+    }
+}
+
+fn events(kept: &Kept) -> Vec<Event> {
+    kept.0.lock().unwrap().clone()
+}
+
 /// A creator and a joiner of a fresh digits MLP run on two loopback nodes (the manifest
 /// published before either session starts), the second session started `gap` after the first
 /// (the joiner's first if `joiner_first`), both with `min_peers`: every event of each, the
@@ -35,41 +100,9 @@ async fn creator_and_joiner(
     gap: Duration,
     min_peers: usize,
 ) -> (Vec<Event>, Vec<Event>) {
-    let hyper = Hyper {
-        epochs: Some(EPOCHS),
-        seed: Some(3),
-        ..Hyper::default()
-    };
-    let mut m = new_manifest(name, "mlp", &hyper, DataSpec::Digits).unwrap();
-    let digits = Arc::new(Dataset::Images(data::digits()));
-    let rt = tokio::runtime::Handle::current();
-    let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
-    let (creator, joiner) = (&cluster.nodes[0], &cluster.nodes[1]);
-    m.schema_hash = model::schema_hex(&build_model(&m, &digits, None, rt.clone()).unwrap().params);
-    let signed = SignedManifest::sign(&m, creator.owner_key()).unwrap();
-    manifest::publish(creator, &m.name, &signed).await.unwrap();
-    let session =
-        |node: &starling_node::Node, sync_first: bool, seed: u64, kept: Arc<Kept>| Session {
-            node: node.clone(),
-            manifest: m.clone(),
-            signed: signed.clone(),
-            data: digits.clone(),
-            built: build_model(&m, &digits, None, rt.clone()).unwrap(),
-            checkpoint_dir: None,
-            checkpoint_every: 10,
-            sync_first,
-            sample_seed: seed,
-            stop: Arc::new(AtomicBool::new(false)),
-            reporter: kept,
-            progress_interval: Some(Duration::from_millis(25)),
-            delayed_update: false,
-            max_stale: None,
-            attack: None,
-            min_peers,
-        };
-    let (kept_creator, kept_joiner) = (Arc::new(Kept::default()), Arc::new(Kept::default()));
-    let creator_session = session(creator, false, 1, kept_creator.clone());
-    let joiner_session = session(joiner, true, 2, kept_joiner.clone());
+    let fixture = Fixture::new(name, 2).await;
+    let (creator_session, kept_creator) = fixture.session(0, false, min_peers);
+    let (joiner_session, kept_joiner) = fixture.session(1, true, min_peers);
     let (first, second) = if joiner_first {
         (joiner_session, creator_session)
     } else {
@@ -79,10 +112,9 @@ async fn creator_and_joiner(
     tokio::time::sleep(gap).await;
     let second = tokio::spawn(second.run());
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
-    cluster.shutdown().await;
+    fixture.cluster.shutdown().await;
     let (first, second) = (first.unwrap(), second.unwrap());
     assert!(first.finished && second.finished);
-    let events = |kept: &Kept| kept.0.lock().unwrap().clone();
     (events(&kept_creator), events(&kept_joiner))
 }
 
@@ -161,4 +193,33 @@ async fn with_min_peers_the_creator_waits_for_the_joiner_before_its_first_batch(
         );
     }
     assert_eq!(final_sha(&joiner_events), final_sha(&creator_events));
+}
+
+/// A joiner that arrives after the run ended (its peers finished and left; their state
+/// announcements outlive them in the DHT for a while) is told so and trains nothing: training
+/// the whole run alone from the initial values ended, in an eight-process run whose last joiner
+/// started late, with a model nobody else had, reported as if it had joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_of_a_run_that_has_ended_is_told_so_and_trains_nothing() {
+    // Node 1 only holds the DHT records: the run's announcements stay there once node 0 left.
+    let fixture = Fixture::new("ended-run", 3).await;
+    let (creator, kept_creator) = fixture.session(0, false, 0);
+    let outcome = creator.run().await.unwrap();
+    assert!(outcome.finished);
+    assert!(final_sha(&events(&kept_creator)).is_some());
+    fixture.cluster.nodes[0].shutdown().await;
+
+    let (late, kept_late) = fixture.session(2, true, 0);
+    let started = std::time::Instant::now();
+    let err = late
+        .run()
+        .await
+        .expect_err("a joiner of an ended run trained");
+    let text = format!("{err:#}");
+    assert!(text.contains("has ended"), "{text}");
+    assert!(text.contains(&format!("of {EPOCHS}")), "{text}");
+    let late_events = events(&kept_late);
+    assert_eq!(steps(&late_events, None), 0, "{late_events:?}");
+    eprintln!("told after {:?}: {text}", started.elapsed());
+    fixture.cluster.shutdown().await;
 }
