@@ -5,12 +5,14 @@
 //! - [`queries`]: Kademlia queries in flight and the Kademlia events that answer them;
 //! - [`nat`]: reachability, relay reservations and hole punching, and the [`NatEvent`]s that
 //!   report them;
+//! - [`reach`]: reaching a given peer (`Node::connect_if_needed`);
 //! - [`transport`]: building the swarm, bringing listeners up, multiaddr helpers.
 
 mod actor;
 mod connections;
 mod nat;
 mod queries;
+mod reach;
 mod transport;
 
 use std::sync::Arc;
@@ -31,15 +33,6 @@ use crate::{load_or_create_identity, owner_key_of, NodeConfig, NodeError};
 use actor::{Actor, Command};
 pub use nat::NatEvent;
 use queries::GetMode;
-
-/// What one dial of [`Node::connect_if_needed`] found.
-#[derive(Debug, PartialEq, Eq)]
-enum Dialed {
-    Reached,
-    /// Nothing listens there (the host answered with a reset).
-    Refused,
-    Failed,
-}
 
 /// How long [`Node::shutdown`] waits for the swarm task to stop.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -429,79 +422,6 @@ impl Node {
     /// Peers with an open connection.
     pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NodeError> {
         self.call(Command::ConnectedPeers).await
-    }
-
-    /// Makes sure a connection to `peer` is open: returns at once when one is, else dials
-    /// `addrs` until one reaches that peer (each dial bounded by the node's request timeout),
-    /// its direct TCP addresses first. Returns whether the peer is connected afterwards; a
-    /// failed dial is not an error, because libp2p may still reach the peer another way (a
-    /// relay, other addresses). When every direct TCP address refuses the connection, the
-    /// peer is taken as down ([`Self::is_down`]: nothing listens where it did) and its other
-    /// addresses are not tried: a QUIC dial to a dead peer can only time out.
-    ///
-    /// ```no_run
-    /// # async fn demo(node: starling_node::Node, peer: starling_node::PeerId, addr: starling_node::Multiaddr) -> Result<(), starling_node::NodeError> {
-    /// if !node.connect_if_needed(peer, &[addr]).await? {
-    ///     eprintln!("{peer} is not directly reachable");
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn connect_if_needed(
-        &self,
-        peer: PeerId,
-        addrs: &[Multiaddr],
-    ) -> Result<bool, NodeError> {
-        if self.connected_peers().await?.contains(&peer) {
-            return Ok(true);
-        }
-        if self.is_down(&peer) {
-            return Ok(false);
-        }
-        let tcp = crate::down::probe_addrs(addrs);
-        let mut refused = 0;
-        for addr in &tcp {
-            match self.dial_for(peer, addr).await? {
-                Dialed::Reached => return Ok(true),
-                Dialed::Refused => refused += 1,
-                Dialed::Failed => {}
-            }
-        }
-        if refused > 0 && refused == tcp.len() {
-            tracing::debug!(%peer, "down: every TCP address refuses connections");
-            self.down.mark(peer);
-            return Ok(false);
-        }
-        for addr in addrs.iter().filter(|a| !tcp.contains(a)) {
-            if self.dial_for(peer, addr).await? == Dialed::Reached {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-
-    /// One dial of [`Self::connect_if_needed`]: whether `addr` reached `peer`.
-    async fn dial_for(&self, peer: PeerId, addr: &Multiaddr) -> Result<Dialed, NodeError> {
-        match self.dial(addr.clone()).await {
-            Ok(reached) if reached == peer => Ok(Dialed::Reached),
-            Ok(reached) => {
-                tracing::debug!(%peer, %reached, %addr, "address reached another peer");
-                Ok(Dialed::Failed)
-            }
-            Err(NodeError::Closed) => Err(NodeError::Closed),
-            Err(e) => {
-                tracing::debug!(%peer, %addr, "dial failed: {e}");
-                // (The transport's error comes as text here.)
-                let refused = e
-                    .to_string()
-                    .to_ascii_lowercase()
-                    .contains("connection refused");
-                Ok(if refused {
-                    Dialed::Refused
-                } else {
-                    Dialed::Failed
-                })
-            }
-        }
     }
 
     /// Whether `peer` is known to be down: its last connection closed abnormally and its TCP
