@@ -280,7 +280,10 @@ def main():
     ap.add_argument("scenario", choices=["kill-one", "creator", "churn"])
     ap.add_argument("--bin", default=os.environ.get("STARLING_BIN", "target/release/starling"))
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--epochs", type=int, default=1500)
+    # Long enough that a peer killed up to --kill-max s in and restarted --restart-after s
+    # later finds the run still going: the others no longer stall when a peer dies, and at
+    # 1500 epochs they often finished (about 20 s here) before the restart.
+    ap.add_argument("--epochs", type=int, default=3000)
     ap.add_argument("--peers", type=int, default=8)
     ap.add_argument("--kill-min", type=float, default=2.0)
     ap.add_argument("--kill-max", type=float, default=20.0)
