@@ -734,7 +734,6 @@ pub fn params_sha256(params: &[f32]) -> String {
     hex::encode(h.finalize())
 }
 
-/// Evaluates off the network's threads.
 /// Why [`Trainer::sync`] did not sync.
 enum Unsynced {
     /// The sync failed (reported already).
@@ -760,6 +759,7 @@ impl Unsynced {
     }
 }
 
+/// Evaluates off the network's threads.
 async fn evaluate(net: Arc<dyn Net>, data: &Arc<Dataset>) -> Result<Eval> {
     let data = data.clone();
     tokio::task::spawn_blocking(move || net.evaluate(&data)).await?
