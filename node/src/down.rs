@@ -222,34 +222,7 @@ pub(crate) async fn probe(addrs: Vec<std::net::SocketAddr>) -> Verdict {
     Verdict::Unknown
 }
 
-/// The socket addresses a probe connects to: `addrs`' direct TCP ones (IP literals; no
-/// relay circuits, no QUIC, no DNS names).
-pub(crate) fn probe_sockets<'a>(
-    addrs: impl IntoIterator<Item = &'a Multiaddr>,
-) -> Vec<std::net::SocketAddr> {
-    let mut out = Vec::new();
-    for a in probe_addrs(addrs) {
-        let mut ip = None;
-        let mut port = None;
-        for p in a.iter() {
-            match p {
-                libp2p::multiaddr::Protocol::Ip4(v) => ip = Some(std::net::IpAddr::V4(v)),
-                libp2p::multiaddr::Protocol::Ip6(v) => ip = Some(std::net::IpAddr::V6(v)),
-                libp2p::multiaddr::Protocol::Tcp(p) => port = Some(p),
-                _ => {}
-            }
-        }
-        if let (Some(ip), Some(port)) = (ip, port) {
-            let sock = std::net::SocketAddr::new(ip, port);
-            if !out.contains(&sock) {
-                out.push(sock);
-            }
-        }
-    }
-    out
-}
-
-/// The addresses a probe dials: `addrs`' direct TCP ones (no relay circuits, no QUIC).
+/// The addresses a probe connects to: `addrs`' direct TCP ones (no relay circuits, no QUIC).
 pub(crate) fn probe_addrs<'a>(addrs: impl IntoIterator<Item = &'a Multiaddr>) -> Vec<Multiaddr> {
     use libp2p::multiaddr::Protocol;
     addrs
@@ -292,14 +265,6 @@ mod tests {
         .collect();
         let picked = probe_addrs(&addrs);
         assert_eq!(picked, vec![addrs[0].clone(), addrs[3].clone()]);
-        let sockets = probe_sockets(&addrs);
-        assert_eq!(
-            sockets,
-            vec![
-                "127.0.0.1:4001".parse().unwrap(),
-                "[::1]:4002".parse().unwrap()
-            ]
-        );
     }
 
     #[test]

@@ -217,6 +217,14 @@ async fn peer_killed_before_sending() {
     .await;
 }
 
+/// Every timeout longer than `run_with`'s 40 s deadline: a round that waited for any would
+/// show it.
+fn timeouts_past_the_deadline(c: &mut AveragerConfig) {
+    c.request_timeout = Duration::from_secs(45);
+    c.sender_timeout = Duration::from_secs(45);
+    c.reducer_timeout = Duration::from_secs(45);
+}
+
 /// A member that is gone when the round starts (its node down: every dial to it fails at
 /// once) is given up on after a few failed dials, not after the open deadline, and the
 /// survivors' reductions stop waiting for its part: with every timeout set past the round's
@@ -225,12 +233,11 @@ async fn peer_killed_before_sending() {
 async fn an_unreachable_member_is_given_up_on_at_once_not_after_the_timeouts() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
-        let run = survivors_finish_with("kill-unreachable", Fault::BeforeSending, |c| {
-            // Each longer than run_with's 40 s deadline: waiting for any would show.
-            c.request_timeout = Duration::from_secs(45);
-            c.sender_timeout = Duration::from_secs(45);
-            c.reducer_timeout = Duration::from_secs(45);
-        })
+        let run = survivors_finish_with(
+            "kill-unreachable",
+            Fault::BeforeSending,
+            timeouts_past_the_deadline,
+        )
         .await;
         for s in [0, 1, 3] {
             let r = run.reports[s].as_ref().unwrap();
@@ -256,12 +263,11 @@ async fn an_unreachable_member_is_given_up_on_at_once_not_after_the_timeouts() {
 async fn a_member_found_down_is_not_waited_for() {
     init_tracing();
     bounded(Duration::from_secs(120), async {
-        let run = survivors_finish_with("kill-silent", Fault::SilentReducer, |c| {
-            // Each longer than run_with's 40 s deadline: waiting for any would show.
-            c.request_timeout = Duration::from_secs(45);
-            c.sender_timeout = Duration::from_secs(45);
-            c.reducer_timeout = Duration::from_secs(45);
-        })
+        let run = survivors_finish_with(
+            "kill-silent",
+            Fault::SilentReducer,
+            timeouts_past_the_deadline,
+        )
         .await;
         let victim = run.ids[2];
         for s in [0, 1, 3] {

@@ -7,7 +7,7 @@
 //! swarm event arrives; Kademlia's part of that lives in [`Queries`].
 
 use std::collections::{HashMap, HashSet};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -24,11 +24,11 @@ use tokio::sync::{mpsc, oneshot};
 use super::connections::Connections;
 use super::nat::{Nat, NatEvents};
 use super::queries::{GetMode, Kad, Queries, Reply};
-use super::transport::{direct_ip, on_remote_ip, peer_of};
+use super::transport::{direct_ip, on_remote_ip, peer_of, tcp_socket};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::control::StreamUsage;
-use crate::down::{probe, probe_sockets, Verdict};
+use crate::down::{probe, probe_addrs, Verdict};
 use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
@@ -49,6 +49,11 @@ pub(super) enum Command {
     Get(RecordKey, GetMode, Reply<Option<DictionaryRecord>>),
     GetLocal(RecordKey, oneshot::Sender<Option<DictionaryRecord>>),
     PeerIp(PeerId, oneshot::Sender<Option<IpAddr>>),
+    /// Every direct TCP address of this peer refused a dial ([`Node::connect_if_needed`]):
+    /// the same as a probe that found it down.
+    ///
+    /// [`Node::connect_if_needed`]: super::Node::connect_if_needed
+    MarkDown(PeerId, oneshot::Sender<()>),
     Shutdown(oneshot::Sender<()>),
 }
 
@@ -197,6 +202,10 @@ impl Actor {
                     .flatten();
                 let _ = reply.send(ip);
             }
+            Command::MarkDown(peer, reply) => {
+                self.mark_down(peer);
+                let _ = reply.send(());
+            }
             Command::Shutdown(_) => unreachable!("handled in run"),
         }
     }
@@ -318,7 +327,10 @@ impl Actor {
                 known.extend(entry.node.value.iter().cloned());
             }
         }
-        let sockets = probe_sockets(&known);
+        let mut sockets: Vec<SocketAddr> =
+            probe_addrs(&known).iter().filter_map(tcp_socket).collect();
+        sockets.sort_unstable();
+        sockets.dedup();
         if sockets.is_empty() {
             return;
         }
@@ -326,12 +338,20 @@ impl Actor {
             .spawn(async move { (peer, probe(sockets).await) });
     }
 
-    /// A probe of `peer` ended. If every address refused, the peer is down: its pending dials
-    /// are aborted (their callers fail now, not at the QUIC handshake timeout), it leaves the
-    /// routing table, and dials to it are denied for [`crate::DOWN_FOR`].
+    /// A probe of `peer` ended: if every address refused, the peer is down.
     fn on_probed(&mut self, peer: PeerId, verdict: Verdict) {
         tracing::debug!(%peer, ?verdict, "probed");
-        if verdict != Verdict::Down || self.swarm.is_connected(&peer) {
+        if verdict == Verdict::Down {
+            self.mark_down(peer);
+        }
+    }
+
+    /// `peer`'s TCP addresses refuse connections (and no connection to it is open): it is
+    /// down. Its pending dials are aborted (their callers fail now, not at the QUIC handshake
+    /// timeout), it leaves the routing table, and dials to it are denied for
+    /// [`crate::DOWN_FOR`].
+    fn mark_down(&mut self, peer: PeerId) {
+        if self.swarm.is_connected(&peer) {
             return;
         }
         tracing::debug!(%peer, "down: its TCP addresses refuse connections");

@@ -3,6 +3,7 @@
 
 use libp2p::{Multiaddr, PeerId};
 
+use super::actor::Command;
 use super::Node;
 use crate::NodeError;
 
@@ -52,8 +53,7 @@ impl Node {
             }
         }
         if refused > 0 && refused == tcp.len() {
-            tracing::debug!(%peer, "down: every TCP address refuses connections");
-            self.down.mark(peer);
+            self.call(|done| Command::MarkDown(peer, done)).await?;
             return Ok(false);
         }
         for addr in addrs.iter().filter(|a| !tcp.contains(a)) {

@@ -8,7 +8,7 @@
 //! QUIC is off.
 
 use std::collections::HashSet;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -211,12 +211,17 @@ pub(super) fn is_quic(addr: &Multiaddr) -> bool {
 
 /// The IP of a TCP listen address.
 pub(super) fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    tcp_socket(addr).map(|s| s.ip())
+}
+
+/// The IP and port of a TCP address (IP literals only).
+pub(super) fn tcp_socket(addr: &Multiaddr) -> Option<SocketAddr> {
     let mut ip = None;
     for p in addr.iter() {
         match p {
             Protocol::Ip4(a) => ip = Some(IpAddr::V4(a)),
             Protocol::Ip6(a) => ip = Some(IpAddr::V6(a)),
-            Protocol::Tcp(_) => return ip,
+            Protocol::Tcp(port) => return ip.map(|ip| SocketAddr::new(ip, port)),
             _ => {}
         }
     }
@@ -303,10 +308,14 @@ mod tests {
     fn address_helpers_pick_the_right_parts() {
         let a: Multiaddr = "/ip4/10.0.0.1/tcp/4001".parse().unwrap();
         assert_eq!(tcp_ip(&a), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(tcp_socket(&a), Some("10.0.0.1:4001".parse().unwrap()));
+        let a6: Multiaddr = "/ip6/::1/tcp/4002".parse().unwrap();
+        assert_eq!(tcp_socket(&a6), Some("[::1]:4002".parse().unwrap()));
         assert!(!is_quic(&a));
         let q: Multiaddr = "/ip4/10.0.0.1/udp/4001/quic-v1".parse().unwrap();
         assert!(is_quic(&q));
         assert_eq!(tcp_ip(&q), None);
+        assert_eq!(tcp_socket(&q), None);
         let peer = PeerId::random();
         let relayed: Multiaddr = format!("/ip4/10.0.0.2/tcp/1/p2p/{peer}/p2p-circuit")
             .parse()
