@@ -120,10 +120,13 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
     # It steps as soon as it has caught up: one to three epochs after the state it downloaded
     # (a joiner that finds the swarm two epochs ahead syncs again before its first step).
     assert joined < first_step < joined + 10, "it steps in the run's next epochs"
-    # From then on it is in the others' groups: every process's rounds have all four members,
-    # but for a couple of epochs around its first step.
-    after = [[e for e, t in r["trouble"].items() if int(e) > first_step] for r in results]
-    assert all(len(a) <= 2 for a in after), after
+    # From then on it is in the others' groups: every round has all four members but for a few
+    # epochs around its first step. A member that misses a round while the group grows (busy
+    # serving the joiner its state, say) is behind and syncs, which takes about two of these
+    # short epochs, and another may miss the next rounds in turn: CI saw partial rounds at
+    # 34, 35 and 36 after a first step at 33 (one process out of 33-34, the joiner of 35-36).
+    after = sorted({int(e) for r in results for e in r["trouble"] if int(e) > first_step})
+    assert len(after) <= 4, [r["trouble"] for r in results]
     troubled = sorted({int(e) for r in results for e in r["trouble"]})
     for e in differ:
         assert any(t <= e < t + 11 for t in troubled), f"epoch {e} differs after no partial round"
