@@ -46,6 +46,32 @@ impl Gone {
     }
 }
 
+/// How long a transfer with a member found down may still take to end by itself (see
+/// [`Gone::unless_gone`]).
+const DOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Gone {
+    /// Runs `transfer` with `member`, but gives up on it (`None`) once `member` is gone and
+    /// the transfer has not ended [`DOWN_GRACE`] later. Not at once: a member is found down
+    /// when its process has exited, and one that finished its round and left may still have
+    /// this peer's result on the way (its socket delivers what it wrote, then the end of the
+    /// stream). Cut off at once, that result was lost (a throttled peer's last round in
+    /// `cli/tests/throttled_link.rs`, half of its runs). A stream to a process that died fails
+    /// by itself as soon as what it holds is read; the grace only bounds one that does not.
+    pub(super) async fn unless_gone<T>(
+        &self,
+        member: MemberIdx,
+        transfer: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        tokio::pin!(transfer);
+        tokio::select! {
+            done = &mut transfer => return Some(done),
+            _ = self.wait_for(member) => {}
+        }
+        tokio::time::timeout(DOWN_GRACE, transfer).await.ok()
+    }
+}
+
 /// How often a round looks for members its node found down.
 const DOWN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 

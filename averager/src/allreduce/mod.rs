@@ -505,10 +505,11 @@ fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, SendTask)> {
         .map(|j| {
             let (round, range) = (round.clone(), round.ranges[j.get()].clone());
             let task = Task::spawn(async move {
-                let sent = tokio::select! {
-                    sent = send_span(&round, j, range.clone(), SendKind::Span) => sent,
-                    _ = round.gone.wait_for(j) => Err(send::SendFail::down()),
-                };
+                let sent = round
+                    .gone
+                    .unless_gone(j, send_span(&round, j, range.clone(), SendKind::Span))
+                    .await
+                    .unwrap_or_else(|| Err(send::SendFail::down()));
                 if sent.as_ref().is_err_and(|e| e.unreachable) {
                     // Its part will not come either: this peer's reduction stops waiting.
                     round.gone.insert(j);
