@@ -63,12 +63,21 @@ impl Gone {
         member: MemberIdx,
         transfer: impl std::future::Future<Output = T>,
     ) -> Option<T> {
+        self.unless_gone_within(member, DOWN_GRACE, transfer).await
+    }
+
+    async fn unless_gone_within<T>(
+        &self,
+        member: MemberIdx,
+        grace: std::time::Duration,
+        transfer: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
         tokio::pin!(transfer);
         tokio::select! {
             done = &mut transfer => return Some(done),
             _ = self.wait_for(member) => {}
         }
-        tokio::time::timeout(DOWN_GRACE, transfer).await.ok()
+        tokio::time::timeout(grace, transfer).await.ok()
     }
 }
 
@@ -89,5 +98,61 @@ pub(super) async fn watch_down(round: Arc<Round>) {
             }
         }
         tokio::time::sleep(DOWN_POLL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::{sleep, Instant};
+
+    use super::*;
+
+    const GRACE: Duration = Duration::from_millis(300);
+
+    #[tokio::test]
+    async fn a_transfer_with_a_member_still_up_runs_to_its_end() {
+        let gone = Gone::default();
+        let m = MemberIdx::of(1);
+        let other = MemberIdx::of(2);
+        gone.insert(other);
+        let transfer = async {
+            sleep(2 * GRACE).await;
+            7
+        };
+        assert_eq!(gone.unless_gone_within(m, GRACE, transfer).await, Some(7));
+    }
+
+    #[tokio::test]
+    async fn a_member_found_down_still_delivers_what_is_on_its_way() {
+        let gone = Gone::default();
+        let m = MemberIdx::of(1);
+        let transfer = async {
+            sleep(GRACE / 3).await;
+            7
+        };
+        let mark = async {
+            sleep(GRACE / 6).await;
+            gone.insert(m);
+        };
+        let (done, ()) = tokio::join!(gone.unless_gone_within(m, GRACE, transfer), mark);
+        assert_eq!(done, Some(7));
+    }
+
+    #[tokio::test]
+    async fn a_stuck_transfer_with_a_member_found_down_ends_after_the_grace() {
+        let gone = Gone::default();
+        let m = MemberIdx::of(1);
+        let started = Instant::now();
+        let mark = async {
+            sleep(GRACE / 3).await;
+            gone.insert(m);
+        };
+        let stuck = std::future::pending::<u32>();
+        let (done, ()) = tokio::join!(gone.unless_gone_within(m, GRACE, stuck), mark);
+        assert_eq!(done, None);
+        let took = started.elapsed();
+        assert!(took >= GRACE + GRACE / 3, "gave up after {took:?}");
     }
 }
