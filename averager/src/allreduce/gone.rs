@@ -9,6 +9,10 @@ use starling_node::lock::lock;
 use super::Round;
 use crate::wire::MemberIdx;
 
+/// How long a transfer with a member found down may still take to end by itself (see
+/// [`Gone::unless_gone`]).
+const DOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Members found unreachable in a round, and a wake-up for the reduction waiting on them.
 #[derive(Default)]
 pub(super) struct Gone {
@@ -44,13 +48,7 @@ impl Gone {
             changed.await;
         }
     }
-}
 
-/// How long a transfer with a member found down may still take to end by itself (see
-/// [`Gone::unless_gone`]).
-const DOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
-
-impl Gone {
     /// Runs `transfer` with `member`, but gives up on it (`None`) once `member` is gone and
     /// the transfer has not ended [`DOWN_GRACE`] later. Not at once: a member is found down
     /// when its process has exited, and one that finished its round and left may still have
@@ -86,8 +84,8 @@ const DOWN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// While a round runs: every member the node finds down ([`starling_node::Node::is_down`]:
 /// its connections dropped and its address refuses, i.e. its process died) is gone. The
-/// sends to it stop (its span is re-delegated) and this peer's reduction stops waiting for
-/// its part, instead of both waiting out the sender and reducer timeouts (seen: 10 s of a
+/// sends to it stop (those that have not ended by themselves [`DOWN_GRACE`] later; its span
+/// is re-delegated) and this peer's reduction stops waiting for its part, instead of both waiting out the sender and reducer timeouts (seen: 10 s of a
 /// round of eight peers when one was SIGKILLed as the round began).
 pub(super) async fn watch_down(round: Arc<Round>) {
     let node = round.env.transport.node().clone();
