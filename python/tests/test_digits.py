@@ -117,9 +117,10 @@ def test_a_late_process_syncs_the_state_and_steps_in_the_others_epoch():
           "others' after it joined", [{e: t for e, t in r["trouble"].items() if int(e) > joined}
                                       for r in results[:3]])
     assert 0 < joined < int(epochs) - 10, "it joined a run under way"
-    # It steps as soon as it has caught up: one to three epochs after the state it downloaded
-    # (a joiner that finds the swarm two epochs ahead syncs again before its first step).
-    assert joined < first_step < joined + 10, "it steps in the run's next epochs"
+    # It steps as soon as it has caught up, a few epochs after the state it downloaded: a
+    # joiner that finds the swarm ahead syncs again before its first step, and each sync takes
+    # about two of these short epochs (2 to 9 epochs in 20 local runs, 4 processes on 2 cores).
+    assert joined < first_step < joined + 16, "it steps in the run's next epochs"
     # From then on it is in the others' groups: every round has all four members but for a few
     # epochs around its first step. A member that misses a round while the group grows (busy
     # serving the joiner its state, say) is behind and syncs, which takes about two of these
