@@ -6,7 +6,8 @@
 //! - A donor killed mid-transfer, or one that corrupts every chunk, does not stop the sync, and
 //!   no corrupted chunk is ever applied.
 //! - A run's only peer, stepping every few milliseconds, waits for a joiner fetching its state
-//!   instead of stepping past it: the joiner syncs once and steps with it at once.
+//!   instead of stepping past it: the joiner syncs once and steps with it at once. A joiner
+//!   whose hello comes while a donor holds its state (about to replace it) gets the new one.
 //! - `measure_sync_of_ten_million_params` (ignored; run it by name) prints the time of a sync of
 //!   10^7 parameters with AdamW state from 3 donors.
 
@@ -209,6 +210,80 @@ async fn chunks_are_spread_over_three_donors() {
         for s in &servers {
             s.shutdown().await;
         }
+        cluster.shutdown().await;
+    })
+    .await;
+}
+
+/// A hold (`StateServer::hold`, what a lone peer takes before it steps) keeps a joiner whose
+/// hello comes meanwhile off the state being left: its session waits, counted as open, and
+/// serves the state that replaces it once the hold ends. A hold that is never released delays
+/// sessions by `HOLD_WAIT` at most; they then serve the state there is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_arriving_during_a_hold_gets_the_state_that_replaces_it() {
+    init_tracing();
+    bounded(Duration::from_secs(120), async {
+        let cluster = LocalCluster::start(2, NodeConfig::default()).await.unwrap();
+        let run = "sync-hold";
+        let cfgs = vec![StateServerConfig::new(run)];
+        let server = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await.remove(0);
+        wait_for_announcements(&cluster.nodes[0], run, 1).await;
+        let (truth, truth_opt) = donor_state(N);
+        let sync = |node: Node| async move {
+            let mut params = ParamSet::new();
+            params.add_zeros("w", &[N]).unwrap();
+            let mut opt = adamw(N);
+            let layout = StateTarget::new(&mut params)
+                .optimizer("opt", &mut opt)
+                .layout();
+            let (synced, _) = sync_state(&node, &sync_cfg("sync-hold"), &layout)
+                .await
+                .unwrap();
+            let epoch = StateTarget::new(&mut params)
+                .optimizer("opt", &mut opt)
+                .apply(&synced)
+                .unwrap();
+            (epoch, params, opt)
+        };
+
+        // Held, then replaced by epoch 6 (other parameters) and released.
+        let hold = server.hold().expect("no session is taking the state");
+        let joiner = tokio::spawn(sync(cluster.nodes[0].clone()));
+        let waited = tokio::time::Instant::now();
+        while server.sessions_open() == 0 && !joiner.is_finished() {
+            assert!(
+                waited.elapsed() < Duration::from_secs(30),
+                "no session opened"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !joiner.is_finished(),
+            "the session did not wait for the hold"
+        );
+        assert_eq!(server.stats().manifests_served, 0);
+        let mut next = truth.clone();
+        next.params_mut().iter_mut().for_each(|p| *p += 1.0);
+        let snapshot = StateView::new(6, &next)
+            .optimizer("opt", &truth_opt)
+            .capture()
+            .unwrap();
+        server.refresh(snapshot).await.unwrap();
+        drop(hold);
+        let (epoch, params, opt) = joiner.await.unwrap();
+        assert_eq!(epoch, 6, "the joiner got the state the hold kept it from");
+        assert!(params.params() == next.params(), "parameters differ");
+        assert!(opt.state() == truth_opt.state(), "optimizer state differs");
+
+        // Held and never released: the session serves what there is after HOLD_WAIT.
+        let _hold = server.hold().expect("no session is taking the state");
+        let started = tokio::time::Instant::now();
+        let (epoch, params, _) = sync(cluster.nodes[0].clone()).await;
+        assert!(started.elapsed() >= starling_training::sync::HOLD_WAIT);
+        assert_eq!(epoch, 6);
+        assert!(params.params() == next.params(), "parameters differ");
+        server.shutdown().await;
         cluster.shutdown().await;
     })
     .await;

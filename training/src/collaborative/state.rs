@@ -16,8 +16,10 @@ use super::{CollaborativeOptimizer, TrainingError};
 const JOIN_POLL: Duration = Duration::from_millis(5);
 /// How long after the joiner's last session closes the lone peer reads the progress for the
 /// joiner's announcement ([`CollaborativeOptimizer::announce`], right after it applies the
-/// state): one DHT write and read, a few milliseconds on a LAN.
-const JOINER_GRACE: Duration = Duration::from_millis(250);
+/// state): one DHT write and read, a few milliseconds on a LAN, but the joiner also applies
+/// the state first, and both peers may share a loaded machine (250 ms was once too short on
+/// CI's two cores). Costs a lone peer this once when whoever fetched its state does not join.
+const JOINER_GRACE: Duration = Duration::from_secs(1);
 
 /// State sync: the donor side and the joiner side.
 impl CollaborativeOptimizer {
@@ -113,12 +115,15 @@ impl CollaborativeOptimizer {
             let _ = previous.await;
         }
         let epoch = self.epoch;
+        // Released once the new state is in (or could not be taken).
+        let hold = self.serve_hold.take();
         match self.state_view(params).capture() {
             Ok(snapshot) => {
                 let refresh = async move {
                     if let Err(e) = server.refresh(snapshot).await {
                         tracing::warn!(epoch, "state sync: serving the new state failed: {e}");
                     }
+                    drop(hold);
                 };
                 self.serving = Some(tokio::spawn(refresh.in_current_span()));
             }
@@ -134,16 +139,25 @@ impl CollaborativeOptimizer {
     /// [`JOINER_GRACE`] for the joiner's announcement; returns the reading if it names another
     /// peer. Without a state server, or when nobody fetched anything since the last look,
     /// returns at once (the reading this peer goes on with may be up to `fetch_interval` old).
+    /// Returning `None` (this peer steps alone), it holds new sessions off the state it is
+    /// leaving until the next one is in ([`StateServer::hold`]): a joiner whose hello comes
+    /// after the look gets the state of this step.
     pub(super) async fn wait_for_joiners(
         &mut self,
     ) -> Result<Option<SwarmProgress>, TrainingError> {
         let Some(server) = self.state_server.clone() else {
             return Ok(None);
         };
+        // Taken before the look: a joiner whose hello comes after it gets the state of the
+        // step this peer is about to take, not the one it leaves.
+        self.serve_hold = None;
+        let hold = server.hold();
         let fetched = server.stats().manifests_served;
-        if server.sessions_open() == 0 && fetched == self.manifests_seen {
+        if hold.is_some() && server.sessions_open() == 0 && fetched == self.manifests_seen {
+            self.serve_hold = hold;
             return Ok(None);
         }
+        drop(hold);
         // The joiner reads this peer's samples as they are (its batch, complete, and no
         // more coming): it takes one batch of its own and joins the round, instead of
         // computing what it would project this peer still computes.
@@ -168,6 +182,7 @@ impl CollaborativeOptimizer {
                 return Ok(Some(swarm));
             }
             if Instant::now() >= grace_end {
+                self.serve_hold = server.hold();
                 return Ok(None);
             }
             tokio::time::sleep(4 * JOIN_POLL).await;

@@ -28,7 +28,7 @@ use starling_dht::now_ms;
 use starling_node::framing::{encode_msg, read_msg, write_msg, write_tagged_frame, FrameError};
 use starling_node::streams::{serve_inbound, InboundLimits};
 use starling_node::{Node, NodeError, PeerId, Stream};
-use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedRwLockWriteGuard, OwnedSemaphorePermit, RwLock, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 use tracing::Instrument;
@@ -160,6 +160,9 @@ struct Shared {
     /// When the last announcement was made.
     announced_at: Mutex<Option<Instant>>,
     sessions: Arc<Semaphore>,
+    /// Read for a moment by each session as it takes the state it serves; written by a
+    /// [`ServeHold`].
+    hold: Arc<RwLock<()>>,
     per_peer: Mutex<HashMap<PeerId, usize>>,
     counters: Counters,
     stop: watch::Receiver<bool>,
@@ -204,6 +207,7 @@ impl StateServer {
         let (stop_tx, stop) = watch::channel(false);
         let shared = Arc::new(Shared {
             sessions: Arc::new(Semaphore::new(cfg.max_sessions)),
+            hold: Arc::new(RwLock::new(())),
             node: node.clone(),
             cfg,
             current: Mutex::new(None),
@@ -329,6 +333,31 @@ impl StateServer {
             .saturating_sub(shared.sessions.available_permits())
     }
 
+    /// Holds new sessions off the state served now, which its owner is about to replace: a
+    /// session opened while the hold lives waits for it to end (at most [`HOLD_WAIT`]) before
+    /// it takes the state it serves, so it gets the replacement. `None` while a session is
+    /// taking the state at this moment (it is then counted by [`StateServer::sessions_open`]).
+    /// The collaborative optimizer, alone in its run, takes one before it looks for joiners
+    /// and keeps it until the state of the step it then takes is in: without it, a joiner
+    /// whose hello came between that look and the step got the state the donor was leaving,
+    /// and had to sync again.
+    ///
+    /// ```no_run
+    /// # async fn demo(server: starling_training::sync::StateServer, params: starling_training::ParamSet) -> Result<(), starling_training::sync::SyncError> {
+    /// use starling_training::sync::StateView;
+    /// if server.sessions_open() == 0 {
+    ///     let hold = server.hold();
+    ///     // ... a step nobody else takes part in ...
+    ///     server.refresh(StateView::new(8, &params).capture()?).await?;
+    ///     drop(hold); // sessions opened meanwhile serve epoch 8
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn hold(&self) -> Option<ServeHold> {
+        let hold = self.inner.shared.hold.clone().try_write_owned().ok()?;
+        Some(ServeHold { _guard: hold })
+    }
+
     /// Counters since the server started.
     pub fn stats(&self) -> ServerStats {
         let c = &self.inner.shared.counters;
@@ -371,6 +400,18 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
     }
+}
+
+/// The longest a new session waits on a [`ServeHold`]: a lone donor's step (an optimizer step
+/// and a copy of its state) takes milliseconds; one that fails before replacing the state
+/// drops its hold with the step.
+pub const HOLD_WAIT: Duration = Duration::from_secs(2);
+
+/// New sessions held off a [`StateServer`]'s state (see [`StateServer::hold`]); released on
+/// drop.
+#[must_use = "the hold ends when this is dropped"]
+pub struct ServeHold {
+    _guard: OwnedRwLockWriteGuard<()>,
 }
 
 /// Publishes what is served now under `{run}.state`, signed by this peer.
@@ -482,8 +523,11 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     }
     let t = shared.cfg.request_timeout;
     let admission = admit(&shared, peer);
-    // The snapshot this session serves: the one its hello announces, kept for the session.
+    // The snapshot this session serves: the one its hello announces, kept for the session;
+    // the next one if its owner holds this one (see `StateServer::hold`).
+    let hold = timeout(HOLD_WAIT, shared.hold.read()).await;
     let pinned = lock(&shared.current).clone();
+    drop(hold);
     if let Some(c) = &pinned {
         hashed(c).await;
     }
