@@ -12,7 +12,9 @@
 //! connection is made, so a peer that pruned the connection on purpose is not dialed back, and
 //! the probe closes before any handshake). If every address *refuses* the connection, the host
 //! is up and nothing listens where the peer did: the peer is marked down for [`DOWN_FOR`] (and
-//! taken out of the routing table, its pending dials aborted). While it is down, every
+//! taken out of the routing table, its pending dials aborted). A probe that connected is made
+//! once more a second later (a peer leaving properly may close its connections before its
+//! listeners). While it is down, every
 //! outbound dial to it is denied at once (this behaviour), so lookups, stream opens and
 //! reachability checks move on without it, and readers of the DHT can skip what it wrote
 //! ([`DownPeers`]). A connection from the peer (it restarted) clears the mark.
@@ -181,6 +183,12 @@ const PROBE_RETRY: Duration = Duration::from_millis(250);
 /// How long one probe connection may take.
 const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A probe that found the peer up is made once more after this: a peer that leaves properly
+/// closes its connections and then its listeners, and a probe sent between the two (the others
+/// probe when its connections close) found it up for good; CI saw one such peer never marked
+/// down.
+const UP_RECHECK: Duration = Duration::from_secs(1);
+
 /// What a probe found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
@@ -222,6 +230,22 @@ pub(crate) async fn probe(addrs: Vec<std::net::SocketAddr>) -> Verdict {
     Verdict::Unknown
 }
 
+/// [`probe`], and once more [`UP_RECHECK`] later if it found the peer up: what the second
+/// finds is the verdict.
+pub(crate) async fn probe_settled(addrs: Vec<std::net::SocketAddr>) -> Verdict {
+    probe_settled_after(addrs, UP_RECHECK).await
+}
+
+async fn probe_settled_after(addrs: Vec<std::net::SocketAddr>, recheck: Duration) -> Verdict {
+    match probe(addrs.clone()).await {
+        Verdict::Up => {
+            tokio::time::sleep(recheck).await;
+            probe(addrs).await
+        }
+        found => found,
+    }
+}
+
 /// The addresses a probe connects to: `addrs`' direct TCP ones (no relay circuits, no QUIC).
 pub(crate) fn probe_addrs<'a>(addrs: impl IntoIterator<Item = &'a Multiaddr>) -> Vec<Multiaddr> {
     use libp2p::multiaddr::Protocol;
@@ -250,6 +274,24 @@ mod tests {
         assert_eq!(probe(vec![closed]).await, Verdict::Down);
         assert_eq!(probe(vec![closed, up]).await, Verdict::Up);
         assert_eq!(probe(Vec::new()).await, Verdict::Unknown);
+    }
+
+    /// A peer leaving properly: its listener closes a moment after the probe found it open.
+    /// The settled probe looks again and finds it refused; one that stays open is up.
+    #[tokio::test]
+    async fn a_settled_probe_finds_a_listener_that_closed_after_the_first_look() {
+        let leaving = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = leaving.local_addr().unwrap();
+        let recheck = Duration::from_millis(300);
+        let closes = async move {
+            tokio::time::sleep(recheck / 3).await;
+            drop(leaving);
+        };
+        let (verdict, ()) = tokio::join!(probe_settled_after(vec![addr], recheck), closes);
+        assert_eq!(verdict, Verdict::Down);
+        let staying = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = staying.local_addr().unwrap();
+        assert_eq!(probe_settled_after(vec![addr], recheck).await, Verdict::Up);
     }
 
     #[test]

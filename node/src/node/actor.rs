@@ -28,7 +28,7 @@ use super::transport::{direct_ip, on_remote_ip, peer_of, tcp_socket};
 use super::{NodeStatus, PutReport};
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::control::StreamUsage;
-use crate::down::{probe, probe_addrs, Verdict};
+use crate::down::{probe_addrs, probe_settled, Verdict};
 use crate::metrics::Metrics;
 use crate::{NodeConfig, NodeError};
 
@@ -335,13 +335,14 @@ impl Actor {
             return;
         }
         self.probes
-            .spawn(async move { (peer, probe(sockets).await) });
+            .spawn(async move { (peer, probe_settled(sockets).await) });
     }
 
     /// A probe of `peer` ended: if every address refused, the peer is down.
     fn on_probed(&mut self, peer: PeerId, verdict: Verdict) {
         tracing::debug!(%peer, ?verdict, "probed");
-        if verdict == Verdict::Down {
+        // (A peer that connected again while its probe ran is up, whatever the probe found.)
+        if verdict == Verdict::Down && !self.swarm.is_connected(&peer) {
             self.mark_down(peer);
         }
     }
