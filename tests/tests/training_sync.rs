@@ -142,10 +142,16 @@ fn sync_cfg(run: &str) -> SyncConfig {
     cfg
 }
 
-/// Syncs `N` parameters into a fresh model on `node`; checks the result is the donors' state
-/// and returns the report.
-async fn sync_and_check(node: &Node, cfg: &SyncConfig) -> (SyncedState, SyncReport) {
-    let (truth, truth_opt) = donor_state(N);
+/// A fresh model of `N` parameters (zeroed) and its AdamW, synced on `node` and applied.
+struct Fresh {
+    epoch: u64,
+    params: ParamSet,
+    opt: AdamW,
+    synced: SyncedState,
+    report: SyncReport,
+}
+
+async fn sync_fresh(node: &Node, cfg: &SyncConfig) -> Fresh {
     let mut params = ParamSet::new();
     params.add_zeros("w", &[N]).unwrap();
     let mut opt = adamw(N);
@@ -157,6 +163,26 @@ async fn sync_and_check(node: &Node, cfg: &SyncConfig) -> (SyncedState, SyncRepo
         .optimizer("opt", &mut opt)
         .apply(&synced)
         .unwrap();
+    Fresh {
+        epoch,
+        params,
+        opt,
+        synced,
+        report,
+    }
+}
+
+/// Syncs `N` parameters into a fresh model on `node`; checks the result is the donors' state
+/// and returns the report.
+async fn sync_and_check(node: &Node, cfg: &SyncConfig) -> (SyncedState, SyncReport) {
+    let (truth, truth_opt) = donor_state(N);
+    let Fresh {
+        epoch,
+        params,
+        opt,
+        synced,
+        report,
+    } = sync_fresh(node, cfg).await;
     assert_eq!(epoch, 5);
     assert!(params.params() == truth.params(), "parameters differ");
     assert!(opt.state() == truth_opt.state(), "optimizer state differs");
@@ -229,22 +255,7 @@ async fn a_joiner_arriving_during_a_hold_gets_the_state_that_replaces_it() {
         let server = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await.remove(0);
         wait_for_announcements(&cluster.nodes[0], run, 1).await;
         let (truth, truth_opt) = donor_state(N);
-        let sync = |node: Node| async move {
-            let mut params = ParamSet::new();
-            params.add_zeros("w", &[N]).unwrap();
-            let mut opt = adamw(N);
-            let layout = StateTarget::new(&mut params)
-                .optimizer("opt", &mut opt)
-                .layout();
-            let (synced, _) = sync_state(&node, &sync_cfg("sync-hold"), &layout)
-                .await
-                .unwrap();
-            let epoch = StateTarget::new(&mut params)
-                .optimizer("opt", &mut opt)
-                .apply(&synced)
-                .unwrap();
-            (epoch, params, opt)
-        };
+        let sync = |node: Node| async move { sync_fresh(&node, &sync_cfg("sync-hold")).await };
 
         // Held, then replaced by epoch 6 (other parameters) and released.
         let hold = server.hold().expect("no session is taking the state");
@@ -271,18 +282,24 @@ async fn a_joiner_arriving_during_a_hold_gets_the_state_that_replaces_it() {
             .unwrap();
         server.refresh(snapshot).await.unwrap();
         drop(hold);
-        let (epoch, params, opt) = joiner.await.unwrap();
-        assert_eq!(epoch, 6, "the joiner got the state the hold kept it from");
-        assert!(params.params() == next.params(), "parameters differ");
-        assert!(opt.state() == truth_opt.state(), "optimizer state differs");
+        let got = joiner.await.unwrap();
+        assert_eq!(
+            got.epoch, 6,
+            "the joiner got the state the hold kept it from"
+        );
+        assert!(got.params.params() == next.params(), "parameters differ");
+        assert!(
+            got.opt.state() == truth_opt.state(),
+            "optimizer state differs"
+        );
 
         // Held and never released: the session serves what there is after HOLD_WAIT.
         let _hold = server.hold().expect("no session is taking the state");
         let started = tokio::time::Instant::now();
-        let (epoch, params, _) = sync(cluster.nodes[0].clone()).await;
+        let got = sync(cluster.nodes[0].clone()).await;
         assert!(started.elapsed() >= starling_training::sync::HOLD_WAIT);
-        assert_eq!(epoch, 6);
-        assert!(params.params() == next.params(), "parameters differ");
+        assert_eq!(got.epoch, 6);
+        assert!(got.params.params() == next.params(), "parameters differ");
         server.shutdown().await;
         cluster.shutdown().await;
     })
