@@ -90,6 +90,18 @@ impl CollaborativeOptimizer {
         &mut self,
         params: &mut ParamSet,
     ) -> Result<StepReport, TrainingError> {
+        let report = self.global_step_if_ready(params).await;
+        // A hold on the served state (`wait_for_joiners`) taken for a step that did not
+        // happen (an error, or behind) ends here; a step taken handed it to its state's
+        // refresh.
+        self.serve_hold = None;
+        report
+    }
+
+    async fn global_step_if_ready(
+        &mut self,
+        params: &mut ParamSet,
+    ) -> Result<StepReport, TrainingError> {
         // Delayed update: a round that finished meanwhile is applied first. While one is in
         // flight the swarm's reports of the next epoch cannot be in yet (every member of the
         // round publishes when its round ends): nothing to read unless this peer alone has the

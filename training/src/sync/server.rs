@@ -403,8 +403,8 @@ impl Drop for Inner {
 }
 
 /// The longest a new session waits on a [`ServeHold`]: a lone donor's step (an optimizer step
-/// and a copy of its state) takes milliseconds; one that fails before replacing the state
-/// drops its hold with the step.
+/// and a copy of its state) takes milliseconds, and the collaborative optimizer drops its hold
+/// when its step call returns, stepped or not; this bounds a holder that does not.
 pub const HOLD_WAIT: Duration = Duration::from_secs(2);
 
 /// New sessions held off a [`StateServer`]'s state (see [`StateServer::hold`]); released on
@@ -525,7 +525,11 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     let admission = admit(&shared, peer);
     // The snapshot this session serves: the one its hello announces, kept for the session;
     // the next one if its owner holds this one (see `StateServer::hold`).
-    let hold = timeout(HOLD_WAIT, shared.hold.read()).await;
+    // (A session refused as busy is answered at once.)
+    let hold = match &admission {
+        Some(_) => timeout(HOLD_WAIT, shared.hold.read()).await.ok(),
+        None => None,
+    };
     let pinned = lock(&shared.current).clone();
     drop(hold);
     if let Some(c) = &pinned {
