@@ -255,7 +255,7 @@ async fn a_joiner_arriving_during_a_hold_gets_the_state_that_replaces_it() {
         let server = serve(&cluster.nodes[1..], run, CHUNK, cfgs).await.remove(0);
         wait_for_announcements(&cluster.nodes[0], run, 1).await;
         let (truth, truth_opt) = donor_state(N);
-        let sync = |node: Node| async move { sync_fresh(&node, &sync_cfg("sync-hold")).await };
+        let sync = |node: Node| async move { sync_fresh(&node, &sync_cfg(run)).await };
 
         // Held, then replaced by epoch 6 (other parameters) and released.
         let hold = server.hold().expect("no session is taking the state");

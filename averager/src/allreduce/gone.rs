@@ -85,8 +85,9 @@ const DOWN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 /// While a round runs: every member the node finds down ([`starling_node::Node::is_down`]:
 /// its connections dropped and its address refuses, i.e. its process died) is gone. The
 /// sends to it stop (those that have not ended by themselves [`DOWN_GRACE`] later; its span
-/// is re-delegated) and this peer's reduction stops waiting for its part, instead of both waiting out the sender and reducer timeouts (seen: 10 s of a
-/// round of eight peers when one was SIGKILLed as the round began).
+/// is re-delegated) and this peer's reduction stops waiting for its part, instead of both
+/// waiting out the sender and reducer timeouts (seen: 10 s of a round of eight peers when one
+/// was SIGKILLed as the round began).
 pub(super) async fn watch_down(round: Arc<Round>) {
     let node = round.env.transport.node().clone();
     loop {

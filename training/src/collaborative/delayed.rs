@@ -266,7 +266,7 @@ impl CollaborativeOptimizer {
         self.optimizer.step(params.params_mut(), &finished.grads)?;
         report.timings.optimizer = applied_at.elapsed();
         self.spare = finished.grads;
-        self.refresh_served_state(params).await;
+        self.refresh_served_state(params, None).await;
         if self
             .swarm
             .as_ref()

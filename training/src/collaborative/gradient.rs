@@ -2,6 +2,7 @@
 //! then one averaging round (or, with the delayed update, one in the background) and the
 //! shared optimizer step; `try_step` for a peer that waits without adding samples.
 
+use super::state::Lone;
 use super::*;
 
 impl CollaborativeOptimizer {
@@ -90,18 +91,6 @@ impl CollaborativeOptimizer {
         &mut self,
         params: &mut ParamSet,
     ) -> Result<StepReport, TrainingError> {
-        let report = self.global_step_if_ready(params).await;
-        // A hold on the served state (`wait_for_joiners`) taken for a step that did not
-        // happen (an error, or behind) ends here; a step taken handed it to its state's
-        // refresh.
-        self.serve_hold = None;
-        report
-    }
-
-    async fn global_step_if_ready(
-        &mut self,
-        params: &mut ParamSet,
-    ) -> Result<StepReport, TrainingError> {
         // Delayed update: a round that finished meanwhile is applied first. While one is in
         // flight the swarm's reports of the next epoch cannot be in yet (every member of the
         // round publishes when its round ends): nothing to read unless this peer alone has the
@@ -184,10 +173,14 @@ impl CollaborativeOptimizer {
                     *g = *m;
                 });
         }
+        // Held off new joiners from the look for them until this step's state is served; let
+        // go at once on any return before that.
+        let mut hold = None;
         if report.swarm.as_ref().is_some_and(|s| s.peers <= 1) {
             // Alone, but perhaps a joiner is fetching this peer's state: it joins this round.
-            if let Some(swarm) = self.wait_for_joiners().await? {
-                report.swarm = Some(swarm);
+            match self.wait_for_joiners().await? {
+                Lone::Joined(swarm) => report.swarm = Some(swarm),
+                Lone::Alone(held) => hold = held,
             }
         }
         // Every live peer searches about now: a group of them need not wait out the window.
@@ -288,7 +281,7 @@ impl CollaborativeOptimizer {
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;
         let stepped_at = Instant::now();
-        self.refresh_served_state(params).await;
+        self.refresh_served_state(params, hold).await;
         // The others learn of the new epoch now.
         self.publish_in_background().await?;
         tracing::debug!(

@@ -83,7 +83,7 @@ impl CollaborativeOptimizer {
         self.inner = 0;
         self.samples = 0;
         self.swarm = None;
-        self.refresh_served_state(params).await;
+        self.refresh_served_state(params, None).await;
         let published = self.tracker.publish(self.local_progress()).await;
         self.tolerate(published)?;
         report.epoch = self.epoch;

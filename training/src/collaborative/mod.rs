@@ -188,9 +188,6 @@ pub struct CollaborativeOptimizer {
     serving: Option<tokio::task::JoinHandle<()>>,
     /// The state server's manifests served at the last look (see `wait_for_joiners`).
     manifests_seen: u64,
-    /// New joiners' sessions held off the served state from a lone peer's look for joiners
-    /// until its next state is in (see `wait_for_joiners`).
-    serve_hold: Option<crate::sync::ServeHold>,
     /// Delayed update: the round in flight.
     pending: Option<delayed::Pending>,
     /// Delayed update: rounds dropped unapplied (state replaced), awaited at shutdown.
@@ -329,7 +326,6 @@ impl CollaborativeOptimizer {
             node_metrics,
             serving: None,
             manifests_seen: 0,
-            serve_hold: None,
             pending: None,
             cancelled: Vec::new(),
             spare: Vec::new(),

@@ -8,7 +8,7 @@ use tracing::Instrument;
 
 use crate::params::ParamSet;
 use crate::progress::SwarmProgress;
-use crate::sync::{StateServer, StateTarget, StateView, SyncError, SyncedState};
+use crate::sync::{ServeHold, StateServer, StateTarget, StateView, SyncError, SyncedState};
 
 use super::{CollaborativeOptimizer, TrainingError};
 
@@ -20,6 +20,16 @@ const JOIN_POLL: Duration = Duration::from_millis(5);
 /// the state first, and both peers may share a loaded machine (250 ms was once too short on
 /// CI's two cores). Costs a lone peer this once when whoever fetched its state does not join.
 const JOINER_GRACE: Duration = Duration::from_secs(1);
+
+/// What a run's only peer found when it looked for joiners (see
+/// [`CollaborativeOptimizer::wait_for_joiners`]).
+pub(super) enum Lone {
+    /// A joiner announced itself: the progress that names it.
+    Joined(SwarmProgress),
+    /// Still alone: it steps, holding new joiners off the state it leaves (`None` without a
+    /// state server, or while a session was taking the state at that instant).
+    Alone(Option<ServeHold>),
+}
 
 /// State sync: the donor side and the joiner side.
 impl CollaborativeOptimizer {
@@ -37,7 +47,7 @@ impl CollaborativeOptimizer {
     /// ```
     pub async fn serve_state(&mut self, server: StateServer, params: &ParamSet) {
         self.state_server = Some(server);
-        self.refresh_served_state(params).await;
+        self.refresh_served_state(params, None).await;
         // The first state is served when this returns.
         if let Some(task) = self.serving.take() {
             let _ = task.await;
@@ -106,8 +116,13 @@ impl CollaborativeOptimizer {
     /// Gives the state server, if any, the state at this step boundary: the copy is taken
     /// now and handed over in the background (the first one is hashed and announced there),
     /// so the step does not wait, unless the previous refresh still runs: that one is waited
-    /// for first, so refreshes land in order and the last state is always served.
-    pub(super) async fn refresh_served_state(&mut self, params: &ParamSet) {
+    /// for first, so refreshes land in order and the last state is always served. `hold`
+    /// (from [`Self::wait_for_joiners`]) ends once the new state is in.
+    pub(super) async fn refresh_served_state(
+        &mut self,
+        params: &ParamSet,
+        hold: Option<ServeHold>,
+    ) {
         let Some(server) = self.state_server.clone() else {
             return;
         };
@@ -115,8 +130,6 @@ impl CollaborativeOptimizer {
             let _ = previous.await;
         }
         let epoch = self.epoch;
-        // Released once the new state is in (or could not be taken).
-        let hold = self.serve_hold.take();
         match self.state_view(params).capture() {
             Ok(snapshot) => {
                 let refresh = async move {
@@ -139,23 +152,19 @@ impl CollaborativeOptimizer {
     /// [`JOINER_GRACE`] for the joiner's announcement; returns the reading if it names another
     /// peer. Without a state server, or when nobody fetched anything since the last look,
     /// returns at once (the reading this peer goes on with may be up to `fetch_interval` old).
-    /// Returning `None` (this peer steps alone), it holds new sessions off the state it is
-    /// leaving until the next one is in ([`StateServer::hold`]): a joiner whose hello comes
-    /// after the look gets the state of this step.
-    pub(super) async fn wait_for_joiners(
-        &mut self,
-    ) -> Result<Option<SwarmProgress>, TrainingError> {
+    /// Alone, it returns a hold on the state it is leaving ([`StateServer::hold`]) for the
+    /// caller to keep until its step's state is in: a joiner whose hello comes after the look
+    /// gets the state of this step.
+    pub(super) async fn wait_for_joiners(&mut self) -> Result<Lone, TrainingError> {
         let Some(server) = self.state_server.clone() else {
-            return Ok(None);
+            return Ok(Lone::Alone(None));
         };
         // Taken before the look: a joiner whose hello comes after it gets the state of the
         // step this peer is about to take, not the one it leaves.
-        self.serve_hold = None;
         let hold = server.hold();
         let fetched = server.stats().manifests_served;
         if hold.is_some() && server.sessions_open() == 0 && fetched == self.manifests_seen {
-            self.serve_hold = hold;
-            return Ok(None);
+            return Ok(Lone::Alone(hold));
         }
         drop(hold);
         // The joiner reads this peer's samples as they are (its batch, complete, and no
@@ -179,11 +188,10 @@ impl CollaborativeOptimizer {
                     waited_ms = started.elapsed().as_secs_f64() * 1e3,
                     "waited for a joiner fetching this peer's state instead of stepping alone"
                 );
-                return Ok(Some(swarm));
+                return Ok(Lone::Joined(swarm));
             }
             if Instant::now() >= grace_end {
-                self.serve_hold = server.hold();
-                return Ok(None);
+                return Ok(Lone::Alone(server.hold()));
             }
             tokio::time::sleep(4 * JOIN_POLL).await;
         }

@@ -403,8 +403,9 @@ impl Drop for Inner {
 }
 
 /// The longest a new session waits on a [`ServeHold`]: a lone donor's step (an optimizer step
-/// and a copy of its state) takes milliseconds, and the collaborative optimizer drops its hold
-/// when its step call returns, stepped or not; this bounds a holder that does not.
+/// and a copy of its state) takes milliseconds, and the collaborative optimizer's hold ends
+/// with its step (at once when it does not step after all); this bounds a holder that does
+/// not let go.
 pub const HOLD_WAIT: Duration = Duration::from_secs(2);
 
 /// New sessions held off a [`StateServer`]'s state (see [`StateServer::hold`]); released on
