@@ -493,6 +493,7 @@ impl Node {
             .await;
         self.metrics
             .observe_query("put", put.is_ok(), started.elapsed());
+        tracing::debug!(target: "starling_node::query", key, kind = "put", ok = put.is_ok(), took = ?started.elapsed());
         put
     }
 
@@ -575,6 +576,7 @@ impl Node {
         };
         self.metrics
             .observe_query(label, got.is_ok(), started.elapsed());
+        tracing::debug!(target: "starling_node::query", key, kind = label, ok = got.is_ok(), took = ?started.elapsed());
         got
     }
 
