@@ -276,9 +276,13 @@ impl Metrics {
         &self.inner.node
     }
 
-    /// Records how long a DHT query of `kind` (`get`, `put`) took.
-    pub(crate) fn observe_query(&self, kind: &'static str, ok: bool, took: Duration) {
+    /// Records how long a DHT query of `kind` (`get`, `put`) on `key` took (the latency
+    /// histogram, and a debug line under the target `starling_node::query`).
+    pub(crate) fn observe_query(&self, kind: &'static str, key: &str, ok: bool, took: Duration) {
         let outcome = if ok { "ok" } else { "error" };
+        // Which key each operation went to, for counting a run's operations from its log
+        // (`RUST_LOG=starling_node::query=debug`); the histogram has no key label.
+        tracing::debug!(target: "starling_node::query", key, kind, outcome, ?took);
         self.inner
             .node
             .query_seconds

@@ -492,8 +492,7 @@ impl Node {
             })
             .await;
         self.metrics
-            .observe_query("put", put.is_ok(), started.elapsed());
-        tracing::debug!(target: "starling_node::query", key, kind = "put", ok = put.is_ok(), took = ?started.elapsed());
+            .observe_query("put", key, put.is_ok(), started.elapsed());
         put
     }
 
@@ -575,8 +574,7 @@ impl Node {
             GetMode::Latest => "get",
         };
         self.metrics
-            .observe_query(label, got.is_ok(), started.elapsed());
-        tracing::debug!(target: "starling_node::query", key, kind = label, ok = got.is_ok(), took = ?started.elapsed());
+            .observe_query(label, key, got.is_ok(), started.elapsed());
         got
     }
 
