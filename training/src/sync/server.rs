@@ -527,9 +527,10 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
     // The snapshot this session serves: the one its hello announces, kept for the session;
     // the next one if its owner holds this one (see `StateServer::hold`).
     // (A session refused as busy is answered at once.)
-    let hold = match &admission {
-        Some(_) => timeout(HOLD_WAIT, shared.hold.read()).await.ok(),
-        None => None,
+    let hold = if admission.is_some() {
+        timeout(HOLD_WAIT, shared.hold.read()).await.ok()
+    } else {
+        None
     };
     let pinned = lock(&shared.current).clone();
     drop(hold);
