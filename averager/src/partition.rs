@@ -193,6 +193,34 @@ pub fn spans(total: usize, fractions: &[f64]) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// [`spans`] laid out from member `first` on (then `first + 1`, ..., wrapping around):
+/// `result[i]` is still member `i`'s span and the sizes are those of `fractions`, but which
+/// member holds the start of the vector moves with `first`. A round lays its spans out from an
+/// offset taken from its id, so that no member reduces the same part of the vector in every
+/// round of a group that re-forms with the same members in the same order: a reducer whose
+/// results are lost, or one that lies, lands on other parameters from one round to the next
+/// (a lie that always landed on the last layer's weights, whose uniform shift a softmax does
+/// not see, passed for harmless).
+///
+/// ```
+/// use starling_averager::partition::rotated_spans;
+/// assert_eq!(rotated_spans(10, &[0.5, 0.0, 0.5], 0), vec![0..5, 5..5, 5..10]);
+/// assert_eq!(rotated_spans(10, &[0.5, 0.0, 0.5], 2), vec![5..10, 10..10, 0..5]);
+/// ```
+pub fn rotated_spans(total: usize, fractions: &[f64], first: usize) -> Vec<Range<usize>> {
+    let n = fractions.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let first = first % n;
+    let order: Vec<f64> = (0..n).map(|k| fractions[(first + k) % n]).collect();
+    let mut out = vec![0..0; n];
+    for (k, r) in spans(total, &order).into_iter().enumerate() {
+        out[(first + k) % n] = r;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +236,35 @@ mod tests {
                 Client => 1.0 / bw[i],
             })
             .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn rotated_spans_tile_the_vector_with_each_members_share() {
+        let fractions = [0.1, 0.0, 0.3, 0.6];
+        for first in 0..9 {
+            let r = rotated_spans(1001, &fractions, first);
+            assert_eq!(r.len(), 4);
+            // Every element in exactly one span, the spans contiguous in rotated order.
+            let mut sorted = r.clone();
+            sorted.sort_by_key(|s| (s.start, s.end));
+            let mut at = 0;
+            for s in &sorted {
+                assert_eq!(s.start, at, "first {first}: {r:?}");
+                at = s.end;
+            }
+            assert_eq!(at, 1001);
+            // Sizes within one element of the exact share, and none for a zero fraction.
+            for (s, f) in r.iter().zip(fractions) {
+                assert!((s.len() as f64 - f * 1001.0).abs() < 1.0, "{r:?}");
+            }
+            assert!(r[1].is_empty());
+            // The vector starts with member `first` (or the next member with a share).
+            let head = (0..4)
+                .map(|k| (first + k) % 4)
+                .find(|&m| fractions[m] > 0.0);
+            assert_eq!(r[head.unwrap()].start, 0, "first {first}: {r:?}");
+        }
+        assert_eq!(rotated_spans(5, &[], 3), Vec::<Range<usize>>::new());
     }
 
     #[test]

@@ -31,7 +31,7 @@ use tracing::Instrument;
 
 use crate::config::{AveragerConfig, AveragingMode, Fault};
 use crate::group::Group;
-use crate::partition::spans;
+use crate::partition::rotated_spans;
 use crate::pool::{BufPool, PoolBuf};
 use crate::router::{Registration, RoundQueues, Router};
 use crate::transport::Transport;
@@ -318,7 +318,13 @@ async fn run(
         // Nobody may reduce (all clients): nothing to do, everyone keeps its values.
         return Outcome::nothing(peers);
     };
-    let ranges = spans(flat.len(), &fractions);
+    // Laid out from a member the round's id picks (every member derives the same), so that a
+    // group re-forming in the same order moves each member's span from round to round.
+    let ranges = rotated_spans(
+        flat.len(),
+        &fractions,
+        (group.round_id % n.max(1) as u64) as usize,
+    );
     let (registration, queues) = env.router.register_round(group.round_id, n);
     let RoundQueues {
         senders,
