@@ -225,8 +225,10 @@ impl Averager {
     /// example the live peers of a training run as its progress records say. A leader then
     /// starts its group as soon as it has `min(peers, target_group_size)` members (never fewer
     /// than `min_group_size`) instead of waiting out its matchmaking window for a group that
-    /// cannot fill; peers that arrive later average in a later round. `None` (the default)
-    /// waits for `target_group_size` or the window's end.
+    /// cannot fill; peers that arrive later average in a later round. A previous group that
+    /// held that many peers re-forms around its smallest peer id without reading the group key
+    /// (see the crate docs, "Matchmaking"). `None` (the default) waits for `target_group_size`
+    /// or the window's end.
     ///
     /// ```no_run
     /// # async fn demo(averager: starling_averager::Averager) {

@@ -67,6 +67,16 @@
 //! declaration (a follower may have read an older one). Join requests are answered by the
 //! searching task itself, so a peer is never both leading and following.
 //!
+//! **A group that held the whole swarm re-forms without reading the key.** When a peer's
+//! previous group held every peer the caller expects ([`Averager::expect_peers`], which the
+//! collaborative optimizer sets from the run's progress), its members take the smallest peer id
+//! among them as leader without a word. Everyone still declares; the leader reads the key only
+//! after 25 ms, accepts its previous members whatever their rank and begins as soon as all of
+//! them joined; the others ask it directly instead of reading (again every 5 ms while it is not
+//! searching yet) and search as above when it answers otherwise or after half the start grace.
+//! A stable pair's step then makes four DHT operations on the key instead of six. Without a
+//! hint (`expect_peers` never called) every search reads.
+//!
 //! **A lone peer gives up after one window**: if nobody else searched under its key for a whole
 //! window, the step returns [`AveragerError::NoGroup`] with `alone: true` instead of searching
 //! until the deadline, and training goes on with local values. If other peers of the run were

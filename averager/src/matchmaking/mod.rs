@@ -57,6 +57,8 @@ pub(crate) struct Matchmaker {
 enum FollowError {
     /// Try this leader again shortly.
     Busy,
+    /// The leader is not searching under the key.
+    NotSearching,
     /// Do not ask this leader again in this search.
     Refused(String),
 }
@@ -74,6 +76,9 @@ pub(crate) async fn find_group(
     let (_registration, mut rx) = mm.router.register_search(group_key);
     let cfg = &mm.config;
     let node = mm.transport.node();
+    let subkey = node.owner_marker();
+    // Only the first window may re-form the previous group without reading the key.
+    let mut first = true;
     loop {
         let now = Instant::now();
         let window_end = (now + cfg.matchmaking_time).min(deadline);
@@ -85,28 +90,6 @@ pub(crate) async fn find_group(
             });
         }
         let window_end_ms = now_ms() + (window_end - now).as_millis() as u64;
-        let declaration = Declaration {
-            info: me.clone(),
-            window_end: window_end_ms,
-        };
-        // Under our owner marker: signed by the node, so nobody else can overwrite it. The DHT
-        // keeps the entry that expires last, so this one must outlive every entry this peer
-        // wrote before under the key, closed ones included (a window cut short by the deadline
-        // can end before the last one did); readers go by `window_end`, not by the expiration.
-        let subkey = node.owner_marker();
-        let expiration = window_end_ms.max(mm.declared_until.load(Ordering::Acquire) + 1);
-        mm.declared_until.fetch_max(expiration, Ordering::AcqRel);
-        match timeout(
-            cfg.request_timeout,
-            node.store(group_key, &subkey, &declaration, expiration),
-        )
-        .await
-        .unwrap_or(Err(NodeError::Timeout("declare")))
-        {
-            Ok(_) => {}
-            Err(NodeError::Closed) => return Err(NodeError::Closed.into()),
-            Err(e) => tracing::debug!("declaring under {group_key}: {e}"),
-        }
         // A window that ended in a group, or behind another round: nobody should wait for
         // this peer's declaration any longer.
         let close = || {
@@ -120,7 +103,18 @@ pub(crate) async fn find_group(
                 cfg.request_timeout,
             );
         };
-        match run_window(mm, group_key, &me, window_end, window_end_ms, &mut rx).await? {
+        let sticky = std::mem::replace(&mut first, false);
+        let window = run_window(
+            mm,
+            group_key,
+            &me,
+            window_end,
+            window_end_ms,
+            sticky,
+            &mut rx,
+        )
+        .await?;
+        match window {
             Window::Group(group) => {
                 close();
                 return Ok(group);
@@ -182,15 +176,52 @@ fn params(cfg: &AveragerConfig, swarm: Option<usize>) -> Params {
     }
 }
 
+/// Declares this peer under `group_key` until `window_end_ms`, under its owner marker: signed
+/// by the node, so nobody else can overwrite it. The DHT keeps the entry that expires last, so
+/// this one must outlive every entry this peer wrote before under the key, closed ones included
+/// (a window cut short by the deadline can end before the last one did); readers go by
+/// `window_end`, not by the expiration. A failed store is logged (the search goes on: others
+/// may still find this peer through its join requests); only a closed node is an error.
+async fn declare(
+    mm: &Matchmaker,
+    group_key: &str,
+    me: &MemberInfo,
+    window_end_ms: u64,
+) -> Result<(), AveragerError> {
+    let node = mm.transport.node();
+    let declaration = Declaration {
+        info: me.clone(),
+        window_end: window_end_ms,
+    };
+    let expiration = window_end_ms.max(mm.declared_until.load(Ordering::Acquire) + 1);
+    mm.declared_until.fetch_max(expiration, Ordering::AcqRel);
+    match timeout(
+        mm.config.request_timeout,
+        node.store(group_key, &node.owner_marker(), &declaration, expiration),
+    )
+    .await
+    .unwrap_or(Err(NodeError::Timeout("declare")))
+    {
+        Ok(_) => Ok(()),
+        Err(NodeError::Closed) => Err(NodeError::Closed.into()),
+        Err(e) => {
+            tracing::debug!("declaring under {group_key}: {e}");
+            Ok(())
+        }
+    }
+}
+
 /// One search window: drives the pure state machine of [`proto`] (which decides) with the
 /// router's join requests, the request to a leader, DHT reads and the clock, and carries out
-/// its actions on streams.
+/// its actions on streams. `sticky`: the window may re-form the previous group without reads
+/// ([`Search::sticky`]).
 async fn run_window(
     mm: &Matchmaker,
     group_key: &str,
     me: &MemberInfo,
     window_end: Instant,
     window_end_ms: u64,
+    sticky: bool,
     rx: &mut mpsc::Receiver<IncomingJoin>,
 ) -> Result<Window, AveragerError> {
     let cfg = &mm.config;
@@ -207,6 +238,12 @@ async fn run_window(
         0,
         end,
     );
+    // The leader of a re-forming group must be up (a crashed one is found down
+    // at once; asking it would cost its members a request timeout).
+    if sticky && !mm.previous.iter().any(|p| node.is_down(p)) {
+        search = search.sticky();
+    }
+    declare(mm, group_key, me, window_end_ms).await?;
     // Join requests by the id the state machine knows them by: waiting for their answer, or
     // accepted (followers, answered again at begin or disband).
     let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();
@@ -330,6 +367,7 @@ async fn run_window(
                     }
                     Ok(None) => Asked::Disbanded,
                     Err(FollowError::Busy) => Asked::Busy,
+                    Err(FollowError::NotSearching) => Asked::NotSearching,
                     Err(FollowError::Refused(why)) => {
                         tracing::trace!(me = %short(&me.peer_id), "join refused: {why}");
                         Asked::Refused(why)
@@ -561,6 +599,7 @@ async fn follow_inner(
         MatchMsg::Rejected(reason) => {
             return Err(match proto::on_reject(reason) {
                 Asked::Busy => FollowError::Busy,
+                Asked::NotSearching => FollowError::NotSearching,
                 _ => FollowError::Refused(format!("{reason:?}")),
             })
         }

@@ -47,6 +47,9 @@ pub(super) struct Scenario {
     pub target_group_size: usize,
     /// The seed.
     pub seed: u64,
+    /// Whether a group that held the whole swarm re-forms without reading the key
+    /// ([`Search::sticky`]), as the averager does.
+    pub sticky: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -125,6 +128,12 @@ pub(super) struct Sim {
     pub alone: usize,
     pub waited_out: usize,
     pub deaths: usize,
+    /// DHT operations on the group key over the run: stores (declarations and closes), reads.
+    pub stores: usize,
+    pub reads: usize,
+    /// The live peers at the start of the step (what the training layer's progress tells the
+    /// averager: [`Params::swarm`]).
+    swarm_now: usize,
 }
 
 impl Sim {
@@ -187,12 +196,21 @@ impl Sim {
             violations: vec![],
             trace: std::env::var("STARLING_SIM_TRACE")
                 .ok()
-                .and_then(|v| v.parse().ok())
+                .and_then(|v| {
+                    if v == "all" {
+                        Some(usize::MAX)
+                    } else {
+                        v.parse().ok()
+                    }
+                })
                 .map(|p| (p, vec![])),
             grouped: 0,
             alone: 0,
             waited_out: 0,
             deaths: 0,
+            stores: 0,
+            reads: 0,
+            swarm_now: 0,
         }
     }
 
@@ -205,8 +223,8 @@ impl Sim {
             // As the averager reads: soon at first, then every refresh.
             first_refresh_ms: 25,
             busy_backoff_ms: 150,
-            // What the training layer passes: every peer of the scenario.
-            swarm: Some(self.peers.len()),
+            // What the training layer passes: the live peers of the swarm.
+            swarm: Some(self.swarm_now),
         }
     }
 
@@ -228,6 +246,7 @@ impl Sim {
             let live: Vec<usize> = (0..self.peers.len())
                 .filter(|&i| self.peers[i].alive && self.peers[i].from_step <= step)
                 .collect();
+            self.swarm_now = live.len();
             for &i in &live {
                 self.peers[i].log = StepLog::default();
                 // Most reach the step together; a few late (within the grace or well after).
@@ -264,9 +283,16 @@ impl Sim {
                 let now = self.now;
                 self.peers[p].log.started = Some(now);
                 self.peers[p].deadline = now + 3 * WINDOW_MS;
-                self.open_window(p);
+                self.open_window(p, true);
             }
-            Ev::Wake(p, g) if self.current(p, g) => self.feed(p, Event::Tick),
+            Ev::Wake(p, g) if self.current(p, g) => {
+                // The wake-up scheduled for now has come: a later one at the same time must be
+                // scheduled anew (else a search that wants a tick now again never gets one).
+                if self.peers[p].wake_at == Some(self.now) {
+                    self.peers[p].wake_at = None;
+                }
+                self.feed(p, Event::Tick)
+            }
             Ev::ReadDone(p, g, entries) if self.current(p, g) => {
                 self.feed(p, Event::Read(Some(entries)))
             }
@@ -313,34 +339,44 @@ impl Sim {
         self.peers[f].alive && self.peers[f].asking == Some((l, req))
     }
 
-    /// A window of the step's search (the shell's `find_group` loop): declare, then search.
-    fn open_window(&mut self, p: usize) {
+    /// A window of the step's search (the shell's `find_group` loop): declare, then search (the
+    /// step's first window may re-form the previous group, [`Search::sticky`]).
+    fn open_window(&mut self, p: usize, first: bool) {
         let now = self.now;
         let end = (now + WINDOW_MS).min(self.peers[p].deadline);
         if end <= now + 50 {
             return self.finish(p);
         }
-        let decl = Declaration {
-            info: self.peers[p].info.clone(),
-            window_end: end,
-        };
-        self.store(p, decl);
         let params = self.params();
         let peer = &mut self.peers[p];
-        peer.window_end = end;
-        peer.generation += 1;
-        peer.search = Some(Search::new(
+        let mut search = Search::new(
             params,
             peer.info.clone(),
             end,
             peer.previous.clone(),
             now,
             end,
-        ));
+        );
+        if first && self.scenario.sticky {
+            search = search.sticky();
+        }
+        peer.window_end = end;
+        peer.generation += 1;
+        peer.search = Some(search);
+        self.declare(p);
         self.feed(p, Event::Tick);
     }
 
+    fn declare(&mut self, p: usize) {
+        let decl = Declaration {
+            info: self.peers[p].info.clone(),
+            window_end: self.peers[p].window_end,
+        };
+        self.store(p, decl);
+    }
+
     fn store(&mut self, p: usize, decl: Declaration) {
+        self.stores += 1;
         let delay = self.rng.gen_range(5..60) + self.peers[p].latency;
         let t = self.now + delay;
         self.dht.entry(p).or_default().push((t, decl));
@@ -366,15 +402,19 @@ impl Sim {
 
     fn note(&mut self, p: usize, what: String) {
         if let Some((who, log)) = self.trace.as_mut() {
-            if *who == p {
-                log.push(format!("{} {what}", self.now % 100_000));
+            if *who == p || *who == usize::MAX {
+                log.push(format!("{} [{p}] {what}", self.now % 100_000));
             }
         }
     }
 
     fn feed(&mut self, p: usize, event: Event) {
         let now = self.now;
-        if self.trace.as_ref().is_some_and(|(w, _)| *w == p) {
+        if self
+            .trace
+            .as_ref()
+            .is_some_and(|(w, _)| *w == p || *w == usize::MAX)
+        {
             let short = |id: &[u8]| self.by_id.get(id).copied();
             let what = match &event {
                 Event::Join { info, .. } => format!("join from {:?}", short(&info.peer_id)),
@@ -393,7 +433,11 @@ impl Sim {
             return;
         };
         let actions = search.handle(now, event);
-        if self.trace.as_ref().is_some_and(|(w, _)| *w == p) {
+        if self
+            .trace
+            .as_ref()
+            .is_some_and(|(w, _)| *w == p || *w == usize::MAX)
+        {
             let phase = format!(
                 "{:?}",
                 self.peers[p].search.as_ref().map(|s| s.phase().clone())
@@ -404,6 +448,20 @@ impl Sim {
                         format!("  -> ask {:?}", self.by_id.get(&leader.info.peer_id))
                     }
                     Action::Begin { members, .. } => format!("  -> begin with {}", members.len()),
+                    Action::CheckGone {
+                        connected,
+                        reachable,
+                    } => format!(
+                        "  -> check gone {:?} {:?}",
+                        connected
+                            .iter()
+                            .map(|c| self.by_id.get(c))
+                            .collect::<Vec<_>>(),
+                        reachable
+                            .iter()
+                            .map(|c| self.by_id.get(&c.peer_id))
+                            .collect::<Vec<_>>()
+                    ),
                     other => format!("  -> {other:?}"),
                 };
                 self.note(p, what);
@@ -456,6 +514,7 @@ impl Sim {
                 self.at(t, Ev::JoinAt(l, p, req));
             }
             Action::Read => {
+                self.reads += 1;
                 let entries = self.read();
                 let t = now + self.rng.gen_range(10..80) + 2 * self.peers[p].latency;
                 let g = self.peers[p].generation;
@@ -519,7 +578,7 @@ impl Sim {
                     }
                     Outcome::Again => {
                         self.peers[p].log.waited_out.push(now);
-                        self.open_window(p)
+                        self.open_window(p, false)
                     }
                     // (Every simulated peer searches with tag 0.)
                     Outcome::Alone | Outcome::Behind(_) => {
@@ -650,11 +709,20 @@ impl Sim {
     }
 }
 
+/// Seeds 0 to 3, or the one `SIM_SEED` names (to look at one run, with `STARLING_SIM_TRACE`
+/// set to a peer's index or `all`).
+fn seeds() -> Vec<u64> {
+    std::env::var("SIM_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or((0..4).collect(), |s| vec![s])
+}
+
 #[test]
 fn sixty_four_peers_with_joins_deaths_and_slow_links_never_wait_out_a_window_beside_a_group() {
     let started = std::time::Instant::now();
     let mut totals = (0, 0, 0, 0);
-    for seed in 0..4 {
+    for seed in seeds() {
         let mut sim = Sim::new(Scenario {
             peers: 64,
             joiners: 8,
@@ -663,6 +731,7 @@ fn sixty_four_peers_with_joins_deaths_and_slow_links_never_wait_out_a_window_bes
             slow_fraction: 0.15,
             target_group_size: 64,
             seed,
+            sticky: std::env::var("NOSTICKY").is_err(),
         });
         sim.run();
         if let Some((p, log)) = &sim.trace {
@@ -700,8 +769,61 @@ fn groups_capped_below_the_swarm_still_agree_and_cover_everyone() {
         slow_fraction: 0.1,
         target_group_size: 8,
         seed: 7,
+        sticky: true,
     });
     sim.run();
     assert!(sim.violations.is_empty(), "{:#?}", sim.violations);
     assert!(sim.grouped > 0);
+}
+
+#[test]
+fn a_stable_swarm_re_forms_its_group_with_fewer_reads_and_falls_back_when_it_changes() {
+    let scenario = |sticky, deaths_per_step, joiners, seed| Scenario {
+        peers: 4,
+        joiners,
+        steps: 40,
+        deaths_per_step,
+        // Slow links only with churn: a stable swarm on a LAN's links compares the two ways.
+        slow_fraction: if joiners > 0 { 0.25 } else { 0.0 },
+        target_group_size: 16,
+        seed,
+        sticky,
+    };
+    // (grouped peer-steps, reads of the key) without and with re-forming, over the seeds.
+    let mut totals = [(0, 0), (0, 0)];
+    for seed in seeds() {
+        // The same steps with and without: the groups agree and nobody waits out a window
+        // beside one either way.
+        for (i, sticky) in [false, true].into_iter().enumerate() {
+            let mut sim = Sim::new(scenario(sticky, 0, 0, seed));
+            sim.run();
+            if let Some((p, log)) = sim.trace.as_ref().filter(|_| sticky) {
+                eprintln!("peer {p}:\n{}", log.join("\n"));
+            }
+            assert!(
+                sim.violations.is_empty(),
+                "seed {seed}, sticky {sticky}: {:#?}",
+                &sim.violations[..sim.violations.len().min(5)]
+            );
+            totals[i].0 += sim.grouped;
+            totals[i].1 += sim.reads;
+        }
+        // Peers dying and joining: whoever re-forms a group that lost its leader, or misses a
+        // newcomer, falls back to the usual way; the checks hold.
+        let mut sim = Sim::new(scenario(true, 1, 3, seed));
+        sim.run();
+        assert!(
+            sim.violations.is_empty(),
+            "seed {seed}, churn: {:#?}",
+            &sim.violations[..sim.violations.len().min(5)]
+        );
+        assert!(sim.grouped > 0 && sim.deaths > 0);
+    }
+    // Fewer reads (the members of a re-forming group read nothing; the links here are slower
+    // than a LAN's, so its leader often reads once), as many peers grouped give or take a late
+    // one (over 61 seeds: 9338 grouped with, 9327 without; reads 22849 against 35070).
+    let ([(grouped, reads), (grouped_sticky, reads_sticky)], n) = (totals, seeds().len());
+    eprintln!("grouped {grouped} / {grouped_sticky}, reads {reads} / {reads_sticky}");
+    assert!(reads_sticky * 10 < reads * 9, "{totals:?}");
+    assert!(grouped_sticky + 4 * n >= grouped, "{totals:?}");
 }

@@ -484,3 +484,146 @@ fn reads_come_soon_at_first_then_every_refresh() {
     }
     assert_eq!(reads, [0, 25, 75, 175, 375, 575, 775], "ended at {now}");
 }
+
+/// Three `Node` members whose peer ids sort as listed (the first leads a re-formed group).
+fn sorted_trio() -> (MemberInfo, MemberInfo, MemberInfo) {
+    let mut v: Vec<MemberInfo> = (0..3).map(|_| info(AveragingMode::Node)).collect();
+    v.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+    let c = v.pop().expect("three");
+    let b = v.pop().expect("three");
+    let a = v.pop().expect("three");
+    (a, b, c)
+}
+
+fn whole_swarm(n: usize) -> Params {
+    let mut p = params(8, 2);
+    p.swarm = Some(n);
+    p.first_refresh_ms = 25;
+    p.start_grace_ms = 400;
+    p
+}
+
+#[test]
+fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_back() {
+    let (lead, me, other) = sorted_trio();
+    let previous = vec![lead.peer_id.clone(), other.peer_id.clone()];
+    let sticky =
+        || Search::new(whole_swarm(3), me.clone(), 1000, previous.clone(), 0, 5000).sticky();
+    let l = lead.peer_id.clone();
+    let asked = |outcome| Event::Asked {
+        leader: l.clone(),
+        outcome,
+    };
+    let mut s = sticky();
+    // No read: the leader is asked at once, as a made-up declaration of this round.
+    let first = s.handle(0, Event::Tick);
+    let [Action::Ask { leader }] = &first[..] else {
+        panic!("{first:?}");
+    };
+    assert_eq!(
+        (&leader.info.peer_id, leader.info.tag),
+        (&lead.peer_id, me.tag)
+    );
+    assert!(Member::parse(&leader.info).is_ok());
+    // Not searching yet: again shortly, still without a read.
+    assert!(s.handle(3, asked(Asked::NotSearching)).is_empty());
+    assert_eq!(s.next_wakeup(), Some(3 + STICKY_RETRY_MS));
+    let again = s.handle(3 + STICKY_RETRY_MS, Event::Tick);
+    assert!(matches!(&again[..], [Action::Ask { .. }]), "{again:?}");
+    // Taken: a group.
+    s.handle(9, Event::Accepted);
+    let done = s.handle(9, asked(Asked::Grouped));
+    assert_eq!(done, vec![Action::Finish(Outcome::Followed)]);
+
+    // A leader that is not searching by half the grace: read, the usual way (and the leader
+    // is not refused for the window).
+    let mut s = sticky();
+    s.handle(0, Event::Tick);
+    let mut now = 0;
+    let fell_back_at = loop {
+        now += 1;
+        s.handle(now, asked(Asked::NotSearching));
+        now = s.next_wakeup().expect("something is due");
+        let out = s.handle(now, Event::Tick);
+        if out.contains(&Action::Read) {
+            break now;
+        }
+        assert!(
+            matches!(&out[..], [Action::Ask { .. }]) && now < 1000,
+            "{out:?}"
+        );
+    };
+    assert!(
+        (195..=205).contains(&fell_back_at),
+        "fell back at {fell_back_at}"
+    );
+    let read = s.handle(
+        fell_back_at + 1,
+        Event::Read(Some(vec![decl(&lead, 900), decl(&me, 1000)])),
+    );
+    assert!(
+        matches!(&read[..], [Action::Ask { leader }] if leader.info.peer_id == lead.peer_id),
+        "{read:?}"
+    );
+
+    // A leader busy with another group, or refusing (another round, full): the usual way at
+    // once.
+    for outcome in [Asked::Busy, Asked::Refused("Full".into())] {
+        let mut s = sticky();
+        s.handle(0, Event::Tick);
+        assert!(s.handle(4, asked(outcome)).is_empty());
+        assert_eq!(s.handle(4, Event::Tick), vec![Action::Read]);
+    }
+
+    // Not when the previous group was not the whole swarm, nor for a client: a read first.
+    for (n, mode) in [(4, AveragingMode::Node), (3, AveragingMode::Client)] {
+        let who = MemberInfo { mode, ..me.clone() };
+        let mut s = Search::new(whole_swarm(n), who, 1000, previous.clone(), 0, 5000).sticky();
+        assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
+    }
+}
+
+#[test]
+fn the_leader_of_a_group_that_held_the_swarm_takes_its_members_whatever_their_rank() {
+    let (me, a, b) = sorted_trio();
+    let previous = vec![a.peer_id.clone(), b.peer_id.clone()];
+    let mut s = Search::new(whole_swarm(3), me.clone(), 5000, previous, 0, 5000).sticky();
+    // Its first read waits a little for its members.
+    assert!(s.handle(0, Event::Tick).is_empty());
+    assert_eq!(s.next_wakeup(), Some(25));
+    // Members that declared earlier windows (ranked ahead) are taken all the same, and the
+    // group begins as the last one joins, without a read.
+    take(&mut s, 2, 1, &a, 1000);
+    let began = take(&mut s, 3, 2, &b, 1000);
+    match &began[..] {
+        [Action::Begin { members, .. }, Action::Finish(Outcome::Led)] => {
+            assert_eq!(members.len(), 3)
+        }
+        other => panic!("{other:?}"),
+    }
+    // A newcomer ranked ahead is still refused as stale (it read an old declaration).
+    let (me, a, b) = sorted_trio();
+    let mut s = Search::new(
+        whole_swarm(3),
+        me.clone(),
+        5000,
+        vec![a.peer_id.clone(), b.peer_id.clone()],
+        0,
+        5000,
+    )
+    .sticky();
+    s.handle(0, Event::Tick);
+    let stranger = info(AveragingMode::Node);
+    let out = s.handle(
+        1,
+        Event::Join {
+            id: 7,
+            info: stranger,
+            window_end: 1000,
+        },
+    );
+    assert_eq!(reply_to(&out, 7), Some(Some(RejectReason::Stale)));
+    // A member missing after the first read: the usual way (it waits for it, or the grace).
+    take(&mut s, 2, 1, &a, 1000);
+    assert_eq!(s.handle(25, Event::Tick), vec![Action::Read]);
+}
