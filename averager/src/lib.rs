@@ -74,8 +74,11 @@
 //! after 25 ms, accepts its previous members whatever their rank and begins as soon as all of
 //! them joined; the others ask it directly instead of reading (again every 5 ms while it is not
 //! searching yet) and search as above when it answers otherwise or after half the start grace.
-//! A stable pair's step then makes four DHT operations on the key instead of six. Without a
-//! hint (`expect_peers` never called) every search reads.
+//! A group formed in a tagged round ([`Averager::set_round_tag`]) that holds every expected peer
+//! also leaves its members' declarations open instead of closing them: nobody else searches
+//! under that tag, and each member's next search (the next tag) replaces its declaration. A
+//! stable pair's step then makes two DHT operations on the key instead of six. Without a hint
+//! (`expect_peers` never called) every search reads, and every group closes.
 //!
 //! **A lone peer gives up after one window**: if nobody else searched under its key for a whole
 //! window, the step returns [`AveragerError::NoGroup`] with `alone: true` instead of searching

@@ -48,3 +48,22 @@ fn only_declarations_under_the_declared_peers_marker_count() {
     garbled.info.peer_id = vec![0xff; 3];
     assert!(!declared_by_its_peer(key, &alice_marker, &garbled));
 }
+
+#[test]
+fn only_a_tagged_group_of_everyone_expected_leaves_its_declaration_open() {
+    let infos: Vec<MemberInfo> = (0..3)
+        .map(|_| declaration(&Keypair::generate_ed25519().public().to_peer_id()).info)
+        .collect();
+    let trio = Group::new(7, &infos, 0).unwrap();
+    let pair = Group::new(7, &infos[..2], 0).unwrap();
+    assert!(holds_everyone(&trio, 5, Some(3)));
+    assert!(holds_everyone(&trio, 5, Some(2)));
+    // A peer expected to search is not in the group: it may still read the key.
+    assert!(!holds_everyone(&pair, 5, Some(3)));
+    // No hint, or untagged rounds (the next search reads the key under the same tag).
+    assert!(!holds_everyone(&trio, 5, None));
+    assert!(!holds_everyone(&trio, 0, Some(3)));
+    // A hint of one peer says nothing about others searching.
+    let alone = Group::new(7, &infos[..1], 0).unwrap();
+    assert!(!holds_everyone(&alone, 5, Some(1)));
+}
