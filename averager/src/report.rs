@@ -66,7 +66,8 @@ pub struct SpanReport {
 pub struct RoundReport {
     /// Round identifier (shared by the whole group).
     pub round_id: u64,
-    /// The group, in span order (the leader first).
+    /// The group, the leader first (member `i` reduced span `i`; the spans are laid out from a
+    /// member the round's id picks, see [`crate::partition::rotated_spans`]).
     pub group: Vec<PeerId>,
     /// This peer's index in `group`.
     pub my_index: usize,

@@ -81,7 +81,7 @@ pub enum MatchMsg {
     Begin {
         /// Identifies the round on reduce streams.
         round_id: u64,
-        /// Every member in span order; the leader is first.
+        /// Every member, the leader first (member `i` reduces span `i`).
         members: Vec<MemberInfo>,
     },
     /// Leader to followers: the group did not reach its minimum size; search again.
@@ -267,8 +267,9 @@ pub enum GossipMsg {
 /// the round: for the sender, that reducer has failed.
 pub const UNKNOWN_ROUND: &str = "unknown round";
 
-/// A member's index in the group's member list (span order, the leader first). Groups have at
-/// most 256 members, so every index fits; this is the one place indices change type.
+/// A member's index in the group's member list (the leader first; member `i` reduces span `i`).
+/// Groups have at most 256 members, so every index fits; this is the one place indices change
+/// type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct MemberIdx(pub u32);
