@@ -101,6 +101,17 @@ impl Latency {
     }
 }
 
+/// Whether a reading holds other peers in its epoch whose rates are all still unmeasured (0: a
+/// joiner before its first batches, or peers that stopped adding samples). Projected at no rate,
+/// they compute nothing: a peer going by such a reading computes the whole global batch itself
+/// while they wait. It happened for a joiner's first eight epochs (two glyphs MLP peers: global
+/// batches of 3200 for a target of 2048, the joiner waiting 6-11 ms a step), the made-up
+/// readings after each round carrying the zero rate until the next read half a second later.
+/// Such a reading is read again soon, and no reading is made up from it.
+pub(super) fn unmeasured_others(s: &SwarmProgress) -> bool {
+    s.peers_in_epoch > 1 && s.samples_per_second - s.own_samples_per_second <= 0.0
+}
+
 /// A background read of the swarm's progress: its result and how long it took.
 pub(super) type Fetching =
     tokio::task::JoinHandle<(Result<SwarmProgress, ProgressError>, Duration)>;
@@ -221,7 +232,7 @@ impl CollaborativeOptimizer {
             // A reading in which some live peers have not reported this epoch yet (they step
             // about when this peer does, and publish right after) is read again sooner: their
             // samples and rates are what tells this peer to stop accumulating.
-            let fresh_for = if s.peers_in_epoch < s.peers {
+            let fresh_for = if s.peers_in_epoch < s.peers || unmeasured_others(&s) {
                 self.cfg.fetch_interval / 10
             } else {
                 self.cfg.fetch_interval
@@ -471,7 +482,11 @@ impl CollaborativeOptimizer {
             .filter(|r| report.averaging_error.is_none() && r.failed_peers.is_empty())
             .map_or(0, |r| r.group.len());
         let last = self.last_read.as_ref()?;
-        if group < 2 || group != last.peers || last.peers_in_epoch != last.peers {
+        if group < 2
+            || group != last.peers
+            || last.peers_in_epoch != last.peers
+            || unmeasured_others(last)
+        {
             return None;
         }
         // The whole swarm as one report of no samples at the summed rate, now: `estimate`'s
@@ -517,6 +532,32 @@ mod tests {
         // One fast operation (a loopback spike is the reverse case) ends it.
         l.note(Duration::from_millis(2));
         assert!(!l.slow());
+    }
+
+    #[test]
+    fn a_reading_whose_other_peers_have_no_rate_yet_is_unmeasured() {
+        use crate::progress::PeerProgress;
+        let r = |samples, rate| PeerProgress {
+            epoch: 4,
+            samples,
+            samples_per_second: rate,
+            time_ms: 1_000,
+        };
+        let with_own = |reports: &[PeerProgress], own: f64| {
+            let mut s = SwarmProgress::estimate(reports, 2048, 1_000);
+            s.own_samples_per_second = own;
+            s
+        };
+        // A joiner that has not measured its compute yet: this peer would compute everything.
+        assert!(unmeasured_others(&with_own(&[r(0, 9e4), r(32, 0.0)], 9e4)));
+        // Measured, or alone in the epoch: nothing to read again for.
+        assert!(!unmeasured_others(&with_own(&[r(0, 9e4), r(32, 8e4)], 9e4)));
+        assert!(!unmeasured_others(&with_own(&[r(0, 9e4)], 9e4)));
+        // One of two others measured: the estimate holds part of the others' rate.
+        assert!(!unmeasured_others(&with_own(
+            &[r(0, 9e4), r(32, 0.0), r(64, 7e4)],
+            9e4
+        )));
     }
 
     #[test]
