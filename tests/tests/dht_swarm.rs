@@ -642,6 +642,17 @@ async fn writes_to_a_key_written_moments_ago_skip_the_lookup_and_survive_a_peer_
                 }
             }
         };
+        // The writer is the cluster's bootstrap node: the others reach its routing table as
+        // their connections are identified, which can come after the cluster started (a first
+        // write then found no peer: a CI flake).
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+        while writer.status().await.unwrap().routing_table < others.len() {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "the writer never knew both peers"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         write(0).await.expect("first write");
         let lookups_before: Vec<f64> = others.iter().map(find_nodes_served).collect();
         for v in 1..=5u64 {
