@@ -276,7 +276,11 @@ impl CollaborativeOptimizer {
         self.fresh_sync = None;
         self.accumulated.fill(0.0);
         self.samples = 0;
-        self.swarm = self.progress_after_round(&report, starling_dht::now_ms());
+        self.swarm = if self.watching_for_joiners() {
+            None
+        } else {
+            self.progress_after_round(&report, starling_dht::now_ms())
+        };
         self.schedule_after_step();
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;

@@ -188,6 +188,10 @@ pub struct CollaborativeOptimizer {
     serving: Option<tokio::task::JoinHandle<()>>,
     /// The state server's manifests served at the last look (see `wait_for_joiners`).
     manifests_seen: u64,
+    /// The state server's manifests served when this peer last noticed a new one, and until
+    /// when it reads the progress after every step (see `watching_for_joiners`).
+    manifests_noticed: u64,
+    joiner_watch: Option<Instant>,
     /// Delayed update: the round in flight.
     pending: Option<delayed::Pending>,
     /// Delayed update: rounds dropped unapplied (state replaced), awaited at shutdown.
@@ -326,6 +330,8 @@ impl CollaborativeOptimizer {
             node_metrics,
             serving: None,
             manifests_seen: 0,
+            manifests_noticed: 0,
+            joiner_watch: None,
             pending: None,
             cancelled: Vec::new(),
             spare: Vec::new(),

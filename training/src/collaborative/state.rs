@@ -20,6 +20,9 @@ const JOIN_POLL: Duration = Duration::from_millis(5);
 /// the state first, and both peers may share a loaded machine (250 ms was once too short on
 /// CI's two cores). Costs a lone peer this once when whoever fetched its state does not join.
 const JOINER_GRACE: Duration = Duration::from_secs(1);
+/// How long after a joiner fetched this peer's state it reads the swarm's progress after every
+/// step instead of making the reading up from its round (see `watching_for_joiners`).
+const JOINER_WATCH: Duration = Duration::from_millis(250);
 
 /// What a run's only peer found when it looked for joiners (see
 /// [`CollaborativeOptimizer::wait_for_joiners`]).
@@ -142,6 +145,26 @@ impl CollaborativeOptimizer {
             }
             Err(e) => tracing::warn!(epoch, "state sync: serving the new state failed: {e}"),
         }
+    }
+
+    /// Whether a joiner fetched this peer's state in the last [`JOINER_WATCH`]. Then the step
+    /// reads the swarm's progress for real instead of making it up from its round: the joiner
+    /// announces itself once synced, and only a reading that shows it makes the next rounds
+    /// wait for it (`expect_peers`). Made up until the next periodic read (`fetch_interval`),
+    /// the readings left it out, the swarm stepped on in groups re-formed without it, and the
+    /// joiner, an epoch behind after each sync, synced again: up to nine times in a row (a
+    /// third glyphs MLP peer joining a pair that stepped every 2 ms).
+    pub(super) fn watching_for_joiners(&mut self) -> bool {
+        let Some(server) = &self.state_server else {
+            return false;
+        };
+        let served = server.stats().manifests_served;
+        let now = std::time::Instant::now();
+        if served != self.manifests_noticed {
+            self.manifests_noticed = served;
+            self.joiner_watch = Some(now + JOINER_WATCH);
+        }
+        self.joiner_watch.is_some_and(|until| now < until)
     }
 
     /// A run's only peer (by its progress records), about to step alone while a joiner fetches
