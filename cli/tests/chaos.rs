@@ -14,7 +14,10 @@ use procs::{address, events, json, serial, train, Proc};
 
 /// Bound on one training process (a hang guard, not a speed bar).
 const LIMIT: Duration = Duration::from_secs(600);
-const EPOCHS: u64 = 400;
+/// Long enough that the newcomer and the restarted creator, started after the creator is killed
+/// at epoch 150 (and a second's pause), join before the run ends: at 400 a faster swarm had
+/// ended the run before the newcomer was in (a CI failure: "run has ended ... epoch 400 of 400").
+const EPOCHS: u64 = 800;
 
 /// Waits until `p` has stepped to `epoch` or further.
 fn reach(p: &Proc, who: &str, epoch: u64) {
