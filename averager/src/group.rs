@@ -41,7 +41,8 @@ impl Member {
 #[derive(Debug, Clone)]
 pub(crate) struct Group {
     pub round_id: u64,
-    /// Every member, the leader first (member `i` reduces span `i`; see `partition::rotated_spans`).
+    /// Every member, the leader first (member `i` reduces span `i`; see
+    /// `partition::rotated_spans`).
     pub members: Vec<Member>,
     pub my_index: MemberIdx,
 }

@@ -92,8 +92,9 @@
 //! the flattened vector per member, sized by [`partition::solve_fractions`] over the declared
 //! bandwidths after [`partition::denoise_bandwidths`] (clients and weak peers get none), laid out
 //! from a member the round's id picks ([`partition::rotated_spans`]: a group that re-forms in
-//! the same order does not leave each member the same part of the vector). Each sender streams its values of span `j` to reducer `j` (over `j`'s fast lane,
-//! a direct AES-256-GCM TCP connection keyed over libp2p, when it has one; else a libp2p stream;
+//! the same order does not leave each member the same part of the vector). Each sender streams
+//! its values of span `j` to reducer `j` (over `j`'s fast lane, a direct AES-256-GCM TCP
+//! connection keyed over libp2p, when it has one; else a libp2p stream;
 //! [`RoundReport::fast_lane_transfers`] says which), in order, in chunks of `chunk_bytes`
 //! compressed by the configured codec.
 //!
