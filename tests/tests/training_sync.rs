@@ -784,6 +784,9 @@ async fn a_lone_peer_waits_for_a_joiner_fetching_its_state_which_syncs_once() {
             first.epoch
         );
         assert_eq!(server.stats().manifests_served, 1, "{:?}", server.stats());
+        // The donor knows who fetched its state (its watch for the joiner ends once a round
+        // holds it).
+        assert_eq!(server.recent_joiners(), vec![node.peer_id()]);
         server.shutdown().await;
         node.shutdown().await;
         cluster.shutdown().await;

@@ -276,6 +276,13 @@ impl CollaborativeOptimizer {
         self.fresh_sync = None;
         self.accumulated.fill(0.0);
         self.samples = 0;
+        if let Some(r) = report
+            .round
+            .as_ref()
+            .filter(|_| report.averaging_error.is_none())
+        {
+            self.joiners_in_round(&r.group);
+        }
         self.swarm = if self.watching_for_joiners() {
             None
         } else {

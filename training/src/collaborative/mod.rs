@@ -192,6 +192,9 @@ pub struct CollaborativeOptimizer {
     /// when it reads the progress after every step (see `watching_for_joiners`).
     manifests_noticed: u64,
     joiner_watch: Option<Instant>,
+    /// The joiners that fetched a manifest since the watch began: once a round held them all,
+    /// they are in, and the watch ends (see `joiners_in_round`).
+    watched_joiners: Vec<starling_node::PeerId>,
     /// Delayed update: the round in flight.
     pending: Option<delayed::Pending>,
     /// Delayed update: rounds dropped unapplied (state replaced), awaited at shutdown.
@@ -332,6 +335,7 @@ impl CollaborativeOptimizer {
             manifests_seen: 0,
             manifests_noticed: 0,
             joiner_watch: None,
+            watched_joiners: Vec::new(),
             pending: None,
             cancelled: Vec::new(),
             spare: Vec::new(),

@@ -71,7 +71,7 @@ pub use client::sync_state;
 pub use manifest::{
     choose_manifest, Digest, Manifest, ManifestChoice, StateAnnouncement, MANIFEST_VERSION,
 };
-pub use server::{ServeHold, Served, ServerStats, StateServer, HOLD_WAIT};
+pub use server::{ServeHold, Served, ServerStats, StateServer, HOLD_WAIT, RECENT_JOINERS};
 pub use snapshot::{StateLayout, StateSnapshot, StateTarget, StateView, SyncedState, PARAM_BUFFER};
 pub use wire::PROTOCOL;
 

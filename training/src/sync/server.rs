@@ -16,7 +16,7 @@
 //! `max_sessions_per_peer` from one peer (others are answered busy), one request at a time per
 //! stream, a request timeout on every read and write, frames no larger than a chunk.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -137,6 +137,9 @@ async fn hashed(current: &Arc<Current>) -> &Hashed {
     current.hash_now()
 }
 
+/// Manifests whose receivers [`StateServer::recent_joiners`] remembers.
+pub const RECENT_JOINERS: usize = 8;
+
 #[derive(Default)]
 struct Counters {
     chunks: AtomicU64,
@@ -164,6 +167,8 @@ struct Shared {
     /// [`ServeHold`].
     hold: Arc<RwLock<()>>,
     per_peer: Mutex<HashMap<PeerId, usize>>,
+    /// The peers the last [`RECENT_JOINERS`] manifests went to, oldest first.
+    joiners: Mutex<VecDeque<PeerId>>,
     counters: Counters,
     stop: watch::Receiver<bool>,
     #[cfg(feature = "testing")]
@@ -214,6 +219,7 @@ impl StateServer {
             refreshed: Notify::new(),
             announced_at: Mutex::new(None),
             per_peer: Mutex::new(HashMap::new()),
+            joiners: Mutex::new(VecDeque::new()),
             counters: Counters::default(),
             stop,
             #[cfg(feature = "testing")]
@@ -356,6 +362,20 @@ impl StateServer {
     pub fn hold(&self) -> Option<ServeHold> {
         let hold = self.inner.shared.hold.clone().try_write_owned().ok()?;
         Some(ServeHold { _guard: hold })
+    }
+
+    /// The peers the last [`RECENT_JOINERS`] manifests went to (a peer once per manifest it
+    /// fetched), oldest first: the joiners that fetched this peer's state lately.
+    ///
+    /// ```no_run
+    /// # fn demo(server: starling_training::sync::StateServer) {
+    /// let fetched = server.stats().manifests_served;
+    /// let last = server.recent_joiners().last().copied();
+    /// println!("{fetched} manifests served, the last to {last:?}");
+    /// # }
+    /// ```
+    pub fn recent_joiners(&self) -> Vec<PeerId> {
+        lock(&self.inner.shared.joiners).iter().copied().collect()
     }
 
     /// Counters since the server started.
@@ -567,7 +587,7 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
             return; // idle past the timeout, closed, or not a request
         };
         let answered = tokio::select! {
-            r = timeout(t, answer(&shared, pinned.as_deref(), &mut stream, request)) => r,
+            r = timeout(t, answer(&shared, peer, pinned.as_deref(), &mut stream, request)) => r,
             _ = stop.changed() => return,
         };
         match answered {
@@ -581,6 +601,7 @@ async fn session(shared: Arc<Shared>, peer: PeerId, hello: Hello, mut stream: St
 /// chunk of that is asked for); `Ok(false)` ends the session.
 async fn answer(
     shared: &Shared,
+    peer: PeerId,
     pinned: Option<&Current>,
     stream: &mut Stream,
     request: Request,
@@ -613,6 +634,14 @@ async fn answer(
         (Request::Manifest, Some((_, h))) => {
             write_tagged_frame(stream, TAG_MANIFEST, &[&h.manifest_bytes]).await?;
             stream.flush().await?;
+            {
+                // Before the count: whoever sees the count sees the joiner too.
+                let mut joiners = lock(&shared.joiners);
+                if joiners.len() >= RECENT_JOINERS {
+                    joiners.pop_front();
+                }
+                joiners.push_back(peer);
+            }
             shared.counters.manifests.fetch_add(1, Ordering::Relaxed);
             return Ok(true);
         }
