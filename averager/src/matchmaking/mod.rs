@@ -104,14 +104,16 @@ pub(crate) async fn find_group(
             );
         };
         let sticky = std::mem::replace(&mut first, false);
+        // Whether this window declared this peer (a member of a re-forming group may not).
+        let mut declared = false;
         let window = run_window(
             mm,
             group_key,
             &me,
-            window_end,
-            window_end_ms,
+            (window_end, window_end_ms),
             sticky,
             &mut rx,
+            &mut declared,
         )
         .await?;
         match window {
@@ -121,14 +123,16 @@ pub(crate) async fn find_group(
                 // under this tag, and this peer's next search (another tag) replaces it. Closing
                 // it was one more DHT write per round that no peer read (a pair of glyphs MLP
                 // peers, a core each: 0.72 -> 0.68 of the lone peer's time, six runs each).
-                if !holds_everyone(&group, me.tag, mm.expected) {
+                if declared && !holds_everyone(&group, me.tag, mm.expected) {
                     close();
                 }
                 return Ok(group);
             }
             Window::Again => {}
             Window::Behind(theirs) => {
-                close();
+                if declared {
+                    close();
+                }
                 return Err(AveragerError::Behind {
                     mine: me.tag,
                     theirs,
@@ -234,10 +238,10 @@ async fn run_window(
     mm: &Matchmaker,
     group_key: &str,
     me: &MemberInfo,
-    window_end: Instant,
-    window_end_ms: u64,
+    (window_end, window_end_ms): (Instant, u64),
     sticky: bool,
     rx: &mut mpsc::Receiver<IncomingJoin>,
+    declared: &mut bool,
 ) -> Result<Window, AveragerError> {
     let cfg = &mm.config;
     let node = mm.transport.node();
@@ -258,7 +262,10 @@ async fn run_window(
     if sticky && !mm.previous.iter().any(|p| node.is_down(p)) {
         search = search.sticky();
     }
-    declare(mm, group_key, me, window_end_ms).await?;
+    if search.declares_at_open() {
+        declare(mm, group_key, me, window_end_ms).await?;
+        *declared = true;
+    }
     // Join requests by the id the state machine knows them by: waiting for their answer, or
     // accepted (followers, answered again at begin or disband).
     let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();
@@ -299,6 +306,12 @@ async fn run_window(
                 Action::Ask { leader } => {
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking to join");
                     (accepted, attempt) = ask(mm, group_key, me, window_end_ms, leader);
+                }
+                Action::Declare => {
+                    if !*declared {
+                        declare(mm, group_key, me, window_end_ms).await?;
+                        *declared = true;
+                    }
                 }
                 Action::Read => {
                     let read = read_declarations(node, group_key, cfg.request_timeout)
