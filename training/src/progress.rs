@@ -239,6 +239,50 @@ impl SwarmProgress {
     }
 }
 
+/// About how often a peer in [`Covered`] epochs publishes its report: it still reaches joiners
+/// and observers (who were not in its round) at most about this late.
+pub const COVERED_REPORT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Every how many epochs peers that step every `epoch` publish their [`Covered`] reports: the
+/// largest power of two whose epochs last at most [`COVERED_REPORT_INTERVAL`] (1 for epochs that
+/// long or longer). The members of a round step together and see about the same epoch length,
+/// so they publish in the same epochs, and a reading holds their rates from the same moment: with
+/// reports published 100 ms apart each, one glyphs MLP peer read the other's rate 12% low from a
+/// slow window and computed 6% more than its share of every batch.
+///
+/// ```
+/// use std::time::Duration;
+/// use starling_training::progress::covered_stride;
+/// assert_eq!(covered_stride(Duration::from_millis(9)), 8);
+/// assert_eq!(covered_stride(Duration::from_millis(40)), 2);
+/// assert_eq!(covered_stride(Duration::from_secs(1)), 1);
+/// ```
+pub fn covered_stride(epoch: Duration) -> u64 {
+    let per = COVERED_REPORT_INTERVAL.as_secs_f64() / epoch.as_secs_f64().max(1e-6);
+    if per < 2.0 {
+        1
+    } else {
+        // The largest power of two at most `per` (bounded: a report every 1024 epochs at most).
+        let p = (per.min(1024.0) as u64).max(1);
+        1 << (63 - p.leading_zeros())
+    }
+}
+
+/// The members of a round that held every live peer of the run, which all stepped together into
+/// `epoch` at `since_ms` (unix ms, this peer's clock): each of them knows the others' epoch
+/// without reading it. See [`ProgressTracker::cover`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Covered {
+    /// The epoch the round's members stepped into.
+    pub epoch: u64,
+    /// The round's members, this peer included.
+    pub peers: Vec<PeerId>,
+    /// When the round ended.
+    pub since_ms: u64,
+    /// Reports are due in the epochs that are multiples of this ([`covered_stride`]).
+    pub stride: u64,
+}
+
 /// Publishes this peer's progress and reads the swarm's (cheap to share by reference).
 pub struct ProgressTracker {
     node: Node,
@@ -247,6 +291,8 @@ pub struct ProgressTracker {
     last: Mutex<Option<(Instant, LocalProgress)>>,
     /// Peers whose reports [`Self::fetch`] leaves out ([`Self::set_ignored`]).
     ignored: Mutex<Vec<PeerId>>,
+    /// The epoch this peer's last round told it the others are in ([`Self::cover`]).
+    covered: Mutex<Option<Covered>>,
 }
 
 impl ProgressTracker {
@@ -257,6 +303,7 @@ impl ProgressTracker {
             cfg,
             last: Mutex::new(None),
             ignored: Mutex::new(Vec::new()),
+            covered: Mutex::new(None),
         }
     }
 
@@ -273,6 +320,38 @@ impl ProgressTracker {
     /// ```
     pub fn set_ignored(&self, peers: Vec<PeerId>) {
         *self.ignored.lock().unwrap_or_else(|e| e.into_inner()) = peers;
+    }
+
+    /// After a round that held every live peer of the run: its members (`covered.peers`) all
+    /// stepped into `covered.epoch` together, so until this peer leaves that epoch or reads a
+    /// peer outside the round, (1) its reports of the new epoch are due only in every
+    /// `covered.stride`-th epoch (about every [`COVERED_REPORT_INTERVAL`]) instead of at once
+    /// (the members know it; a publication after every step was one DHT write per peer and
+    /// step, for nobody: two glyphs MLP peers a core each stepped every 9 ms), and (2)
+    /// [`Self::fetch`] takes the members' reports written
+    /// before the round ended, of an earlier epoch, as reports of `covered.epoch` with no
+    /// samples at `covered.since_ms` at their rate. A report written after the round is taken
+    /// as it is (a member whose part of the round failed publishes its own epoch). `None`
+    /// forgets it: reports are due at every epoch change again.
+    ///
+    /// ```no_run
+    /// # fn demo(tracker: &starling_training::progress::ProgressTracker, me: starling_node::PeerId, other: starling_node::PeerId) {
+    /// use starling_training::progress::Covered;
+    /// tracker.cover(Some(Covered { epoch: 8, peers: vec![me, other], since_ms: starling_dht::now_ms(), stride: 4 }));
+    /// # }
+    /// ```
+    pub fn cover(&self, covered: Option<Covered>) {
+        *self.covered.lock().unwrap_or_else(|e| e.into_inner()) = covered;
+    }
+
+    /// The epoch set by [`Self::cover`], if any (a read that met a peer outside the round
+    /// forgets it).
+    pub fn covered_epoch(&self) -> Option<u64> {
+        self.covered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|c| c.epoch)
     }
 
     /// The configuration in force.
@@ -298,12 +377,23 @@ impl ProgressTracker {
     }
 
     /// Whether [`ProgressTracker::report`] would publish `local`: the last publication (or
-    /// the one in flight) is older than `publish_interval` or named another epoch.
+    /// the one in flight) is older than `publish_interval` or named another epoch; in an epoch
+    /// [`Self::cover`] covers, another epoch only if it is a multiple of the cover's stride.
     pub fn due(&self, local: &LocalProgress) -> bool {
-        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        (*last).is_none_or(|(at, prev)| {
-            prev.epoch != local.epoch || at.elapsed() >= self.cfg.publish_interval
-        })
+        let stride = self
+            .covered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|c| c.epoch == local.epoch)
+            .map(|c| c.stride);
+        let last = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        is_due(
+            last.map(|(at, prev)| (at.elapsed(), prev.epoch)),
+            local.epoch,
+            stride,
+            self.cfg.publish_interval,
+        )
     }
 
     /// Publishes `local` unless exactly that was the last report: for a peer that has stopped
@@ -393,10 +483,6 @@ impl ProgressTracker {
             .map_err(|_| ProgressError::Timeout(t))??;
         let now = now_ms();
         let me = self.node.peer_id();
-        let own = reports
-            .iter()
-            .find(|(p, _)| *p == me)
-            .map(|(_, r)| r.clone());
         // Refused liars, and peers found down (a crashed peer's last report would otherwise
         // count for `unconnected_lifetime`, and rounds would wait for it).
         let mut ignored = self
@@ -405,7 +491,7 @@ impl ProgressTracker {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         ignored.extend(self.node.peers_down());
-        let reports = live_reports(
+        let mut reports = live_reports(
             reports,
             me,
             &connected,
@@ -413,6 +499,18 @@ impl ProgressTracker {
             self.cfg.unconnected_lifetime,
             now,
         );
+        {
+            let mut covered = self.covered.lock().unwrap_or_else(|e| e.into_inner());
+            if !lift_covered(&mut reports, covered.as_ref()) {
+                // A peer outside the round (a joiner): it needs every member's own reports.
+                *covered = None;
+            }
+        }
+        let own = reports
+            .iter()
+            .find(|(p, _)| *p == me)
+            .map(|(_, r)| r.clone());
+        let reports: Vec<PeerProgress> = reports.into_iter().map(|(_, r)| r).collect();
         let mut swarm = SwarmProgress::estimate(&reports, self.cfg.target_batch_size, now);
         if let Some(own) = own.filter(|r| r.epoch == swarm.epoch) {
             let alone = SwarmProgress::estimate(&[own], 0, now);
@@ -433,7 +531,7 @@ fn live_reports(
     ignored: &[PeerId],
     unconnected_lifetime: Duration,
     now_ms: u64,
-) -> Vec<PeerProgress> {
+) -> Vec<(PeerId, PeerProgress)> {
     let max_age = unconnected_lifetime.as_millis() as u64;
     reports
         .into_iter()
@@ -442,8 +540,44 @@ fn live_reports(
                 || (!ignored.contains(peer)
                     && (connected.contains(peer) || now_ms.saturating_sub(r.time_ms) <= max_age))
         })
-        .map(|(_, r)| r)
         .collect()
+}
+
+/// Whether a report of `epoch` is due when the last one (`last`: its age and epoch) was
+/// published; `covered`: the epoch is [`Covered`] (see [`ProgressTracker::due`]).
+fn is_due(
+    last: Option<(Duration, u64)>,
+    epoch: u64,
+    stride: Option<u64>,
+    interval: Duration,
+) -> bool {
+    last.is_none_or(|(age, prev)| {
+        (prev != epoch && stride.is_none_or(|k| epoch.is_multiple_of(k.max(1)))) || age >= interval
+    })
+}
+
+/// Takes the reports of `covered`'s members written before its round ended, of an earlier
+/// epoch, as reports of its epoch with no samples when the round ended (see
+/// [`ProgressTracker::cover`]). Returns false, changing nothing, if a report comes from a peer
+/// outside the round (or `covered` is `None`).
+fn lift_covered(reports: &mut [(PeerId, PeerProgress)], covered: Option<&Covered>) -> bool {
+    let Some(c) = covered else {
+        return false;
+    };
+    if reports.iter().any(|(p, _)| !c.peers.contains(p)) {
+        return false;
+    }
+    for (_, r) in reports.iter_mut() {
+        if r.epoch < c.epoch && r.time_ms < c.since_ms {
+            *r = PeerProgress {
+                epoch: c.epoch,
+                samples: 0,
+                samples_per_second: r.samples_per_second,
+                time_ms: c.since_ms,
+            };
+        }
+    }
+    true
 }
 
 #[cfg(test)]
@@ -503,7 +637,7 @@ mod tests {
             Duration::from_secs(10),
             now,
         );
-        let samples: Vec<u64> = live.iter().map(|r| r.samples).collect();
+        let samples: Vec<u64> = live.iter().map(|(_, r)| r.samples).collect();
         assert_eq!(samples, [1, 2, 8]);
         // Peers refused for lying never count, connected or fresh; this peer's own always does.
         let ignored = [me, linked, fresh];
@@ -515,8 +649,67 @@ mod tests {
             Duration::from_secs(10),
             now,
         );
-        let samples: Vec<u64> = live.iter().map(|r| r.samples).collect();
+        let samples: Vec<u64> = live.iter().map(|(_, r)| r.samples).collect();
         assert_eq!(samples, [1]);
+    }
+
+    #[test]
+    fn a_covered_epoch_is_published_late_and_its_members_reports_lifted() {
+        let second = Duration::from_secs(1);
+        let ms = Duration::from_millis;
+        // Uncovered: a new epoch is due at once; the same epoch after the interval.
+        assert!(is_due(None, 3, None, second));
+        assert!(is_due(Some((ms(1), 2)), 3, None, second));
+        assert!(!is_due(Some((ms(1), 3)), 3, None, second));
+        assert!(is_due(Some((second, 3)), 3, None, second));
+        // Covered, every 4 epochs: a new epoch is due only at a multiple of 4.
+        assert!(!is_due(Some((ms(1), 2)), 3, Some(4), second));
+        assert!(!is_due(Some((ms(90), 2)), 3, Some(4), second));
+        assert!(is_due(Some((ms(1), 3)), 4, Some(4), second));
+        assert!(!is_due(Some((ms(1), 4)), 4, Some(4), second));
+        assert!(is_due(Some((second, 3)), 3, Some(4), second));
+        assert_eq!(covered_stride(Duration::from_millis(26)), 2);
+        assert_eq!(covered_stride(Duration::from_millis(1)), 64);
+        assert_eq!(covered_stride(Duration::from_micros(10)), 1024);
+        assert_eq!(covered_stride(Duration::ZERO), 1024);
+
+        let (me, other, joiner) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let covered = Covered {
+            epoch: 9,
+            peers: vec![me, other],
+            since_ms: 5_000,
+            stride: 8,
+        };
+        let mut reports = vec![
+            (me, r(6, 40, 100.0, 4_000)),
+            // Published after the round: its part of the round failed, it is in epoch 8.
+            (other, r(8, 30, 50.0, 5_010)),
+        ];
+        assert!(lift_covered(&mut reports, Some(&covered)));
+        assert_eq!(reports[0].1, r(9, 0, 100.0, 5_000));
+        assert_eq!(reports[1].1, r(8, 30, 50.0, 5_010));
+        // Written before the round ended: lifted; one of a later epoch stays.
+        let mut reports = vec![(other, r(8, 30, 50.0, 4_990)), (me, r(10, 1, 1.0, 4_000))];
+        assert!(lift_covered(&mut reports, Some(&covered)));
+        assert_eq!(reports[0].1, r(9, 0, 50.0, 5_000));
+        assert_eq!(reports[1].1, r(10, 1, 1.0, 4_000));
+        // A peer outside the round: nothing is lifted, and the caller forgets the cover.
+        let mut reports = vec![(me, r(6, 40, 100.0, 4_000)), (joiner, r(9, 0, 1.0, 5_100))];
+        let before = reports.clone();
+        assert!(!lift_covered(&mut reports, Some(&covered)));
+        assert_eq!(reports, before);
+        assert!(!lift_covered(&mut reports, None));
+        // The lifted reading: both members in epoch 9, the time to the target from their rates.
+        let mut reports = vec![
+            (me, r(8, 500, 100.0, 4_000)),
+            (other, r(8, 400, 100.0, 4_500)),
+        ];
+        lift_covered(&mut reports, Some(&covered));
+        let lifted: Vec<PeerProgress> = reports.into_iter().map(|(_, r)| r).collect();
+        let s = SwarmProgress::estimate(&lifted, 1_000, 6_000);
+        assert_eq!((s.epoch, s.peers_in_epoch, s.peers), (9, 2, 2));
+        assert_eq!((s.samples, s.projected), (0, 200));
+        assert_eq!(s.eta, Duration::from_secs(4));
     }
 
     #[test]

@@ -275,6 +275,7 @@ impl CollaborativeOptimizer {
             // Every member launched the round, and began this epoch, about when this peer
             // did: over a slow network the next batch then need not wait for a DHT read.
             self.swarm = self.progress_after_round(&report, pending.launched_ms);
+            self.tracker.cover(None);
         }
         // Now the others may read that this peer moved on (every member of the round has
         // started it by now), with the samples it computed meanwhile.

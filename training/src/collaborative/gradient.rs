@@ -283,11 +283,38 @@ impl CollaborativeOptimizer {
         {
             self.joiners_in_round(&r.group);
         }
+        let stepped_ms = starling_dht::now_ms();
+        let now = Instant::now();
+        let epoch_took = self.last_stepped.map_or(Duration::MAX, |t| now - t);
+        self.last_stepped = Some(now);
         self.swarm = if self.watching_for_joiners() {
             None
         } else {
-            self.progress_after_round(&report, starling_dht::now_ms())
+            self.progress_after_round(&report, stepped_ms)
         };
+        // A round that held every live peer (the reading made up from it), after a few such
+        // rounds in a row: its members know each other's new epoch, and this peer's report of
+        // it can wait (not the last epoch's: joiners of an ended run read it). (A joiner's
+        // first rounds find the others' epoch in their reports, not made up: a report held
+        // back then left it computing the whole batch, 1400 samples a peer for 2048.)
+        self.full_rounds = if self.swarm.is_some() {
+            self.full_rounds + 1
+        } else {
+            0
+        };
+        let covered = self
+            .swarm
+            .as_ref()
+            .filter(|_| self.full_rounds > 3)
+            .and(report.round.as_ref())
+            .filter(|_| self.cfg.final_epoch.is_none_or(|last| self.epoch < last))
+            .map(|r| Covered {
+                epoch: self.epoch,
+                peers: r.group.clone(),
+                since_ms: stepped_ms,
+                stride: covered_stride(epoch_took),
+            });
+        self.tracker.cover(covered);
         self.schedule_after_step();
         report.timings.optimizer = averaged_at.elapsed();
         self.epoch_start = None;

@@ -78,7 +78,7 @@ use crate::metrics::{LossPoint, TrainingBoard, TrainingMetrics};
 
 use crate::optim::{Optimizer, Sgd};
 use crate::params::ParamSet;
-use crate::progress::{ProgressError, ProgressTracker, SwarmProgress};
+use crate::progress::{covered_stride, Covered, ProgressError, ProgressTracker, SwarmProgress};
 use crate::sync::StateServer;
 
 mod config;
@@ -192,6 +192,10 @@ pub struct CollaborativeOptimizer {
     /// when it reads the progress after every step (see `watching_for_joiners`).
     manifests_noticed: u64,
     joiner_watch: Option<Instant>,
+    /// Rounds in a row that held every live peer (see `ProgressTracker::cover`).
+    full_rounds: u32,
+    /// When this peer last took a global step (gradient mode).
+    last_stepped: Option<Instant>,
     /// The joiners that fetched a manifest since the watch began: once a round held them all,
     /// they are in, and the watch ends (see `joiners_in_round`).
     watched_joiners: Vec<starling_node::PeerId>,
@@ -335,6 +339,8 @@ impl CollaborativeOptimizer {
             manifests_seen: 0,
             manifests_noticed: 0,
             joiner_watch: None,
+            full_rounds: 0,
+            last_stepped: None,
             watched_joiners: Vec::new(),
             pending: None,
             cancelled: Vec::new(),

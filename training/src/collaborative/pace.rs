@@ -216,10 +216,19 @@ impl CollaborativeOptimizer {
     }
 
     /// The progress tracker, told first which peers the averager refuses for lying (they count
-    /// neither as peers nor towards the batch): every read of the swarm's progress goes
-    /// through it.
+    /// neither as peers nor towards the batch), and to forget a covered epoch this peer is no
+    /// longer in: every read of the swarm's progress goes through it.
     pub(super) fn reading_tracker(&self) -> Arc<ProgressTracker> {
         self.tracker.set_ignored(self.averager.refused_peers());
+        if self
+            .tracker
+            .covered_epoch()
+            .is_some_and(|e| e != self.epoch)
+        {
+            // This peer left the epoch its last round covered otherwise than by a round (a
+            // sync, a failed round): the others' reports are read as they are.
+            self.tracker.cover(None);
+        }
         self.tracker.clone()
     }
 

@@ -216,6 +216,13 @@ impl CollaborativeOptimizer {
     /// Publishes this peer's progress after a step (in a task, so that a dropped step does not
     /// cut a publication short); the previous publication, if still in flight, ends first.
     pub(super) async fn publish_in_background(&mut self) -> Result<(), TrainingError> {
+        if self.tracker.covered_epoch() == Some(self.epoch)
+            && !self.tracker.due(&self.local_progress())
+        {
+            // The round's members know the new epoch; the report goes out later (see
+            // `ProgressTracker::cover`).
+            return Ok(());
+        }
         if self.publish_took.slow() {
             // A slow network: the next batches start now; the publication ends beside them
             // (collected, or waited for before the next one). A report from between batches
