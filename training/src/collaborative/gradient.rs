@@ -297,22 +297,26 @@ impl CollaborativeOptimizer {
         // it can wait (not the last epoch's: joiners of an ended run read it). (A joiner's
         // first rounds find the others' epoch in their reports, not made up: a report held
         // back then left it computing the whole batch, 1400 samples a peer for 2048.)
+        // Only where it saves writes: epochs shorter than half the covered report interval
+        // (over a 60 ms network, where every epoch would publish anyway, lifting the members'
+        // reports let a peer of four go to a round the fourth had not reached).
         self.full_rounds = if self.swarm.is_some() {
             self.full_rounds + 1
         } else {
             0
         };
+        let stride = covered_stride(epoch_took);
         let covered = self
             .swarm
             .as_ref()
-            .filter(|_| self.full_rounds > 3)
+            .filter(|_| self.full_rounds > 3 && stride > 1)
             .and(report.round.as_ref())
             .filter(|_| self.cfg.final_epoch.is_none_or(|last| self.epoch < last))
             .map(|r| Covered {
                 epoch: self.epoch,
                 peers: r.group.clone(),
                 since_ms: stepped_ms,
-                stride: covered_stride(epoch_took),
+                stride,
             });
         self.tracker.cover(covered);
         self.schedule_after_step();
