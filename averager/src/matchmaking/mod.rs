@@ -104,16 +104,14 @@ pub(crate) async fn find_group(
             );
         };
         let sticky = std::mem::replace(&mut first, false);
-        // Whether this window declared this peer (a member of a re-forming group may not).
-        let mut declared = false;
         let window = run_window(
             mm,
             group_key,
             &me,
-            (window_end, window_end_ms),
+            window_end,
+            window_end_ms,
             sticky,
             &mut rx,
-            &mut declared,
         )
         .await?;
         match window {
@@ -123,16 +121,14 @@ pub(crate) async fn find_group(
                 // under this tag, and this peer's next search (another tag) replaces it. Closing
                 // it was one more DHT write per round that no peer read (a pair of glyphs MLP
                 // peers, a core each: 0.72 -> 0.68 of the lone peer's time, six runs each).
-                if declared && !holds_everyone(&group, me.tag, mm.expected) {
+                if !holds_everyone(&group, me.tag, mm.expected) {
                     close();
                 }
                 return Ok(group);
             }
             Window::Again => {}
             Window::Behind(theirs) => {
-                if declared {
-                    close();
-                }
+                close();
                 return Err(AveragerError::Behind {
                     mine: me.tag,
                     theirs,
@@ -238,10 +234,10 @@ async fn run_window(
     mm: &Matchmaker,
     group_key: &str,
     me: &MemberInfo,
-    (window_end, window_end_ms): (Instant, u64),
+    window_end: Instant,
+    window_end_ms: u64,
     sticky: bool,
     rx: &mut mpsc::Receiver<IncomingJoin>,
-    declared: &mut bool,
 ) -> Result<Window, AveragerError> {
     let cfg = &mm.config;
     let node = mm.transport.node();
@@ -262,10 +258,7 @@ async fn run_window(
     if sticky && !mm.previous.iter().any(|p| node.is_down(p)) {
         search = search.sticky();
     }
-    if search.declares_at_open() {
-        declare(mm, group_key, me, window_end_ms).await?;
-        *declared = true;
-    }
+    declare(mm, group_key, me, window_end_ms).await?;
     // Join requests by the id the state machine knows them by: waiting for their answer, or
     // accepted (followers, answered again at begin or disband).
     let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();
@@ -306,12 +299,6 @@ async fn run_window(
                 Action::Ask { leader } => {
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking to join");
                     (accepted, attempt) = ask(mm, group_key, me, window_end_ms, leader);
-                }
-                Action::Declare => {
-                    if !*declared {
-                        declare(mm, group_key, me, window_end_ms).await?;
-                        *declared = true;
-                    }
                 }
                 Action::Read => {
                     let read = read_declarations(node, group_key, cfg.request_timeout)

@@ -92,8 +92,6 @@ struct Peer {
     search: Option<Search>,
     generation: u64,
     window_end: Ms,
-    /// Whether it declared in its current window (see `Search::declares_at_open`).
-    declared: bool,
     deadline: Ms,
     /// The leader asked and the request's number.
     asking: Option<(usize, u64)>,
@@ -174,7 +172,6 @@ impl Sim {
                 search: None,
                 generation: 0,
                 window_end: 0,
-                declared: false,
                 deadline: 0,
                 asking: None,
                 requests: 0,
@@ -365,17 +362,12 @@ impl Sim {
         }
         peer.window_end = end;
         peer.generation += 1;
-        let declares = search.declares_at_open();
         peer.search = Some(search);
-        peer.declared = false;
-        if declares {
-            self.declare(p);
-        }
+        self.declare(p);
         self.feed(p, Event::Tick);
     }
 
     fn declare(&mut self, p: usize) {
-        self.peers[p].declared = true;
         let decl = Declaration {
             info: self.peers[p].info.clone(),
             window_end: self.peers[p].window_end,
@@ -521,7 +513,6 @@ impl Sim {
                 let t = now + self.link(p, l);
                 self.at(t, Ev::JoinAt(l, p, req));
             }
-            Action::Declare => self.declare(p),
             Action::Read => {
                 self.reads += 1;
                 let entries = self.read();
@@ -577,14 +568,12 @@ impl Sim {
                 self.peers[p].asking = None;
                 match outcome {
                     Outcome::Led | Outcome::Followed => {
-                        // Closed: re-stored with its window ended (if it declared).
-                        if self.peers[p].declared {
-                            let closed = Declaration {
-                                info: self.peers[p].info.clone(),
-                                window_end: now,
-                            };
-                            self.store(p, closed);
-                        }
+                        // Closed: re-stored with its window ended.
+                        let closed = Declaration {
+                            info: self.peers[p].info.clone(),
+                            window_end: now,
+                        };
+                        self.store(p, closed);
                         self.finish(p)
                     }
                     Outcome::Again => {

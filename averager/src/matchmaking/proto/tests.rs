@@ -515,8 +515,6 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
         outcome,
     };
     let mut s = sticky();
-    // Nobody reads its declaration: it declares only if it falls back.
-    assert!(!s.declares_at_open());
     // No read: the leader is asked at once, as a made-up declaration of this round.
     let first = s.handle(0, Event::Tick);
     let [Action::Ask { leader }] = &first[..] else {
@@ -544,12 +542,10 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     let mut now = 0;
     let fell_back_at = loop {
         now += 1;
-        let mut out = s.handle(now, asked(Asked::NotSearching));
+        s.handle(now, asked(Asked::NotSearching));
         now = s.next_wakeup().expect("something is due");
-        out.extend(s.handle(now, Event::Tick));
+        let out = s.handle(now, Event::Tick);
         if out.contains(&Action::Read) {
-            // It declares itself as it falls back, before its first read.
-            assert_eq!(out, vec![Action::Declare, Action::Read]);
             break now;
         }
         assert!(
@@ -575,7 +571,7 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     for outcome in [Asked::Busy, Asked::Refused("Full".into())] {
         let mut s = sticky();
         s.handle(0, Event::Tick);
-        assert_eq!(s.handle(4, asked(outcome)), vec![Action::Declare]);
+        assert!(s.handle(4, asked(outcome)).is_empty());
         assert_eq!(s.handle(4, Event::Tick), vec![Action::Read]);
     }
 
@@ -583,7 +579,6 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     for (n, mode) in [(4, AveragingMode::Node), (3, AveragingMode::Client)] {
         let who = MemberInfo { mode, ..me.clone() };
         let mut s = Search::new(whole_swarm(n), who, 1000, previous.clone(), 0, 5000).sticky();
-        assert!(s.declares_at_open());
         assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
     }
 }
@@ -593,8 +588,6 @@ fn the_leader_of_a_group_that_held_the_swarm_takes_its_members_whatever_their_ra
     let (me, a, b) = sorted_trio();
     let previous = vec![a.peer_id.clone(), b.peer_id.clone()];
     let mut s = Search::new(whole_swarm(3), me.clone(), 5000, previous, 0, 5000).sticky();
-    // It declares (a newcomer must see it).
-    assert!(s.declares_at_open());
     // Its first read waits a little for its members.
     assert!(s.handle(0, Event::Tick).is_empty());
     assert_eq!(s.next_wakeup(), Some(25));
