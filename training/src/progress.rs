@@ -328,11 +328,11 @@ impl ProgressTracker {
     /// `covered.stride`-th epoch (about every [`COVERED_REPORT_INTERVAL`]) instead of at once
     /// (the members know it; a publication after every step was one DHT write per peer and
     /// step, for nobody: two glyphs MLP peers a core each stepped every 9 ms), and (2)
-    /// [`Self::fetch`] takes the members' reports written
-    /// before the round ended, of an earlier epoch, as reports of `covered.epoch` with no
-    /// samples at `covered.since_ms` at their rate. A report written after the round is taken
-    /// as it is (a member whose part of the round failed publishes its own epoch). `None`
-    /// forgets it: reports are due at every epoch change again.
+    /// [`Self::fetch`] takes the members' reports written before the round ended, of an
+    /// earlier epoch, as reports of `covered.epoch` with no samples at `covered.since_ms` at
+    /// their rate. A report written after the round is taken as it is (a member whose part of
+    /// the round failed publishes its own epoch). `None` forgets it: reports are due at every
+    /// epoch change again.
     ///
     /// ```no_run
     /// # fn demo(tracker: &starling_training::progress::ProgressTracker, me: starling_node::PeerId, other: starling_node::PeerId) {
@@ -544,7 +544,8 @@ fn live_reports(
 }
 
 /// Whether a report of `epoch` is due when the last one (`last`: its age and epoch) was
-/// published; `covered`: the epoch is [`Covered`] (see [`ProgressTracker::due`]).
+/// published; `stride`: the [`Covered`] stride when the epoch is covered (see
+/// [`ProgressTracker::due`]).
 fn is_due(
     last: Option<(Duration, u64)>,
     epoch: u64,

@@ -292,14 +292,14 @@ impl CollaborativeOptimizer {
         } else {
             self.progress_after_round(&report, stepped_ms)
         };
-        // A round that held every live peer (the reading made up from it), after a few such
-        // rounds in a row: its members know each other's new epoch, and this peer's report of
-        // it can wait (not the last epoch's: joiners of an ended run read it). (A joiner's
-        // first rounds find the others' epoch in their reports, not made up: a report held
-        // back then left it computing the whole batch, 1400 samples a peer for 2048.)
-        // Only where it saves writes: epochs shorter than half the covered report interval
-        // (over a 60 ms network, where every epoch would publish anyway, lifting the members'
-        // reports let a peer of four go to a round the fourth had not reached).
+        // A round that held every live peer (the reading made up from it) covers the new
+        // epoch: its members know each other's epoch, and this peer's report of it can wait
+        // (not the last epoch's: joiners of an ended run read it). Only after a few such rounds
+        // in a row: a joiner's first rounds find the others' epoch in their reports, not made
+        // up, and a report held back then left it computing the whole batch (1400 samples a
+        // peer for 2048). And only where it saves writes, in epochs shorter than half the
+        // covered report interval (stride above 1); with longer ones every epoch is published
+        // anyway.
         self.full_rounds = if self.swarm.is_some() {
             self.full_rounds + 1
         } else {
