@@ -39,6 +39,7 @@
 
 pub mod attack;
 pub mod data;
+mod eval;
 pub mod event;
 pub mod manifest;
 pub mod model;
