@@ -781,14 +781,6 @@ async fn table_row(
                 GradientCompression::parse_codec(codec).unwrap();
             cfg.error_feedback = error_feedback;
             cfg.state_averaging_every = None;
-            if matches!(mode, Mode::LocalSgd { .. }) {
-                // Without state rounds a DiLoCo round that begins without a member leaves that
-                // peer apart for good (what the fault tests cover, not this table). A member
-                // held up past the default half-second grace (4 peers and a second test on 2
-                // cores, a stalled DHT write) split one of 8 rounds in a CI run: the leaders
-                // wait longer, which costs nothing when all four come (a full group begins).
-                cfg.averager.start_grace = Some(Duration::from_secs(3));
-            }
             let mut collab = CollaborativeOptimizer::new(node.clone(), opt, &params, cfg)
                 .await
                 .unwrap();
