@@ -98,6 +98,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             checkpoint_every: 10,
             sync_first: false,
             sample_seed: 1000 + i as u64,
+            shard: None,
             stop: Arc::new(AtomicBool::new(false)),
             reporter,
             // The demo's epochs take 25-40 ms on a 2-core machine: with reports every 100 ms

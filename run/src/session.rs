@@ -26,7 +26,7 @@ use crate::event::{split, Event, Reporter};
 use crate::manifest::{
     self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, ScheduleSpec, SignedManifest,
 };
-use crate::model::{Built, Eval, Net, Sampler};
+use crate::model::{Batches, Built, Eval, Net, Sampler, Shard, SharedOrder};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
 const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
@@ -69,6 +69,9 @@ pub struct Session {
     pub sync_first: bool,
     /// Seed of this peer's batch sampling.
     pub sample_seed: u64,
+    /// Draw this peer's share of the run's shared batch order instead of batches of its own
+    /// (`sample_seed`): see [`SharedOrder`].
+    pub shard: Option<Shard>,
     /// Set to leave the run after the current step.
     pub stop: Arc<AtomicBool>,
     /// Where events go.
@@ -217,6 +220,7 @@ struct Ctx {
     checkpoint_dir: Option<PathBuf>,
     checkpoint_every: u64,
     sample_seed: u64,
+    shard: Option<Shard>,
     stop: Arc<AtomicBool>,
     reporter: Arc<dyn Reporter>,
     attack: Option<Attack>,
@@ -245,6 +249,7 @@ impl Session {
             checkpoint_every,
             sync_first,
             sample_seed,
+            shard,
             stop,
             reporter,
             progress_interval,
@@ -362,6 +367,7 @@ impl Session {
             checkpoint_dir,
             checkpoint_every,
             sample_seed,
+            shard,
             stop,
             reporter,
             attack,
@@ -462,7 +468,13 @@ impl Trainer {
 
     /// Waits until the run has `wanted` live peers (this one included), `stop` is set or
     /// [`MIN_PEERS_WAIT`] passes, keeping this peer's progress record fresh meanwhile.
-    async fn wait_for_peers(&mut self, wanted: usize, reporter: &dyn Reporter, stop: &AtomicBool) {
+    /// Waits for `wanted` live peers (see [`Session::min_peers`]); whether they are there.
+    async fn wait_for_peers(
+        &mut self,
+        wanted: usize,
+        reporter: &dyn Reporter,
+        stop: &AtomicBool,
+    ) -> bool {
         let until = Instant::now() + MIN_PEERS_WAIT;
         let mut told = None;
         loop {
@@ -477,15 +489,18 @@ impl Trainer {
                 told = Some(peers);
                 reporter.event(&Event::Waiting { peers, wanted });
             }
-            if peers >= wanted || stop.load(Ordering::Relaxed) {
-                return;
+            if peers >= wanted {
+                return true;
+            }
+            if stop.load(Ordering::Relaxed) {
+                return false;
             }
             if Instant::now() >= until {
                 tracing::warn!(
                     "the run has {peers} of the {wanted} peers --min-peers asks for after {} s: training with them",
                     MIN_PEERS_WAIT.as_secs()
                 );
-                return;
+                return false;
             }
             tokio::time::sleep(MIN_PEERS_POLL).await;
             // Its record lives `report_lifetime`: refreshed, so that a long wait does not
@@ -514,7 +529,11 @@ impl Trainer {
         let reporter = s.reporter.as_ref();
         let diloco = matches!(m.mode, ModeSpec::Diloco { .. });
         let context = context_of(m);
-        let mut sampler = Sampler::new(m.batch_size as usize, s.sample_seed);
+        let batch_size = m.batch_size as usize;
+        let mut batches = match s.shard {
+            Some(shard) => Batches::Shared(SharedOrder::new(batch_size, m.seed, shard)),
+            None => Batches::Own(Sampler::new(batch_size, s.sample_seed)),
+        };
         let started = Instant::now();
         let mut samples_total = 0u64;
         let (mut window_start, mut window_samples) = (Instant::now(), 0u64);
@@ -540,7 +559,7 @@ impl Trainer {
                 });
             }
             // One batch's gradient, computed off the network's threads.
-            let batch = sampler.next(&s.data, context)?;
+            let batch = batches.next(self.collab.epoch(), &s.data, context)?;
             let samples = batch.samples;
             let net = self.net.clone();
             let binding = self.binding.clone();

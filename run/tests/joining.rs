@@ -74,6 +74,7 @@ impl Fixture {
             checkpoint_every: 10,
             sync_first,
             sample_seed: 1 + i as u64,
+            shard: None,
             stop: Arc::new(AtomicBool::new(false)),
             reporter: kept.clone(),
             progress_interval: Some(Duration::from_millis(25)),

@@ -83,6 +83,13 @@ pub struct TrainArgs {
     /// (default 0.125; 1: a whole step late, which cost the glyphs MLP 6-14 points)
     #[arg(long, value_name = "FRACTION", requires = "delayed_update", value_parser = parse_fraction)]
     max_stale: Option<f64>,
+    /// Draw the batches of shard INDEX/COUNT of the run's shared order (a stream per epoch from
+    /// the run's seed, dealt out batch by batch) instead of this peer's own random batches: N
+    /// peers given 0/N .. N-1/N together draw the batches that one peer given 0/1 draws alone,
+    /// so a swarm's run can be compared with one peer's batch for batch, and no two of them
+    /// compute the same batch.
+    #[arg(long, value_name = "INDEX/COUNT")]
+    shard: Option<starling_run::model::Shard>,
     /// Before the first batch, wait until the run has N live peers, this one included (at
     /// most 10 minutes; Ctrl-C ends the wait): machines started together then train together
     /// from the first epoch instead of the first one stepping alone meanwhile.
@@ -469,6 +476,7 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     let session = Session {
         node: node.clone(),
         sample_seed: seed_of(&node),
+        shard: args.shard,
         manifest,
         signed,
         data: Arc::new(data),
