@@ -344,8 +344,8 @@ impl Session {
                 tracing::debug!("announcing this peer's progress: {e}");
             }
         }
-        if min_peers > 1 {
-            t.wait_for_peers(min_peers, reporter.as_ref(), &stop).await;
+        if min_peers > 1 && t.wait_for_peers(min_peers, reporter.as_ref(), &stop).await {
+            t.collab.start_together();
         }
         let (unigram, bigram) = match data.as_ref() {
             Dataset::Text(text) => (Some(text.unigram_entropy()), Some(text.bigram_entropy())),

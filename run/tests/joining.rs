@@ -167,7 +167,8 @@ async fn a_joiner_started_before_the_creator_serves_waits_and_trains_with_it() {
 }
 
 /// `--min-peers 2` on both: the creator, started first, takes no step before the joiner is
-/// in; the joiner syncs the initial state, and every step of both is taken together.
+/// in; the joiner syncs the initial state, every step of both is taken together, and the
+/// first global batch is the target's size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_min_peers_the_creator_waits_for_the_joiner_before_its_first_batch() {
     let (creator_events, joiner_events) =
@@ -194,6 +195,20 @@ async fn with_min_peers_the_creator_waits_for_the_joiner_before_its_first_batch(
         );
     }
     assert_eq!(final_sha(&joiner_events), final_sha(&creator_events));
+    let first = |events: &[Event]| {
+        events.iter().find_map(|e| match e {
+            Event::Step { samples, .. } => Some(*samples),
+            _ => None,
+        })
+    };
+    // They began together (`start_together`): the first global batch is the target (the
+    // MLP's default 256, in batches of 32), not each peer computing most of it (512 without).
+    let (c, j) = (first(&creator_events), first(&joiner_events));
+    let global = c.unwrap_or(0) + j.unwrap_or(0);
+    assert!(
+        (256..=256 + 32).contains(&global),
+        "the first global batch: creator {c:?} + joiner {j:?} samples, for a target of 256"
+    );
 }
 
 /// A joiner that arrives after the run ended (its peers finished and left; their state

@@ -171,6 +171,9 @@ pub struct CollaborativeOptimizer {
     /// when it was read.
     last_read: Option<SwarmProgress>,
     last_read_at: Option<Instant>,
+    /// The epoch in which the run's live peers began computing together with this one (see
+    /// [`Self::start_together`]).
+    together_epoch: Option<u64>,
     /// After a state sync, until this peer's first step: how many times the swarm was found
     /// an epoch ahead of the synced state (see `take_swarm_epoch`).
     fresh_sync: Option<u32>,
@@ -330,6 +333,7 @@ impl CollaborativeOptimizer {
             swarm: None,
             last_read: None,
             last_read_at: None,
+            together_epoch: None,
             fresh_sync: None,
             behind_of: None,
             errors: Vec::new(),
@@ -442,6 +446,26 @@ impl CollaborativeOptimizer {
     /// ```
     pub async fn announce(&mut self) -> Result<(), TrainingError> {
         Ok(self.tracker.publish(self.local_progress()).await?)
+    }
+
+    /// Tells the optimizer that the run's live peers begin computing this epoch now, as this
+    /// one does: they waited for each other (`starling train --min-peers`). Until the others'
+    /// rates are measured, this epoch's batch is then projected with each of them computing
+    /// as many samples as this peer, so the first global batch lands on the target. Without
+    /// it a peer counts an unmeasured peer's samples only once reported, and every peer
+    /// computed most of the first batch itself (two charlm peers: 224 samples for a target of
+    /// 128, 160 in another run; 128 with it).
+    ///
+    /// ```no_run
+    /// # async fn demo(mut opt: starling_training::CollaborativeOptimizer) {
+    /// while opt.live_peers().await.unwrap_or(0) < 4 {
+    ///     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    /// }
+    /// opt.start_together();
+    /// # }
+    /// ```
+    pub fn start_together(&mut self) {
+        self.together_epoch = Some(self.epoch);
     }
 
     /// The live peers of the run, this one included once it has [announced](Self::announce)

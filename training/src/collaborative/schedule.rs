@@ -17,7 +17,13 @@ impl CollaborativeOptimizer {
         // past the target by up to a batch per peer; stopping when the target is nearer than
         // half that jump lands the global batch on the target on average, not above it.
         let ahead = self.samples + self.last_batch_samples / 2;
-        let projection = swarm.projected_with(ahead, self.compute.rate());
+        let mut projection = swarm.projected_with(ahead, self.compute.rate());
+        if self.together_epoch == Some(self.epoch) && pace::unmeasured_others(swarm) {
+            // The peers began this epoch together (`start_together`): each of the others has
+            // computed about what this one has.
+            let peers = swarm.peers_in_epoch as u64;
+            projection = projection.max(ahead.saturating_mul(peers));
+        }
         let projected =
             self.cfg.projected_batch && swarm.epoch == self.epoch && projection >= target;
         tracing::trace!(
