@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 pub mod attack;
+pub mod batches;
 pub mod data;
 mod eval;
 pub mod event;

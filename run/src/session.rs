@@ -20,13 +20,14 @@ use starling_training::{
 };
 
 use crate::attack::Attack;
+use crate::batches::{Batches, Sampler, Shard, SharedOrder};
 use crate::data::Dataset;
 use crate::eval::BackgroundEval;
 use crate::event::{split, Event, Reporter};
 use crate::manifest::{
     self, ModeSpec, ModelSpec, OptimizerKind, RunManifest, ScheduleSpec, SignedManifest,
 };
-use crate::model::{Batches, Built, Eval, Net, Sampler, Shard, SharedOrder};
+use crate::model::{Built, Eval, Net};
 
 /// The file a checkpoint directory keeps the run's signed manifest in.
 const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
@@ -467,8 +468,8 @@ impl Trainer {
     }
 
     /// Waits until the run has `wanted` live peers (this one included), `stop` is set or
-    /// [`MIN_PEERS_WAIT`] passes, keeping this peer's progress record fresh meanwhile.
-    /// Waits for `wanted` live peers (see [`Session::min_peers`]); whether they are there.
+    /// [`MIN_PEERS_WAIT`] passes, keeping this peer's progress record fresh meanwhile; whether
+    /// the peers are there.
     async fn wait_for_peers(
         &mut self,
         wanted: usize,

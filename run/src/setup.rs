@@ -8,12 +8,13 @@ use anyhow::{bail, ensure, Context, Result};
 use starling_experts::{ClientConfig, ExpertClient, MoeConfig, RemoteMixtureOfExperts};
 use starling_node::Node;
 
+use crate::batches::Sampler;
 use crate::data::Dataset;
 use crate::manifest::{
     DataSpec, ModeSpec, ModelSpec, MoeSpec, OptimizerKind, OptimizerSpec, RunManifest,
     ScheduleSpec, KNOWN_MODELS, MANIFEST_FORMAT,
 };
-use crate::model::{Built, Eval, Sampler};
+use crate::model::{Built, Eval};
 use crate::session::optimizer_config;
 
 /// Hyper-parameters of a new run, each `None` for the model's default (a joiner takes them from

@@ -89,7 +89,7 @@ pub struct TrainArgs {
     /// so a swarm's run can be compared with one peer's batch for batch, and no two of them
     /// compute the same batch.
     #[arg(long, value_name = "INDEX/COUNT")]
-    shard: Option<starling_run::model::Shard>,
+    shard: Option<starling_run::batches::Shard>,
     /// Before the first batch, wait until the run has N live peers, this one included (at
     /// most 10 minutes; Ctrl-C ends the wait): machines started together then train together
     /// from the first epoch instead of the first one stepping alone meanwhile.
