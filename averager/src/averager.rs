@@ -81,6 +81,8 @@ pub struct Averager {
     last_group: Mutex<Vec<PeerId>>,
     /// The latest expiration this peer gave a matchmaking declaration (see `find_group`).
     declared_until: Arc<std::sync::atomic::AtomicU64>,
+    /// How long the last join request took to be answered (ms; `u64::MAX` before the first).
+    last_ask_ms: Arc<std::sync::atomic::AtomicU64>,
     /// The last round's background repair server: at most one at a time.
     repair_server: Mutex<Option<JoinHandle<()>>>,
     /// The schema this peer last announced, and until when the announcement lasts.
@@ -166,6 +168,7 @@ impl Averager {
             grid_index: Mutex::new(grid),
             last_group: Mutex::new(Vec::new()),
             declared_until: Arc::default(),
+            last_ask_ms: Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX)),
             repair_server: Mutex::new(None),
             announced: Mutex::new(None),
             busy: AtomicBool::new(false),
@@ -325,6 +328,7 @@ impl Averager {
             transport: self.transport.clone(),
             previous: lock(&self.last_group).clone(),
             declared_until: self.declared_until.clone(),
+            last_ask_ms: self.last_ask_ms.clone(),
             expected: (expected > 0).then_some(expected),
             banned: self.banned.clone(),
         };

@@ -47,6 +47,9 @@ pub(crate) struct Matchmaker {
     pub previous: Vec<PeerId>,
     /// The latest expiration this peer gave a declaration (unix ms; shared across rounds).
     pub declared_until: Arc<std::sync::atomic::AtomicU64>,
+    /// How long this peer's last join request took to be answered, in ms (`u64::MAX` before
+    /// the first; shared across rounds; see `Search::declares_at_open`).
+    pub last_ask_ms: Arc<std::sync::atomic::AtomicU64>,
     /// The peers expected to search (`Averager::expect_peers`), if the caller said.
     pub expected: Option<usize>,
     /// Peers proven to have lied: never grouped with (see [`crate::verify`]).
@@ -104,14 +107,16 @@ pub(crate) async fn find_group(
             );
         };
         let sticky = std::mem::replace(&mut first, false);
+        // Whether this window declared this peer (a member of a re-forming group may not).
+        let mut declared = false;
         let window = run_window(
             mm,
             group_key,
             &me,
-            window_end,
-            window_end_ms,
+            (window_end, window_end_ms),
             sticky,
             &mut rx,
+            &mut declared,
         )
         .await?;
         match window {
@@ -121,14 +126,16 @@ pub(crate) async fn find_group(
                 // under this tag, and this peer's next search (another tag) replaces it. Closing
                 // it was one more DHT write per round that no peer read (a pair of glyphs MLP
                 // peers, a core each: 0.72 -> 0.68 of the lone peer's time, six runs each).
-                if !holds_everyone(&group, me.tag, mm.expected) {
+                if declared && !holds_everyone(&group, me.tag, mm.expected) {
                     close();
                 }
                 return Ok(group);
             }
             Window::Again => {}
             Window::Behind(theirs) => {
-                close();
+                if declared {
+                    close();
+                }
                 return Err(AveragerError::Behind {
                     mine: me.tag,
                     theirs,
@@ -179,9 +186,10 @@ fn short(peer: &[u8]) -> String {
 }
 
 /// The settings of [`proto::Search`] from the averager's.
-fn params(cfg: &AveragerConfig, swarm: Option<usize>) -> Params {
+fn params(cfg: &AveragerConfig, swarm: Option<usize>, last_ask_ms: u64) -> Params {
     Params {
         swarm,
+        last_ask_ms: (last_ask_ms != u64::MAX).then_some(last_ask_ms),
         target_group_size: cfg.target_group_size,
         min_group_size: cfg.min_group_size,
         start_grace_ms: cfg.effective_start_grace().as_millis() as Ms,
@@ -234,10 +242,10 @@ async fn run_window(
     mm: &Matchmaker,
     group_key: &str,
     me: &MemberInfo,
-    window_end: Instant,
-    window_end_ms: u64,
+    (window_end, window_end_ms): (Instant, u64),
     sticky: bool,
     rx: &mut mpsc::Receiver<IncomingJoin>,
+    declared: &mut bool,
 ) -> Result<Window, AveragerError> {
     let cfg = &mm.config;
     let node = mm.transport.node();
@@ -246,7 +254,7 @@ async fn run_window(
     let previous = mm.previous.iter().map(|p| p.to_bytes()).collect();
     let end = window_end.saturating_duration_since(origin).as_millis() as Ms;
     let mut search = Search::new(
-        params(cfg, mm.expected),
+        params(cfg, mm.expected, mm.last_ask_ms.load(Ordering::Acquire)),
         me.clone(),
         window_end_ms,
         previous,
@@ -258,7 +266,10 @@ async fn run_window(
     if sticky && !mm.previous.iter().any(|p| node.is_down(p)) {
         search = search.sticky();
     }
-    declare(mm, group_key, me, window_end_ms).await?;
+    if search.declares_at_open() {
+        declare(mm, group_key, me, window_end_ms).await?;
+        *declared = true;
+    }
     // Join requests by the id the state machine knows them by: waiting for their answer, or
     // accepted (followers, answered again at begin or disband).
     let mut joins: HashMap<JoinId, IncomingJoin> = HashMap::new();
@@ -299,6 +310,12 @@ async fn run_window(
                 Action::Ask { leader } => {
                     tracing::trace!(me = %short(&me.peer_id), leader = %short(&leader.info.peer_id), "asking to join");
                     (accepted, attempt) = ask(mm, group_key, me, window_end_ms, leader);
+                }
+                Action::Declare => {
+                    if !*declared {
+                        declare(mm, group_key, me, window_end_ms).await?;
+                        *declared = true;
+                    }
                 }
                 Action::Read => {
                     let read = read_declarations(node, group_key, cfg.request_timeout)
@@ -584,6 +601,7 @@ async fn follow_inner(
     let cfg = &mm.config;
     let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
     let leader_member = Member::parse(&leader.info).map_err(|e| refused(&e))?;
+    let asked_at = Instant::now();
     let mut stream = mm
         .transport
         .open_stream(
@@ -609,6 +627,8 @@ async fn follow_inner(
         .await
         .map_err(|e| refused(&e))?
         .map_err(|_| FollowError::Busy)?;
+    mm.last_ask_ms
+        .store(asked_at.elapsed().as_millis() as u64, Ordering::Release);
     match reply {
         MatchMsg::Accepted => accepted.store(true, Ordering::Release),
         MatchMsg::Rejected(reason) => {

@@ -23,18 +23,20 @@
 //!
 //! **A group that held the whole swarm re-forms without reading the key** ([`Search::sticky`]):
 //! when this peer's previous group held every peer the caller expects ([`Params::swarm`]), its
-//! members agree without a word on the smallest peer id among them as the leader. Everyone
-//! still declares (a leader of the usual way, or a newcomer, must see who searches). The leader
-//! reads the key only after [`Params::first_refresh_ms`], accepts its previous members
-//! whatever their rank, does not go to them while they may still come (until half the start
-//! grace), and begins the moment all of them joined. The others do not read: they ask it
-//! directly ([`Action::Ask`] with a declaration made up from the previous group), again every
-//! [`STICKY_RETRY_MS`] while it is not searching yet, and search the usual way when it answers
-//! otherwise (busy with another group, full, another round) or has not taken them within half
-//! the start grace (the other half is for them to find each other the usual way). A stable
-//! pair's step cost its two peers six DHT operations on the key (two declarations, reads and
-//! closes); now four (the declarations and closes). In the simulator's stable
-//! four-peer swarms (61 seeds) it reads the key a third less often, with as many peers grouped.
+//! members agree without a word on the smallest peer id among them as the leader. The leader
+//! still declares (a newcomer must see who searches); its members declare only if they fall
+//! back to the usual search, or where their last join request was slow
+//! ([`Search::declares_at_open`]). The leader reads the key only after
+//! [`Params::first_refresh_ms`], accepts its previous members whatever their rank, does not go
+//! to them while they may still come (until half the start grace), and begins the moment all of
+//! them joined. The others do not read: they ask it directly ([`Action::Ask`] with a
+//! declaration made up from the previous group), again every [`STICKY_RETRY_MS`] while it is
+//! not searching yet, and search the usual way when it answers otherwise (busy with another
+//! group, full, another round) or has not taken them within half the start grace (the other
+//! half is for them to find each other the usual way). A stable pair's step cost its two peers
+//! six DHT operations on the key (two declarations, reads and closes); now one (the leader's
+//! declaration: a tagged group of everyone leaves it open). In the simulator's stable four-peer
+//! swarms (61 seeds) it reads the key a third less often, with as many peers grouped.
 
 use std::collections::{HashMap, HashSet};
 
@@ -51,6 +53,10 @@ pub(crate) type JoinId = u64;
 /// How soon a member of a re-forming group asks its leader again after the leader answered
 /// that it is not searching yet (its step is still computing).
 pub(crate) const STICKY_RETRY_MS: Ms = 5;
+
+/// A member of a re-forming group leaves its declaration out only if its last join request was
+/// answered within this share of the start grace (see [`Search::declares_at_open`]).
+pub(crate) const QUICK_ASK_SHARE: Ms = 10;
 
 /// The settings a search runs with.
 #[derive(Debug, Clone)]
@@ -75,6 +81,10 @@ pub(crate) struct Params {
     /// previous group smaller than that is not "everyone", and re-forming it at once would
     /// keep the swarm split in the same parts round after round.
     pub swarm: Option<usize>,
+    /// How long this peer's last join request took to be answered (the driver's clock, from
+    /// asking to the leader's answer), if it made one: whether a member of a re-forming group
+    /// may leave its declaration out ([`Search::declares_at_open`]).
+    pub last_ask_ms: Option<Ms>,
 }
 
 /// Where this peer stands.
@@ -164,6 +174,10 @@ pub(crate) enum Action {
         /// The leader's declaration.
         leader: Declaration,
     },
+    /// Declare this peer under the group key: a member of a re-forming group that falls back
+    /// to the usual search (it did not declare when its window opened, see
+    /// [`Search::declares_at_open`]).
+    Declare,
     /// Read the group key (report [`Event::Read`]).
     Read,
     /// Report whether all these peers are gone ([`Event::Gone`]): none of `connected` has a
@@ -330,6 +344,27 @@ impl Search {
         self
     }
 
+    /// Whether the driver declares this peer under the group key when the window opens: every
+    /// peer but a member of a re-forming group that asks its leader directly and whose last
+    /// join request was answered within a [`QUICK_ASK_SHARE`]th of the start grace. Nobody reads
+    /// such a member's declaration: the leader takes its previous members without reading the
+    /// key, and a newcomer asks the leader, which declares. It declares ([`Action::Declare`]) if
+    /// it falls back to the usual search. (In a pair of glyphs MLP peers, a core each, the
+    /// follower's declaration was one DHT write per 9 ms step, with the leader storing it.)
+    ///
+    /// Where asks are slow, members declare at once as before: a leader whose grace ends
+    /// before its members' requests arrive begins with the declared peers that joined, and
+    /// only a declaration tells it that a member is still on its way (four peers with 60 ms
+    /// round trips: a member's request took 520 ms or more to reach its leader, whose grace
+    /// was over; the leader began without it).
+    pub fn declares_at_open(&self) -> bool {
+        let quick = self
+            .params
+            .last_ask_ms
+            .is_some_and(|t| t.saturating_mul(QUICK_ASK_SHARE) <= self.params.start_grace_ms);
+        !(self.sticky_following() && quick)
+    }
+
     /// Until when a member of a re-forming group asks its leader before it searches the usual
     /// way: half the start grace (at least one first refresh). The other half is for the
     /// members that fell back to find each other: a leader of the usual way begins without a
@@ -366,9 +401,12 @@ impl Search {
         })
     }
 
-    /// A member of a re-forming group stops asking its leader: it searches the usual way,
-    /// reading the key at once.
-    fn fall_back(&mut self, now: Ms) {
+    /// A member of a re-forming group stops asking its leader: it declares itself (unless it
+    /// did when its window opened) and searches the usual way, reading the key at once.
+    fn fall_back(&mut self, now: Ms, out: &mut Vec<Action>) {
+        if !self.fell_back && !self.declares_at_open() {
+            out.push(Action::Declare);
+        }
         self.fell_back = true;
         self.sticky_retry = None;
         self.next_read = now;
@@ -444,7 +482,7 @@ impl Search {
         if self.sticky_following() && now >= self.sticky_until() {
             // The leader did not take us in time: the usual way (once a request in flight
             // ends).
-            self.fall_back(now);
+            self.fall_back(now, out);
         }
         if self.phase != Phase::Searching {
             return;
@@ -591,7 +629,7 @@ impl Search {
                     return;
                 }
                 _ => {
-                    self.fall_back(now);
+                    self.fall_back(now, out);
                     return;
                 }
             }

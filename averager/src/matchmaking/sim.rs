@@ -92,9 +92,15 @@ struct Peer {
     search: Option<Search>,
     generation: u64,
     window_end: Ms,
+    /// Whether it declared in its current window (see `Search::declares_at_open`).
+    declared: bool,
     deadline: Ms,
     /// The leader asked and the request's number.
     asking: Option<(usize, u64)>,
+    /// When it sent its request in flight, and how long its last one took to be answered (as
+    /// the shell measures: `Params::last_ask_ms`).
+    asked_at: Ms,
+    last_ask: Option<Ms>,
     requests: u64,
     /// Join requests this peer leads, by the id its search knows them by.
     joins: HashMap<JoinId, usize>,
@@ -172,8 +178,11 @@ impl Sim {
                 search: None,
                 generation: 0,
                 window_end: 0,
+                declared: false,
                 deadline: 0,
                 asking: None,
+                asked_at: 0,
+                last_ask: None,
                 requests: 0,
                 joins: HashMap::new(),
                 next_join: 0,
@@ -214,8 +223,9 @@ impl Sim {
         }
     }
 
-    fn params(&self) -> Params {
+    fn params(&self, p: usize) -> Params {
         Params {
+            last_ask_ms: self.peers[p].last_ask,
             target_group_size: self.scenario.target_group_size,
             min_group_size: 2,
             start_grace_ms: 500,
@@ -297,10 +307,14 @@ impl Sim {
                 self.feed(p, Event::Read(Some(entries)))
             }
             Ev::JoinAt(l, f, req) => self.join_at(l, f, req),
-            Ev::Answer(f, l, req, reject) if self.asking(f, l, req) => match reject {
-                None => self.feed(f, Event::Accepted),
-                Some(r) => self.asked(f, l, on_reject(r)),
-            },
+            Ev::Answer(f, l, req, reject) if self.asking(f, l, req) => {
+                let peer = &mut self.peers[f];
+                peer.last_ask = Some(self.now - peer.asked_at);
+                match reject {
+                    None => self.feed(f, Event::Accepted),
+                    Some(r) => self.asked(f, l, on_reject(r)),
+                }
+            }
             Ev::Decision(f, l, req, decision) if self.asking(f, l, req) => match decision {
                 Some(group) => {
                     self.peers[f].log.group = Some(group);
@@ -347,7 +361,7 @@ impl Sim {
         if end <= now + 50 {
             return self.finish(p);
         }
-        let params = self.params();
+        let params = self.params(p);
         let peer = &mut self.peers[p];
         let mut search = Search::new(
             params,
@@ -362,12 +376,17 @@ impl Sim {
         }
         peer.window_end = end;
         peer.generation += 1;
+        let declares = search.declares_at_open();
         peer.search = Some(search);
-        self.declare(p);
+        peer.declared = false;
+        if declares {
+            self.declare(p);
+        }
         self.feed(p, Event::Tick);
     }
 
     fn declare(&mut self, p: usize) {
+        self.peers[p].declared = true;
         let decl = Declaration {
             info: self.peers[p].info.clone(),
             window_end: self.peers[p].window_end,
@@ -510,9 +529,11 @@ impl Sim {
                 peer.requests += 1;
                 let req = peer.requests;
                 peer.asking = Some((l, req));
+                peer.asked_at = now;
                 let t = now + self.link(p, l);
                 self.at(t, Ev::JoinAt(l, p, req));
             }
+            Action::Declare => self.declare(p),
             Action::Read => {
                 self.reads += 1;
                 let entries = self.read();
@@ -568,12 +589,14 @@ impl Sim {
                 self.peers[p].asking = None;
                 match outcome {
                     Outcome::Led | Outcome::Followed => {
-                        // Closed: re-stored with its window ended.
-                        let closed = Declaration {
-                            info: self.peers[p].info.clone(),
-                            window_end: now,
-                        };
-                        self.store(p, closed);
+                        // Closed: re-stored with its window ended (if it declared).
+                        if self.peers[p].declared {
+                            let closed = Declaration {
+                                info: self.peers[p].info.clone(),
+                                window_end: now,
+                            };
+                            self.store(p, closed);
+                        }
                         self.finish(p)
                     }
                     Outcome::Again => {

@@ -24,6 +24,7 @@ fn params(target: usize, min: usize) -> Params {
         first_refresh_ms: 200,
         busy_backoff_ms: 150,
         swarm: None,
+        last_ask_ms: None,
     }
 }
 
@@ -507,14 +508,38 @@ fn whole_swarm(n: usize) -> Params {
 fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_back() {
     let (lead, me, other) = sorted_trio();
     let previous = vec![lead.peer_id.clone(), other.peer_id.clone()];
+    // Its last join request was answered in 3 ms, within a tenth of the 400 ms grace.
+    let quick = Params {
+        last_ask_ms: Some(3),
+        ..whole_swarm(3)
+    };
     let sticky =
-        || Search::new(whole_swarm(3), me.clone(), 1000, previous.clone(), 0, 5000).sticky();
+        || Search::new(quick.clone(), me.clone(), 1000, previous.clone(), 0, 5000).sticky();
     let l = lead.peer_id.clone();
     let asked = |outcome| Event::Asked {
         leader: l.clone(),
         outcome,
     };
     let mut s = sticky();
+    // Nobody reads its declaration: it declares only if it falls back.
+    assert!(!s.declares_at_open());
+    // Unless its join requests are slow, or not measured yet: then it declares at once (a
+    // leader whose grace ends before a member's request arrives must know the member comes),
+    // and does not again when it falls back.
+    for last_ask_ms in [None, Some(41)] {
+        let p = Params {
+            last_ask_ms,
+            ..whole_swarm(3)
+        };
+        let mut slow = Search::new(p, me.clone(), 1000, previous.clone(), 0, 5000).sticky();
+        assert!(slow.declares_at_open(), "{last_ask_ms:?}");
+        assert!(matches!(
+            &slow.handle(0, Event::Tick)[..],
+            [Action::Ask { .. }]
+        ));
+        assert!(slow.handle(4, asked(Asked::Busy)).is_empty());
+        assert_eq!(slow.handle(4, Event::Tick), vec![Action::Read]);
+    }
     // No read: the leader is asked at once, as a made-up declaration of this round.
     let first = s.handle(0, Event::Tick);
     let [Action::Ask { leader }] = &first[..] else {
@@ -542,10 +567,12 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     let mut now = 0;
     let fell_back_at = loop {
         now += 1;
-        s.handle(now, asked(Asked::NotSearching));
+        let mut out = s.handle(now, asked(Asked::NotSearching));
         now = s.next_wakeup().expect("something is due");
-        let out = s.handle(now, Event::Tick);
+        out.extend(s.handle(now, Event::Tick));
         if out.contains(&Action::Read) {
+            // It declares itself as it falls back, before its first read.
+            assert_eq!(out, vec![Action::Declare, Action::Read]);
             break now;
         }
         assert!(
@@ -571,7 +598,7 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     for outcome in [Asked::Busy, Asked::Refused("Full".into())] {
         let mut s = sticky();
         s.handle(0, Event::Tick);
-        assert!(s.handle(4, asked(outcome)).is_empty());
+        assert_eq!(s.handle(4, asked(outcome)), vec![Action::Declare]);
         assert_eq!(s.handle(4, Event::Tick), vec![Action::Read]);
     }
 
@@ -579,6 +606,7 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
     for (n, mode) in [(4, AveragingMode::Node), (3, AveragingMode::Client)] {
         let who = MemberInfo { mode, ..me.clone() };
         let mut s = Search::new(whole_swarm(n), who, 1000, previous.clone(), 0, 5000).sticky();
+        assert!(s.declares_at_open());
         assert_eq!(s.handle(0, Event::Tick), vec![Action::Read]);
     }
 }
@@ -588,6 +616,8 @@ fn the_leader_of_a_group_that_held_the_swarm_takes_its_members_whatever_their_ra
     let (me, a, b) = sorted_trio();
     let previous = vec![a.peer_id.clone(), b.peer_id.clone()];
     let mut s = Search::new(whole_swarm(3), me.clone(), 5000, previous, 0, 5000).sticky();
+    // It declares (a newcomer must see it).
+    assert!(s.declares_at_open());
     // Its first read waits a little for its members.
     assert!(s.handle(0, Event::Tick).is_empty());
     assert_eq!(s.next_wakeup(), Some(25));
