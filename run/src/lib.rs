@@ -14,6 +14,7 @@
 //!   parameter buffers.
 //! - [`session`]: a peer training in a run until its last epoch: state sync, the collaborative
 //!   optimizer (or DiLoCo), checkpoints, evaluation, re-publishing the manifest.
+//! - [`checkpoint`]: which run a checkpoint directory belongs to.
 //! - [`event`]: what a session reports, to a [`Reporter`] of the caller's.
 //! - [`attack`]: a peer that lies on purpose, to test a swarm's defences.
 //!
@@ -39,6 +40,7 @@
 
 pub mod attack;
 pub mod batches;
+pub mod checkpoint;
 pub mod data;
 mod eval;
 pub mod event;

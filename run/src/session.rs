@@ -21,6 +21,7 @@ use starling_training::{
 
 use crate::attack::Attack;
 use crate::batches::{Batches, Sampler, Shard, SharedOrder};
+use crate::checkpoint;
 use crate::data::Dataset;
 use crate::eval::BackgroundEval;
 use crate::event::{split, Event, Reporter};
@@ -29,8 +30,6 @@ use crate::manifest::{
 };
 use crate::model::{Built, Eval, Net};
 
-/// The file a checkpoint directory keeps the run's signed manifest in.
-const CHECKPOINT_MANIFEST: &str = "run-manifest.json";
 /// Batches that may fail in a row (e.g. no remote experts reachable) before the session gives up.
 const MAX_BATCH_FAILURES: u32 = 60;
 /// Pause before retrying a failed batch.
@@ -178,42 +177,6 @@ fn context_of(m: &RunManifest) -> usize {
     }
 }
 
-/// The run a checkpoint directory was claimed for (its signed manifest, verified), if any.
-pub fn saved_manifest(dir: &std::path::Path) -> Result<Option<(RunManifest, SignedManifest)>> {
-    let path = dir.join(CHECKPOINT_MANIFEST);
-    match std::fs::read(&path) {
-        Ok(bytes) => {
-            let signed = SignedManifest::from_json(&bytes)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let (manifest, _) = signed
-                .verify()
-                .with_context(|| format!("verifying {}", path.display()))?;
-            Ok(Some((manifest, signed)))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
-    }
-}
-
-/// Checks that a checkpoint directory belongs to this run, or claims an empty one for it.
-pub fn check_checkpoint_dir(dir: &std::path::Path, signed: &SignedManifest) -> Result<bool> {
-    let path = dir.join(CHECKPOINT_MANIFEST);
-    match std::fs::read(&path) {
-        Ok(bytes) => {
-            let theirs = SignedManifest::from_json(&bytes)
-                .with_context(|| format!("reading {}", path.display()))?;
-            anyhow::ensure!(
-                theirs.manifest == signed.manifest && theirs.creator == signed.creator,
-                "--checkpoint-dir {} holds a checkpoint of another run (or another manifest of it): use another directory",
-                dir.display()
-            );
-            Ok(dir.join("checkpoint.json").exists())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
-    }
-}
-
 /// What training needs of a session once the model is unpacked.
 struct Ctx {
     node: Node,
@@ -270,16 +233,14 @@ impl Session {
         // A checkpoint of this run, if the directory has one.
         let mut resumed = None;
         if let Some(dir) = &checkpoint_dir {
-            if check_checkpoint_dir(dir, &signed)? {
+            if checkpoint::check_checkpoint_dir(dir, &signed)? {
                 let meta = StateTarget::new(&mut params)
                     .optimizer("opt", optimizer.as_mut())
                     .load(dir)
                     .with_context(|| format!("restoring the checkpoint in {}", dir.display()))?;
                 resumed = Some(meta.epoch);
             } else {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-                std::fs::write(dir.join(CHECKPOINT_MANIFEST), signed.to_json())?;
+                checkpoint::claim(dir, &signed)?;
             }
         }
         let mut cfg = collaborative_config(&m)?;

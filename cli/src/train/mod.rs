@@ -12,7 +12,7 @@ use anyhow::{ensure, Context, Result};
 use clap::Args;
 use starling_node::{Multiaddr, Node};
 use starling_run::manifest::{self, DataSpec, OptimizerKind, SignedManifest};
-use starling_run::session::{self, Session};
+use starling_run::session::Session;
 use starling_run::setup::{
     build_model, check_data, new_manifest, new_run_data, schema_matches, seed_of, Hyper,
 };
@@ -323,7 +323,9 @@ pub async fn run(args: TrainArgs) -> Result<()> {
     // run it created, so it rejoins that run (hyper-parameters from the saved manifest) instead
     // of creating a second one under the same name.
     let restarted = match (&args.new_run, &args.checkpoint_dir) {
-        (Some(name), Some(dir)) => session::saved_manifest(dir)?.filter(|(m, _)| &m.name == name),
+        (Some(name), Some(dir)) => {
+            starling_run::checkpoint::saved_manifest(dir)?.filter(|(m, _)| &m.name == name)
+        }
         _ => None,
     };
     if let (Some(dir), true) = (&args.checkpoint_dir, restarted.is_some()) {
