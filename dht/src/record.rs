@@ -12,11 +12,16 @@ pub const RECORD_FORMAT_VERSION: u8 = 1;
 pub struct Entry {
     /// The sub-key (may be empty for single-valued keys).
     pub subkey: String,
-    /// The opaque value; see [`encode_value`] for typed values.
+    /// The opaque value; see [`encode_value`] for typed values. (De)serialized as one byte
+    /// string (`serde_bytes`): postcard writes it exactly as a sequence of `u8` (varint
+    /// length, then the bytes), so the wire format is unchanged, but a record of 64
+    /// declarations decodes in one copy per field instead of a call per byte.
+    #[serde(with = "serde_bytes")]
     pub value: Vec<u8>,
     /// When the entry expires, in unix milliseconds.
     pub expiration: DhtTime,
     /// Ed25519 signature (64 bytes) by the owner named in the key or sub-key, if any.
+    #[serde(with = "serde_bytes")]
     pub signature: Option<Vec<u8>>,
 }
 
@@ -56,10 +61,17 @@ fn varint_len(x: u64) -> usize {
     (64 - x.leading_zeros() as usize).div_ceil(7).max(1)
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 struct Wire {
     version: u8,
     entries: Vec<Entry>,
+}
+
+/// [`Wire`] as it is written: the entries borrowed, not cloned (the same encoding).
+#[derive(Serialize)]
+struct WireOut<'a> {
+    version: u8,
+    entries: Vec<&'a Entry>,
 }
 
 /// The value held under one DHT key: a dictionary `subkey -> Entry`.
@@ -150,9 +162,29 @@ impl DictionaryRecord {
 
     /// Encodes the record for the wire (postcard, prefixed by [`RECORD_FORMAT_VERSION`]).
     pub fn encode(&self) -> Vec<u8> {
-        let wire = Wire {
+        Self::encode_entries(self.entries.values())
+    }
+
+    /// Encodes only the entries live at `now` (unix ms): what [`Self::encode`] gives after
+    /// [`Self::remove_expired`]`(now)`, without copying the record. A store answers lookups
+    /// with it.
+    ///
+    /// ```
+    /// use starling_dht::{DictionaryRecord, Entry};
+    /// let mut r = DictionaryRecord::default();
+    /// r.insert(Entry::new("a", vec![1], 2_000));
+    /// r.insert(Entry::new("b", vec![2], 500));
+    /// let live = DictionaryRecord::decode(&r.encode_live(1_000)).unwrap();
+    /// assert_eq!(live.len(), 1);
+    /// ```
+    pub fn encode_live(&self, now: DhtTime) -> Vec<u8> {
+        Self::encode_entries(self.live_entries(now))
+    }
+
+    fn encode_entries<'a>(entries: impl Iterator<Item = &'a Entry>) -> Vec<u8> {
+        let wire = WireOut {
             version: RECORD_FORMAT_VERSION,
-            entries: self.entries.values().cloned().collect(),
+            entries: entries.collect(),
         };
         // Serializing plain structs of strings, byte vectors and integers into a Vec cannot fail.
         postcard::to_stdvec(&wire).unwrap_or_default()
@@ -304,6 +336,64 @@ mod tests {
             r.insert(Entry::new(format!("k{i}"), vec![], 1));
         }
         assert_eq!(r.encoded_len(), r.encode().len());
+    }
+
+    /// The encoding as it was before `serde_bytes` (byte vectors as sequences of `u8`): the
+    /// bytes on the wire must not change, so that peers of both builds read each other.
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct PlainEntry {
+        subkey: String,
+        value: Vec<u8>,
+        expiration: DhtTime,
+        signature: Option<Vec<u8>>,
+    }
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct PlainWire {
+        version: u8,
+        entries: Vec<PlainEntry>,
+    }
+
+    #[test]
+    fn the_wire_format_is_the_plain_one_both_ways() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for round in 0..50 {
+            let mut r = DictionaryRecord::default();
+            for i in 0..rng.gen_range(0..40) {
+                let len = [0, 1, 127, 128, 300, 16_384][rng.gen_range(0..6)];
+                let mut e = Entry::new(
+                    format!("k{round}.{i}"),
+                    (0..len).map(|_| rng.gen()).collect(),
+                    rng.gen_range(0..1u64 << 45),
+                );
+                if rng.gen_bool(0.5) {
+                    e.signature = Some((0..64).map(|_| rng.gen()).collect());
+                }
+                r.insert(e);
+            }
+            let plain = PlainWire {
+                version: RECORD_FORMAT_VERSION,
+                entries: r
+                    .entries()
+                    .map(|e| PlainEntry {
+                        subkey: e.subkey.clone(),
+                        value: e.value.clone(),
+                        expiration: e.expiration,
+                        signature: e.signature.clone(),
+                    })
+                    .collect(),
+            };
+            let bytes = postcard::to_stdvec(&plain).unwrap();
+            assert_eq!(r.encode(), bytes, "round {round}");
+            assert_eq!(DictionaryRecord::decode(&bytes).unwrap(), r);
+            let back: PlainWire = postcard::from_bytes(&r.encode()).unwrap();
+            assert_eq!(back, plain);
+            let now = rng.gen_range(0..1u64 << 45);
+            let mut live = r.clone();
+            live.remove_expired(now);
+            assert_eq!(r.encode_live(now), live.encode());
+        }
     }
 
     #[test]

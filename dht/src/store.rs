@@ -282,12 +282,11 @@ impl DhtStore {
     }
 
     fn to_kad_record(key: &[u8], record: &DictionaryRecord, now: DhtTime) -> Option<Record> {
-        let mut live = record.clone();
-        live.remove_expired(now);
-        let max = live.max_expiration()?;
+        // The latest expiration is live exactly when any entry is.
+        let max = record.max_expiration().filter(|m| *m > now)?;
         Some(Record {
             key: RecordKey::new(&key),
-            value: live.encode(),
+            value: record.encode_live(now),
             publisher: None,
             expires: Some(Instant::now() + Duration::from_millis(max.saturating_sub(now))),
         })
