@@ -601,34 +601,43 @@ async fn follow_inner(
     let cfg = &mm.config;
     let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
     let leader_member = Member::parse(&leader.info).map_err(|e| refused(&e))?;
+    // How long the request takes to be answered, or to fail (a request that timed out was
+    // slow too): whether this peer's next windows may leave their declaration out
+    // (`Search::declares_at_open`).
     let asked_at = Instant::now();
-    let mut stream = mm
-        .transport
-        .open_stream(
-            leader_member.peer,
-            &leader_member.addrs,
-            MATCHMAKING_PROTOCOL,
-        )
-        .await
-        .map_err(|e| refused(&e))?;
-    let join = MatchMsg::Join {
-        group_key,
-        info: me.clone(),
-        window_end: my_window_end,
-    };
-    // A stream that fails before any answer was most likely dropped by libp2p-stream's accept
-    // queue under a burst of requests: ask again shortly rather than giving up on this leader.
-    // (A leader that is really gone stops being a candidate when its declaration expires.)
-    timeout(cfg.request_timeout, write_control(&mut stream, &join))
-        .await
-        .map_err(|e| refused(&e))?
-        .map_err(|_| FollowError::Busy)?;
-    let reply: MatchMsg = timeout(cfg.request_timeout, read_control(&mut stream))
-        .await
-        .map_err(|e| refused(&e))?
-        .map_err(|_| FollowError::Busy)?;
+    let answer = async {
+        let mut stream = mm
+            .transport
+            .open_stream(
+                leader_member.peer,
+                &leader_member.addrs,
+                MATCHMAKING_PROTOCOL,
+            )
+            .await
+            .map_err(|e| refused(&e))?;
+        let join = MatchMsg::Join {
+            group_key,
+            info: me.clone(),
+            window_end: my_window_end,
+        };
+        // A stream that fails before any answer was most likely dropped by libp2p-stream's
+        // accept queue under a burst of requests: ask again shortly rather than giving up on
+        // this leader. (A leader that is really gone stops being a candidate when its
+        // declaration expires.)
+        timeout(cfg.request_timeout, write_control(&mut stream, &join))
+            .await
+            .map_err(|e| refused(&e))?
+            .map_err(|_| FollowError::Busy)?;
+        let reply: MatchMsg = timeout(cfg.request_timeout, read_control(&mut stream))
+            .await
+            .map_err(|e| refused(&e))?
+            .map_err(|_| FollowError::Busy)?;
+        Ok::<_, FollowError>((stream, reply))
+    }
+    .await;
     mm.last_ask_ms
         .store(asked_at.elapsed().as_millis() as u64, Ordering::Release);
+    let (mut stream, reply) = answer?;
     match reply {
         MatchMsg::Accepted => accepted.store(true, Ordering::Release),
         MatchMsg::Rejected(reason) => {
