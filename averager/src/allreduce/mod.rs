@@ -513,7 +513,10 @@ fn start_sends(round: &Arc<Round>) -> Vec<(MemberIdx, SendTask)> {
             let task = Task::spawn(async move {
                 let sent = round
                     .gone
-                    .unless_gone(j, send_span(&round, j, range.clone(), SendKind::Span))
+                    .unless_gone(
+                        j,
+                        send_span(&round, j, range.clone(), SendKind::Span, checked == Some(j)),
+                    )
                     .await
                     .unwrap_or_else(|| Err(send::SendFail::down()));
                 if sent.as_ref().is_err_and(|e| e.unreachable) {

@@ -194,7 +194,14 @@ impl Repair {
     fn send_part(&mut self, j: MemberIdx, k: MemberIdx, part: Range<usize>) {
         let round = self.round.clone();
         self.part_tasks.push(Task::spawn(async move {
-            let r = send_span(&round, k, part.clone(), SendKind::Repair { failed: j }).await;
+            let r = send_span(
+                &round,
+                k,
+                part.clone(),
+                SendKind::Repair { failed: j },
+                false,
+            )
+            .await;
             (j, k, part, r)
         }));
     }

@@ -95,11 +95,15 @@ pub(super) type Sent =
 /// the reducer finishes them. Returns the contributors of each run of the range and the new
 /// values of the whole range, or a failure if any part did not come back (partial results are
 /// discarded: the range is then repaired or kept whole).
+///
+/// `checks`: this peer checks reducer `j` this round ([`super::audit::choose`]), so the result
+/// seals' signatures are verified as they arrive (see [`receive_results`]).
 pub(super) async fn send_span(
     round: &Round,
     j: MemberIdx,
     range: Range<usize>,
     kind: SendKind,
+    checks: bool,
 ) -> Sent {
     let cfg = &round.env.config;
     let phase1 = matches!(kind, SendKind::Span);
@@ -199,6 +203,7 @@ pub(super) async fn send_span(
                     range.len(),
                     result_gap,
                     failed_reducer,
+                    checks,
                 )
                 .await
             };
@@ -445,8 +450,14 @@ async fn rogue_chunk<W: futures::AsyncWrite + Unpin>(
 /// contributors) and its delta chunks, until `ResultDone`; at most `gap` between frames. Returns
 /// the runs of the span (offsets within it) with their contributors, and the whole delta.
 ///
-/// When the group verifies, each part ends with the reducer's result seal, checked here (with
-/// the exact codec against the values received) and returned with the part.
+/// When the group verifies, each part ends with the reducer's result seal, returned with the
+/// part. Its root is checked here against the values received (the exact codec) on about one
+/// part per span; its signature only when this peer `checks` the reducer this round. A seal
+/// is of use only to the check, as evidence, and verifying every part's signature in every
+/// span (ed25519, tens of microseconds each; 120 per round for 4 peers) was about a tenth of
+/// the CPU verification added to a round. A reducer whose signature fails there has failed
+/// the round for its checker (its span is re-delegated); elsewhere the bad seal is never used.
+#[allow(clippy::too_many_arguments)]
 async fn receive_results<R: futures::AsyncRead + Unpin>(
     round: &Round,
     rd: &mut R,
@@ -454,6 +465,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
     len: usize,
     gap: Duration,
     failed_reducer: Option<MemberIdx>,
+    checks: bool,
 ) -> Result<(Vec<Segment>, PoolBuf, Vec<ReceivedPart>), SendFail> {
     let verifying = round.env.signer.is_some();
     let exact = round.env.values_back;
@@ -513,7 +525,8 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                 let ids = round.peer_bytes(&contributors);
                 let abs = span_start + part.start..span_start + part.end;
                 // The root is checked against the values received on about one part per span
-                // (at random; every signature is checked), and on the block a check reveals.
+                // (at random), and on the block a check reveals; the signature where this peer
+                // checks the reducer (see above).
                 let sample = part.len() as f64 / len.max(1) as f64;
                 let values =
                     (exact && rand::random::<f64>() < sample).then(|| &delta[part.clone()]);
@@ -525,6 +538,7 @@ async fn receive_results<R: futures::AsyncRead + Unpin>(
                     &aggregation,
                     values,
                     &seal,
+                    checks,
                 ) {
                     return Err(SendFail::reducer(
                         "the reducer's result seal does not match its result",
