@@ -29,7 +29,7 @@ fn node_cfg() -> NodeConfig {
 
 /// 64 peers under one key, target 8: one step forms eight groups of exactly eight, none left
 /// out, every peer in one group within one matchmaking window (20 s; measured here: the last
-/// group begins 14.9-17.0 s in, the groups forming one after another, and 12-15.7 s since DHT
+/// group begins 14.9-18.0 s in, the groups forming one after another, and 11.7-17.5 s since DHT
 /// records decode byte strings in one copy: the 64 peers' lookups of the key, a 64-entry
 /// record each, keep both cores busy); each holds the exact weighted mean of its group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
