@@ -61,17 +61,12 @@ fn varint_len(x: u64) -> usize {
     (64 - x.leading_zeros() as usize).div_ceil(7).max(1)
 }
 
-#[derive(Deserialize)]
-struct Wire {
+/// An encoded record: read as `Wire<Entry>`, written as `Wire<&Entry>` (the entries borrowed,
+/// not cloned; the same encoding).
+#[derive(Serialize, Deserialize)]
+struct Wire<E> {
     version: u8,
-    entries: Vec<Entry>,
-}
-
-/// [`Wire`] as it is written: the entries borrowed, not cloned (the same encoding).
-#[derive(Serialize)]
-struct WireOut<'a> {
-    version: u8,
-    entries: Vec<&'a Entry>,
+    entries: Vec<E>,
 }
 
 /// The value held under one DHT key: a dictionary `subkey -> Entry`.
@@ -182,7 +177,7 @@ impl DictionaryRecord {
     }
 
     fn encode_entries<'a>(entries: impl Iterator<Item = &'a Entry>) -> Vec<u8> {
-        let wire = WireOut {
+        let wire = Wire {
             version: RECORD_FORMAT_VERSION,
             entries: entries.collect(),
         };
@@ -193,7 +188,7 @@ impl DictionaryRecord {
     /// Decodes wire bytes. Duplicate sub-keys are merged by the usual rule. The caller bounds the
     /// input size (see [`crate::Validator`]); decoding never allocates more than the input implies.
     pub fn decode(bytes: &[u8]) -> Result<Self, DhtError> {
-        let wire: Wire =
+        let wire: Wire<Entry> =
             postcard::from_bytes(bytes).map_err(|e| DhtError::Malformed(e.to_string()))?;
         if wire.version != RECORD_FORMAT_VERSION {
             return Err(DhtError::UnsupportedVersion(wire.version));
