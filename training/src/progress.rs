@@ -232,6 +232,75 @@ impl SwarmProgress {
         reported.max(computed).saturating_add(own)
     }
 
+    /// This reading completed by what a round that held every live peer says of the epoch it
+    /// began: `began` is the swarm as that round left it (every one of its `peers` in this
+    /// epoch from `began_ms`, computing at its summed rate; see the collaborative optimizer's
+    /// made-up reading). Reports of the epoch land one by one as each peer publishes after the
+    /// round (with a delayed update, only when the round ends), so a reading taken meanwhile
+    /// holds only the peers that already have, and their rates alone: a peer that stopped at
+    /// such a reading's projection computed up to two batches more than its share while the
+    /// others waited for it (16 simulated peers, one batch of 32 a half second, target 1024:
+    /// readings of 6 of the 16 peers, and 96 or 128 samples from the peer that read them).
+    /// The completed reading counts every peer in the epoch at the larger of the two summed
+    /// rates, keeps what was reported, and projects at least what the round's peers computed
+    /// since `began_ms`. Unchanged when every live peer reported already, when the live peers
+    /// are not the round's (one joined or left since), or when `began` is of another epoch.
+    ///
+    /// ```
+    /// use starling_training::progress::{PeerProgress, SwarmProgress};
+    /// let r = |samples, rate| PeerProgress { epoch: 7, samples, samples_per_second: rate, time_ms: 10_000 };
+    /// // The round held 4 peers at 25 samples/s each and began the epoch at 9 s.
+    /// let began = SwarmProgress::estimate(&[r(0, 100.0)], 256, 9_000);
+    /// let began = SwarmProgress { peers: 4, peers_in_epoch: 4, epoch: 7, ..began };
+    /// // At 10 s one of them has reported: 25 samples at 25 samples/s, and three live peers
+    /// // have not reported this epoch yet.
+    /// let mut reports = vec![r(25, 25.0)];
+    /// reports.extend([6; 3].map(|e| PeerProgress { epoch: e, ..r(900, 25.0) }));
+    /// let read = SwarmProgress::estimate(&reports, 256, 10_000);
+    /// assert_eq!((read.peers_in_epoch, read.samples_per_second), (1, 25.0));
+    /// let full = read.completed_by_round(&began, 9_000, 256, 10_000);
+    /// assert_eq!((full.peers_in_epoch, full.samples, full.projected), (4, 25, 100));
+    /// assert_eq!(full.samples_per_second, 100.0);
+    /// ```
+    pub fn completed_by_round(
+        &self,
+        began: &SwarmProgress,
+        began_ms: u64,
+        target: u64,
+        now_ms: u64,
+    ) -> SwarmProgress {
+        if self.peers_in_epoch >= self.peers
+            || began.epoch != self.epoch
+            || began.peers != self.peers
+            || began.peers_in_epoch != began.peers
+        {
+            return self.clone();
+        }
+        let rate = self.samples_per_second.max(began.samples_per_second);
+        let since = now_ms.saturating_sub(began_ms) as f64 / 1000.0;
+        let computed = (rate * since).min(u64::MAX as f64 / 2.0) as u64;
+        let projected = self.projected.max(computed);
+        let eta = if self.ready || projected >= target {
+            Duration::ZERO
+        } else if rate > 0.0 {
+            Duration::try_from_secs_f64((target - projected) as f64 / rate).unwrap_or(Duration::MAX)
+        } else {
+            Duration::MAX
+        };
+        SwarmProgress {
+            projected,
+            samples_per_second: rate,
+            peers_in_epoch: self.peers,
+            eta,
+            own_samples_per_second: if self.own_samples_per_second > 0.0 {
+                self.own_samples_per_second
+            } else {
+                began.own_samples_per_second
+            },
+            ..self.clone()
+        }
+    }
+
     /// Whether a peer in `epoch` is behind the swarm (and should catch up by state sync rather
     /// than step on its own).
     pub fn is_behind(&self, epoch: u64) -> bool {
@@ -592,6 +661,59 @@ mod tests {
             samples_per_second: rate,
             time_ms,
         }
+    }
+
+    #[test]
+    fn a_partial_reading_is_completed_only_by_a_round_of_the_same_epoch_and_peers() {
+        // The round left 16 peers in epoch 9 at 64 samples/s each from 10 s.
+        let began = SwarmProgress {
+            epoch: 9,
+            peers: 16,
+            peers_in_epoch: 16,
+            samples_per_second: 1024.0,
+            own_samples_per_second: 64.0,
+            ..SwarmProgress::estimate(&[r(9, 0, 1024.0, 10_000)], 1024, 10_000)
+        };
+        // At 10.9 s, 6 of them reported 64 samples at 10.5 s; 10 still show epoch 8.
+        let mut reports: Vec<PeerProgress> = (0..6).map(|_| r(9, 64, 64.0, 10_500)).collect();
+        reports.extend((0..10).map(|_| r(8, 640, 64.0, 9_900)));
+        let read = SwarmProgress::estimate(&reports, 1024, 10_900);
+        assert_eq!((read.peers_in_epoch, read.samples), (6, 384));
+        // 6 x (64 + 64 x 0.4) = 537 projected from the reports alone.
+        assert_eq!(read.projected, 537);
+        let full = read.completed_by_round(&began, 10_000, 1024, 10_900);
+        assert_eq!(
+            (full.peers_in_epoch, full.peers, full.samples),
+            (16, 16, 384)
+        );
+        assert_eq!(full.samples_per_second, 1024.0);
+        // 1024 samples/s for 0.9 s.
+        assert_eq!(full.projected, 921);
+        assert!((full.eta.as_secs_f64() - 103.0 / 1024.0).abs() < 1e-9);
+        assert!(!full.ready);
+        // This peer computed 64 samples in the epoch: the others, 15 x 64 by the same time.
+        let mut mine = full.clone();
+        mine.own_samples = 64;
+        assert_eq!(mine.projected_with(64, 64.0), 64 + 15 * 64);
+        // Unchanged: another epoch, another set of live peers (one joined), or a reading in
+        // which every live peer reported.
+        let other_epoch = SwarmProgress {
+            epoch: 8,
+            ..began.clone()
+        };
+        assert_eq!(
+            read.completed_by_round(&other_epoch, 10_000, 1024, 10_900),
+            read
+        );
+        let joined = SwarmProgress {
+            peers: 15,
+            peers_in_epoch: 15,
+            ..began.clone()
+        };
+        assert_eq!(read.completed_by_round(&joined, 10_000, 1024, 10_900), read);
+        let all: Vec<PeerProgress> = (0..16).map(|_| r(9, 32, 60.0, 10_500)).collect();
+        let all = SwarmProgress::estimate(&all, 1024, 10_900);
+        assert_eq!(all.completed_by_round(&began, 10_000, 1024, 10_900), all);
     }
 
     #[test]

@@ -267,14 +267,18 @@ impl CollaborativeOptimizer {
         report.timings.optimizer = applied_at.elapsed();
         self.spare = finished.grads;
         self.refresh_served_state(params, None).await;
+        // Every member launched the round, and began this epoch, about when this peer did.
+        let made_up = self.progress_after_round(&report, pending.launched_ms);
+        self.round_began = made_up
+            .as_ref()
+            .map(|(_, s)| (pending.launched_ms, s.clone()));
         if self
             .swarm
             .as_ref()
             .is_none_or(|(_, s)| s.epoch != self.epoch)
         {
-            // Every member launched the round, and began this epoch, about when this peer
-            // did: over a slow network the next batch then need not wait for a DHT read.
-            self.swarm = self.progress_after_round(&report, pending.launched_ms);
+            // Over a slow network the next batch then need not wait for a DHT read.
+            self.swarm = made_up;
             self.tracker.cover(None);
         }
         // Now the others may read that this peer moved on (every member of the round has

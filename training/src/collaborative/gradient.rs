@@ -292,6 +292,7 @@ impl CollaborativeOptimizer {
         } else {
             self.progress_after_round(&report, stepped_ms)
         };
+        self.round_began = self.swarm.as_ref().map(|(_, s)| (stepped_ms, s.clone()));
         // A round that held every live peer (the reading made up from it) covers the new
         // epoch: its members know each other's epoch, and this peer's report of it can wait
         // (not the last epoch's: joiners of an ended run read it). Only after a few such rounds

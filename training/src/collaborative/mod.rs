@@ -171,6 +171,10 @@ pub struct CollaborativeOptimizer {
     /// when it was read.
     last_read: Option<SwarmProgress>,
     last_read_at: Option<Instant>,
+    /// The swarm as the last round that held every live peer left it (made up by
+    /// `progress_after_round`), and when that round began the epoch (Unix ms): what completes a
+    /// reading of the epoch taken before every peer reported it (see `completed`).
+    round_began: Option<(u64, SwarmProgress)>,
     /// The epoch in which the run's live peers began computing together with this one (see
     /// [`Self::start_together`]).
     together_epoch: Option<u64>,
@@ -332,6 +336,7 @@ impl CollaborativeOptimizer {
             epoch_start: None,
             swarm: None,
             last_read: None,
+            round_began: None,
             last_read_at: None,
             together_epoch: None,
             fresh_sync: None,

@@ -276,6 +276,7 @@ impl CollaborativeOptimizer {
         self.fetch_took.note(started.elapsed());
         let s = match self.tolerate(fetched)? {
             Some(s) => {
+                let s = self.completed(s);
                 self.last_read = Some(s.clone());
                 self.last_read_at = Some(Instant::now());
                 s
@@ -304,6 +305,7 @@ impl CollaborativeOptimizer {
         let Some(s) = self.tolerate(fetched)? else {
             return Ok(None);
         };
+        let s = self.completed(s);
         if epoch != self.epoch {
             // Its samples are an earlier epoch's, but its rates are the latest known: where
             // epochs end faster than a read (a slow network), no read ends in the epoch it
@@ -319,6 +321,21 @@ impl CollaborativeOptimizer {
         self.last_read_at = Some(Instant::now());
         self.swarm = Some((Instant::now(), s.clone()));
         Ok(Some(s))
+    }
+
+    /// A reading of this epoch completed by the round that began it, if that round held every
+    /// live peer ([`SwarmProgress::completed_by_round`]): the peers that have not published
+    /// the epoch yet are in it all the same.
+    fn completed(&self, s: SwarmProgress) -> SwarmProgress {
+        match &self.round_began {
+            Some((began_ms, began)) => s.completed_by_round(
+                began,
+                *began_ms,
+                self.cfg.target_batch_size,
+                starling_dht::now_ms(),
+            ),
+            None => s,
+        }
     }
 
     /// What the swarm's progress is taken to be when it cannot be read: the last reading if
