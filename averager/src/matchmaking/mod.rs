@@ -60,6 +60,8 @@ pub(crate) struct Matchmaker {
 enum FollowError {
     /// Try this leader again shortly.
     Busy,
+    /// The request's stream failed before an answer ([`Asked::Dropped`]).
+    Dropped,
     /// The leader is not searching under the key.
     NotSearching,
     /// Do not ask this leader again in this search.
@@ -398,7 +400,11 @@ async fn run_window(
                         Asked::Grouped
                     }
                     Ok(None) => Asked::Disbanded,
-                    Err(FollowError::Busy) => Asked::Busy,
+                    Err(FollowError::Busy) => {
+                        tracing::trace!(me = %short(&me.peer_id), "leader busy");
+                        Asked::Busy
+                    }
+                    Err(FollowError::Dropped) => Asked::Dropped,
                     Err(FollowError::NotSearching) => Asked::NotSearching,
                     Err(FollowError::Refused(why)) => {
                         tracing::trace!(me = %short(&me.peer_id), "join refused: {why}");
@@ -627,11 +633,17 @@ async fn follow_inner(
         timeout(cfg.request_timeout, write_control(&mut stream, &join))
             .await
             .map_err(|e| refused(&e))?
-            .map_err(|_| FollowError::Busy)?;
+            .map_err(|e| {
+                tracing::trace!("join request not written: {e}");
+                FollowError::Dropped
+            })?;
         let reply: MatchMsg = timeout(cfg.request_timeout, read_control(&mut stream))
             .await
             .map_err(|e| refused(&e))?
-            .map_err(|_| FollowError::Busy)?;
+            .map_err(|e| {
+                tracing::trace!("join request not answered: {e}");
+                FollowError::Dropped
+            })?;
         Ok::<_, FollowError>((stream, reply))
     }
     .await;
@@ -641,11 +653,12 @@ async fn follow_inner(
     match reply {
         MatchMsg::Accepted => accepted.store(true, Ordering::Release),
         MatchMsg::Rejected(reason) => {
+            tracing::trace!(?reason, "join request rejected");
             return Err(match proto::on_reject(reason) {
                 Asked::Busy => FollowError::Busy,
                 Asked::NotSearching => FollowError::NotSearching,
                 _ => FollowError::Refused(format!("{reason:?}")),
-            })
+            });
         }
         other => return Err(FollowError::Refused(format!("{other:?}"))),
     }

@@ -50,6 +50,10 @@ pub(super) struct Scenario {
     /// Whether a group that held the whole swarm re-forms without reading the key
     /// ([`Search::sticky`]), as the averager does.
     pub sticky: bool,
+    /// Fraction of join requests whose stream fails before the leader sees them (as libp2p's
+    /// accept queue drops streams under a burst, or a connection closes): the asker gets no
+    /// answer ([`Asked::Dropped`]).
+    pub dropped_fraction: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -68,6 +72,8 @@ enum Ev {
     Decision(usize, usize, u64, Option<(u64, Vec<usize>)>),
     /// The request failed (a dead leader): (follower, leader, request).
     Fail(usize, usize, u64),
+    /// The join request's stream failed before any answer: (follower, leader, request).
+    Dropped(usize, usize, u64),
     /// The peer dies.
     Die(usize),
 }
@@ -137,6 +143,9 @@ pub(super) struct Sim {
     /// DHT operations on the group key over the run: stores (declarations and closes), reads.
     pub stores: usize,
     pub reads: usize,
+    /// Summed over the steps: from the moment the step's last live peer started its search
+    /// until the last one of them ended it (how long the slowest group kept the step waiting).
+    pub settle_ms: Ms,
     /// The live peers at the start of the step (what the training layer's progress tells the
     /// averager: [`Params::swarm`]).
     swarm_now: usize,
@@ -219,6 +228,7 @@ impl Sim {
             deaths: 0,
             stores: 0,
             reads: 0,
+            settle_ms: 0,
             swarm_now: 0,
         }
     }
@@ -322,6 +332,7 @@ impl Sim {
                 }
                 None => self.asked(f, l, Asked::Disbanded),
             },
+            Ev::Dropped(f, l, req) if self.asking(f, l, req) => self.asked(f, l, Asked::Dropped),
             Ev::Fail(f, l, req) if self.asking(f, l, req) => {
                 self.asked(f, l, Asked::Refused("the leader is gone".into()))
             }
@@ -622,6 +633,11 @@ impl Sim {
             let t = self.now + REQUEST_TIMEOUT_MS;
             return self.at(t, Ev::Fail(f, l, req));
         }
+        if self.scenario.dropped_fraction > 0.0 && self.rng.gen_bool(self.scenario.dropped_fraction)
+        {
+            let t = self.now + self.link(l, f);
+            return self.at(t, Ev::Dropped(f, l, req));
+        }
         if self.peers[l].search.is_none() {
             let t = self.now + self.link(l, f);
             return self.at(t, Ev::Answer(f, l, req, Some(RejectReason::NotSearching)));
@@ -671,6 +687,12 @@ impl Sim {
 
     /// The step's checks (see the module docs).
     fn check_step(&mut self, step: usize, live: &[usize]) {
+        let logs = || live.iter().map(|&p| &self.peers[p].log);
+        let last_start = logs().filter_map(|l| l.started).max();
+        let last_end = logs().filter_map(|l| l.ended).max();
+        if let (Some(s), Some(e)) = (last_start, last_end) {
+            self.settle_ms += e.saturating_sub(s);
+        }
         let mut member_of: HashMap<usize, u64> = HashMap::new();
         for (leader, round, members) in &self.groups {
             if members.len() > self.scenario.target_group_size || members.len() < 2 {

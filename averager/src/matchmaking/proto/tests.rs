@@ -593,6 +593,14 @@ fn a_member_of_a_group_that_held_the_swarm_asks_its_leader_directly_and_falls_ba
         "{read:?}"
     );
 
+    // No answer (the request's stream failed): again shortly, as for a leader not searching.
+    let mut s = sticky();
+    s.handle(0, Event::Tick);
+    assert!(s.handle(4, asked(Asked::Dropped)).is_empty());
+    assert_eq!(s.next_wakeup(), Some(4 + STICKY_RETRY_MS));
+    let again = s.handle(4 + STICKY_RETRY_MS, Event::Tick);
+    assert!(matches!(&again[..], [Action::Ask { .. }]), "{again:?}");
+
     // A leader busy with another group, or refusing (another round, full): the usual way at
     // once.
     for outcome in [Asked::Busy, Asked::Refused("Full".into())] {

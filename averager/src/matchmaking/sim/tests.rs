@@ -25,6 +25,7 @@ fn sixty_four_peers_with_joins_deaths_and_slow_links_never_wait_out_a_window_bes
             target_group_size: 64,
             seed,
             sticky: std::env::var("NOSTICKY").is_err(),
+            dropped_fraction: 0.02,
         });
         sim.run();
         if let Some((p, log)) = &sim.trace {
@@ -63,6 +64,7 @@ fn groups_capped_below_the_swarm_still_agree_and_cover_everyone() {
         target_group_size: 8,
         seed: 7,
         sticky: true,
+        dropped_fraction: 0.0,
     });
     sim.run();
     assert!(sim.violations.is_empty(), "{:#?}", sim.violations);
@@ -81,6 +83,7 @@ fn a_stable_swarm_re_forms_its_group_with_fewer_reads_and_falls_back_when_it_cha
         target_group_size: 16,
         seed,
         sticky,
+        dropped_fraction: 0.0,
     };
     // (grouped peer-steps, reads of the key) without and with re-forming, over the seeds.
     let mut totals = [(0, 0), (0, 0)];
@@ -119,4 +122,51 @@ fn a_stable_swarm_re_forms_its_group_with_fewer_reads_and_falls_back_when_it_cha
     eprintln!("grouped {grouped} / {grouped_sticky}, reads {reads} / {reads_sticky}");
     assert!(reads_sticky * 10 < reads * 9, "{totals:?}");
     assert!(grouped_sticky + 4 * n >= grouped, "{totals:?}");
+}
+
+#[test]
+fn a_re_forming_group_that_loses_join_requests_still_agrees_and_groups_as_many() {
+    // Sixteen peers that re-form one group every step, a tenth of the join requests lost
+    // before the leader sees them (16 real peers on two cores lost a few a step: "connection
+    // is closed"); a member whose request got no answer asks its leader again
+    // ([`Asked::Dropped`]). The checks hold, as many peers group as without losses, and the
+    // key is read about as often.
+    let scenario = |dropped_fraction, seed| Scenario {
+        peers: 16,
+        joiners: 0,
+        steps: 20,
+        deaths_per_step: 0,
+        slow_fraction: 0.0,
+        target_group_size: 16,
+        seed,
+        sticky: true,
+        dropped_fraction,
+    };
+    let (mut clean, mut lossy) = ((0, 0, 0), (0, 0, 0));
+    for seed in seeds() {
+        for (dropped, totals) in [(0.0, &mut clean), (0.1, &mut lossy)] {
+            let mut sim = Sim::new(scenario(dropped, seed));
+            sim.run();
+            if let Some((p, log)) = sim.trace.as_ref().filter(|_| dropped > 0.0) {
+                eprintln!("peer {p}:\n{}", log.join("\n"));
+            }
+            assert!(
+                sim.violations.is_empty(),
+                "seed {seed}, dropped {dropped}: {:#?}",
+                &sim.violations[..sim.violations.len().min(5)]
+            );
+            totals.0 += sim.grouped;
+            totals.1 += sim.reads;
+            totals.2 += sim.settle_ms;
+        }
+    }
+    // (Over 40 seeds: grouped 12467 / 12460 peer-steps, reads 27420 / 29770, the step's last
+    // group began 1.740 / 1.817 ks after its last search started, summed over the steps. The
+    // simulator does not model what a fallen-back member cost the real peers.)
+    eprintln!("without losses / with: (grouped, reads, settled ms) {clean:?} / {lossy:?}");
+    assert!(
+        lossy.0 + 2 * seeds().len() >= clean.0,
+        "{lossy:?} against {clean:?}"
+    );
+    assert!(lossy.1 * 4 <= clean.1 * 5, "{lossy:?} against {clean:?}");
 }
