@@ -183,13 +183,12 @@ impl SwarmProgress {
         }
         let projected = (projected.min(u64::MAX as f64) as u64).max(samples);
         let ready = samples >= target && peers_in_epoch > 0;
-        let eta = if ready || (projected >= target && peers_in_epoch > 0) {
-            Duration::ZERO
-        } else if rate > 0.0 {
-            Duration::try_from_secs_f64((target - projected) as f64 / rate).unwrap_or(Duration::MAX)
-        } else {
-            Duration::MAX
-        };
+        let eta = eta(
+            ready || peers_in_epoch > 0 && projected >= target,
+            target,
+            projected,
+            rate,
+        );
         SwarmProgress {
             epoch,
             samples,
@@ -280,13 +279,7 @@ impl SwarmProgress {
         let since = now_ms.saturating_sub(began_ms) as f64 / 1000.0;
         let computed = (rate * since).min(u64::MAX as f64 / 2.0) as u64;
         let projected = self.projected.max(computed);
-        let eta = if self.ready || projected >= target {
-            Duration::ZERO
-        } else if rate > 0.0 {
-            Duration::try_from_secs_f64((target - projected) as f64 / rate).unwrap_or(Duration::MAX)
-        } else {
-            Duration::MAX
-        };
+        let eta = eta(self.ready || projected >= target, target, projected, rate);
         SwarmProgress {
             projected,
             samples_per_second: rate,
@@ -305,6 +298,19 @@ impl SwarmProgress {
     /// than step on its own).
     pub fn is_behind(&self, epoch: u64) -> bool {
         epoch < self.epoch
+    }
+}
+
+/// The time until `projected` samples reach `target` at `rate` samples per second: zero when
+/// `reached`, `Duration::MAX` when nothing makes progress.
+fn eta(reached: bool, target: u64, projected: u64, rate: f64) -> Duration {
+    if reached {
+        Duration::ZERO
+    } else if rate > 0.0 {
+        Duration::try_from_secs_f64(target.saturating_sub(projected) as f64 / rate)
+            .unwrap_or(Duration::MAX)
+    } else {
+        Duration::MAX
     }
 }
 
