@@ -531,10 +531,11 @@ impl Search {
         if self.sticky_following() {
             // Its leader is not searching yet, or no answer came: again shortly, while there is
             // time. Otherwise (busy with another group, full, another round, gone): the usual
-            // way at once. (16 peers asking one leader together: a few requests a round failed
-            // with "connection is closed"; each such member fell back, and its search the usual
-            // way, going only to peers ranked ahead of it, all of them following the leader,
-            // held the group up for 1-1.6 s.)
+            // way at once. (16 peers asking one leader together: a few requests a round were
+            // dropped by libp2p-stream's accept channel, which holds one stream at a time, and
+            // failed with yamux's "connection is closed"; each such member fell back, and its
+            // search the usual way, going only to peers ranked ahead of it, all of them
+            // following the leader, held the group up for 1-1.6 s.)
             let again = now + STICKY_RETRY_MS;
             match outcome {
                 Asked::Grouped => {}
