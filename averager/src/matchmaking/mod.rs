@@ -606,6 +606,10 @@ async fn follow_inner(
 ) -> Result<Option<Group>, FollowError> {
     let cfg = &mm.config;
     let refused = |e: &dyn std::fmt::Display| FollowError::Refused(e.to_string());
+    let dropped = |what: &str, e: &dyn std::fmt::Display| {
+        tracing::trace!("join request {what}: {e}");
+        FollowError::Dropped
+    };
     let leader_member = Member::parse(&leader.info).map_err(|e| refused(&e))?;
     // How long the request takes to be answered, or to fail (a request that timed out was
     // slow too): whether this peer's next windows may leave their declaration out
@@ -633,17 +637,11 @@ async fn follow_inner(
         timeout(cfg.request_timeout, write_control(&mut stream, &join))
             .await
             .map_err(|e| refused(&e))?
-            .map_err(|e| {
-                tracing::trace!("join request not written: {e}");
-                FollowError::Dropped
-            })?;
+            .map_err(|e| dropped("not written", &e))?;
         let reply: MatchMsg = timeout(cfg.request_timeout, read_control(&mut stream))
             .await
             .map_err(|e| refused(&e))?
-            .map_err(|e| {
-                tracing::trace!("join request not answered: {e}");
-                FollowError::Dropped
-            })?;
+            .map_err(|e| dropped("not answered", &e))?;
         Ok::<_, FollowError>((stream, reply))
     }
     .await;
