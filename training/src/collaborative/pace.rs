@@ -305,6 +305,8 @@ impl CollaborativeOptimizer {
         let Some(s) = self.tolerate(fetched)? else {
             return Ok(None);
         };
+        // Completed before the epoch check: a read begun in an earlier epoch still hands on its
+        // rates (below), and a partial reading's are only those of the peers that reported.
         let s = self.completed(s);
         if epoch != self.epoch {
             // Its samples are an earlier epoch's, but its rates are the latest known: where
