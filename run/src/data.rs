@@ -171,6 +171,52 @@ pub fn digits() -> Images {
     }
 }
 
+/// An IDX directory being read on a blocking thread before the run's [`DataSpec`] is known: a
+/// joiner reads its run's manifest from the network meanwhile, and [`load_prefetched`] takes
+/// the images from here. A glyphs MLP joiner (55 MB of IDX files) read them for 60-90 ms after
+/// its manifest arrived, while its partner trained alone.
+pub struct Prefetch(Option<tokio::task::JoinHandle<Result<Images>>>);
+
+impl Prefetch {
+    /// Starts reading `data` if it is a directory (IDX files); otherwise nothing is read ahead
+    /// (a text file is read once the run's vocabulary is known). Call within a Tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> anyhow::Result<()> {
+    /// use starling_run::{data::{load_prefetched, Prefetch}, manifest::DataSpec};
+    /// let dir = std::path::Path::new("mnist");
+    /// let ahead = Prefetch::start(Some(dir));
+    /// // ... the run's manifest is fetched meanwhile ...
+    /// let spec = DataSpec::Idx { rows: 28, cols: 28, classes: 10 };
+    /// let data = load_prefetched(&spec, Some(dir), ahead).await?;
+    /// # let _ = data; Ok(()) }
+    /// ```
+    pub fn start(data: Option<&Path>) -> Prefetch {
+        Prefetch(data.filter(|d| d.is_dir()).map(|dir| {
+            let dir = dir.to_path_buf();
+            tokio::task::spawn_blocking(move || read_idx_dir(&dir))
+        }))
+    }
+}
+
+/// [`load`], with an IDX directory's images taken from `ahead` when it read them (its error,
+/// if the read failed: the same as [`load`]'s). What `ahead` read for a run that does not
+/// train on IDX files is dropped, and the error is [`load`]'s.
+pub async fn load_prefetched(
+    spec: &DataSpec,
+    data: Option<&Path>,
+    ahead: Prefetch,
+) -> Result<Dataset> {
+    match (spec, ahead.0) {
+        (DataSpec::Idx { .. }, Some(reading)) => {
+            let dir = data.context("this run trains on IDX files: give --data DIR")?;
+            let images = reading.await.context("reading the IDX files")??;
+            check_idx(spec, dir, images)
+        }
+        _ => load(spec, data),
+    }
+}
+
 /// Loads what `spec` names: the digits, the IDX files in `data` (checked against the run's
 /// image size and classes when the run has them), or the text file `data` mapped onto the
 /// run's vocabulary.
@@ -185,30 +231,9 @@ pub fn load(spec: &DataSpec, data: Option<&Path>) -> Result<Dataset> {
             }
             Ok(Dataset::Images(digits()))
         }
-        DataSpec::Idx {
-            rows,
-            cols,
-            classes,
-        } => {
+        DataSpec::Idx { .. } => {
             let dir = data.context("this run trains on IDX files: give --data DIR")?;
-            let images = read_idx_dir(dir)?;
-            ensure!(
-                images.inputs == rows * cols,
-                "{}: images of {} values, but the run's are {rows}x{cols}",
-                dir.display(),
-                images.inputs
-            );
-            let max = images.train_y.iter().chain(&images.test_y).max().copied();
-            ensure!(
-                max.is_none_or(|m| (m as usize) < *classes),
-                "{}: label {} but the run has {classes} classes",
-                dir.display(),
-                max.unwrap_or(0)
-            );
-            Ok(Dataset::Images(Images {
-                classes: *classes,
-                ..images
-            }))
+            check_idx(spec, dir, read_idx_dir(dir)?)
         }
         DataSpec::Text { vocab } => {
             let file = data.context("this run trains on text: give --data FILE")?;
@@ -216,6 +241,35 @@ pub fn load(spec: &DataSpec, data: Option<&Path>) -> Result<Dataset> {
             Ok(Dataset::Text(read_text(file, Some(&vocab))?))
         }
     }
+}
+
+/// IDX images read from `dir`, checked against the run's image size and classes (`spec`).
+fn check_idx(spec: &DataSpec, dir: &Path, images: Images) -> Result<Dataset> {
+    let DataSpec::Idx {
+        rows,
+        cols,
+        classes,
+    } = spec
+    else {
+        bail!("internal: IDX images checked against a run that does not train on them");
+    };
+    ensure!(
+        images.inputs == rows * cols,
+        "{}: images of {} values, but the run's are {rows}x{cols}",
+        dir.display(),
+        images.inputs
+    );
+    let max = images.train_y.iter().chain(&images.test_y).max().copied();
+    ensure!(
+        max.is_none_or(|m| (m as usize) < *classes),
+        "{}: label {} but the run has {classes} classes",
+        dir.display(),
+        max.unwrap_or(0)
+    );
+    Ok(Dataset::Images(Images {
+        classes: *classes,
+        ..images
+    }))
 }
 
 /// The file `dir/{stem}` or `dir/{stem}.gz`, if either exists.
@@ -501,6 +555,59 @@ mod tests {
         assert!(raw
             .iter()
             .all(|v| v.fract() == 0.0 && (0.0..=16.0).contains(v)));
+    }
+
+    #[tokio::test]
+    async fn idx_files_read_ahead_load_as_without_and_other_runs_keep_their_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = digits();
+        let x = d.values(&d.train_x);
+        write_idx(dir.path(), "train", &x, &d.train_y, 8, 8).unwrap();
+        let spec = DataSpec::Idx {
+            rows: 8,
+            cols: 8,
+            classes: 10,
+        };
+        let ahead = load_prefetched(&spec, Some(dir.path()), Prefetch::start(Some(dir.path())))
+            .await
+            .unwrap();
+        let (Dataset::Images(a), Dataset::Images(b)) =
+            (ahead, load(&spec, Some(dir.path())).unwrap())
+        else {
+            panic!("images expected");
+        };
+        assert_eq!(
+            (a.train_x, a.train_y, a.classes),
+            (b.train_x, b.train_y, b.classes)
+        );
+        // Checked against the run as `load` checks: another image size.
+        let small = DataSpec::Idx {
+            rows: 4,
+            cols: 4,
+            classes: 10,
+        };
+        let err = load_prefetched(&small, Some(dir.path()), Prefetch::start(Some(dir.path())))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("but the run's are 4x4"), "{err}");
+        // A run on the embedded digits: what was read ahead is dropped, `load`'s error stands.
+        let err = load_prefetched(
+            &DataSpec::Digits,
+            Some(dir.path()),
+            Prefetch::start(Some(dir.path())),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("is not used by it"), "{err}");
+        // A read that failed: its error, as `load` gives it.
+        std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte")).unwrap();
+        let err = load_prefetched(&spec, Some(dir.path()), Prefetch::start(Some(dir.path())))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no train-labels-idx1-ubyte"), "{err}");
     }
 
     #[test]

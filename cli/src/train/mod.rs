@@ -397,6 +397,8 @@ pub async fn run(args: TrainArgs) -> Result<()> {
             (None, Some(run)) => Err(run),
             (None, None) => anyhow::bail!("give --new-run NAME or --run NAME"),
         };
+        // IDX files are read while the node starts and the manifest is looked up.
+        let ahead = data::Prefetch::start(args.data.as_deref());
         let node = Node::start(cfg).await?;
         let chosen = match source {
             Ok(c) => Ok(c),
@@ -409,13 +411,14 @@ pub async fn run(args: TrainArgs) -> Result<()> {
                 return Err(e);
             }
         };
-        let prepared = (|| {
-            let data = data::load(&manifest.data, args.data.as_deref())?;
+        let prepared = async {
+            let data = data::load_prefetched(&manifest.data, args.data.as_deref(), ahead).await?;
             check_data(&manifest, &data)?;
             let built = build_model(&manifest, &data, Some(&node), rt.clone())?;
             schema_matches(&manifest, &built)?;
             Ok::<_, anyhow::Error>((data, built))
-        })();
+        }
+        .await;
         let (data, built) = match prepared {
             Ok(v) => v,
             Err(e) => {
