@@ -563,17 +563,23 @@ mod tests {
         let d = digits();
         let x = d.values(&d.train_x);
         write_idx(dir.path(), "train", &x, &d.train_y, 8, 8).unwrap();
-        let spec = DataSpec::Idx {
-            rows: 8,
-            cols: 8,
+        let idx = |side| DataSpec::Idx {
+            rows: side,
+            cols: side,
             classes: 10,
         };
-        let ahead = load_prefetched(&spec, Some(dir.path()), Prefetch::start(Some(dir.path())))
-            .await
-            .unwrap();
-        let (Dataset::Images(a), Dataset::Images(b)) =
-            (ahead, load(&spec, Some(dir.path())).unwrap())
-        else {
+        let ahead = |spec: DataSpec| {
+            let dir = dir.path().to_path_buf();
+            async move {
+                let read = Prefetch::start(Some(&dir));
+                load_prefetched(&spec, Some(&dir), read).await
+            }
+        };
+        let err = |r: Result<Dataset>| r.unwrap_err().to_string();
+        let (Dataset::Images(a), Dataset::Images(b)) = (
+            ahead(idx(8)).await.unwrap(),
+            load(&idx(8), Some(dir.path())).unwrap(),
+        ) else {
             panic!("images expected");
         };
         assert_eq!(
@@ -581,33 +587,15 @@ mod tests {
             (b.train_x, b.train_y, b.classes)
         );
         // Checked against the run as `load` checks: another image size.
-        let small = DataSpec::Idx {
-            rows: 4,
-            cols: 4,
-            classes: 10,
-        };
-        let err = load_prefetched(&small, Some(dir.path()), Prefetch::start(Some(dir.path())))
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("but the run's are 4x4"), "{err}");
+        let e = err(ahead(idx(4)).await);
+        assert!(e.contains("but the run's are 4x4"), "{e}");
         // A run on the embedded digits: what was read ahead is dropped, `load`'s error stands.
-        let err = load_prefetched(
-            &DataSpec::Digits,
-            Some(dir.path()),
-            Prefetch::start(Some(dir.path())),
-        )
-        .await
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("is not used by it"), "{err}");
+        let e = err(ahead(DataSpec::Digits).await);
+        assert!(e.contains("is not used by it"), "{e}");
         // A read that failed: its error, as `load` gives it.
         std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte")).unwrap();
-        let err = load_prefetched(&spec, Some(dir.path()), Prefetch::start(Some(dir.path())))
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("no train-labels-idx1-ubyte"), "{err}");
+        let e = err(ahead(idx(8)).await);
+        assert!(e.contains("no train-labels-idx1-ubyte"), "{e}");
     }
 
     #[test]
