@@ -208,10 +208,17 @@ pub async fn load_prefetched(
     ahead: Prefetch,
 ) -> Result<Dataset> {
     match (spec, ahead.0) {
-        (DataSpec::Idx { .. }, Some(reading)) => {
-            let dir = data.context("this run trains on IDX files: give --data DIR")?;
+        (
+            &DataSpec::Idx {
+                rows,
+                cols,
+                classes,
+            },
+            Some(reading),
+        ) => {
+            let dir = idx_dir(data)?;
             let images = reading.await.context("reading the IDX files")??;
-            check_idx(spec, dir, images)
+            check_idx(dir, images, (rows, cols), classes)
         }
         _ => load(spec, data),
     }
@@ -231,9 +238,13 @@ pub fn load(spec: &DataSpec, data: Option<&Path>) -> Result<Dataset> {
             }
             Ok(Dataset::Images(digits()))
         }
-        DataSpec::Idx { .. } => {
-            let dir = data.context("this run trains on IDX files: give --data DIR")?;
-            check_idx(spec, dir, read_idx_dir(dir)?)
+        &DataSpec::Idx {
+            rows,
+            cols,
+            classes,
+        } => {
+            let dir = idx_dir(data)?;
+            check_idx(dir, read_idx_dir(dir)?, (rows, cols), classes)
         }
         DataSpec::Text { vocab } => {
             let file = data.context("this run trains on text: give --data FILE")?;
@@ -243,16 +254,18 @@ pub fn load(spec: &DataSpec, data: Option<&Path>) -> Result<Dataset> {
     }
 }
 
-/// IDX images read from `dir`, checked against the run's image size and classes (`spec`).
-fn check_idx(spec: &DataSpec, dir: &Path, images: Images) -> Result<Dataset> {
-    let DataSpec::Idx {
-        rows,
-        cols,
-        classes,
-    } = spec
-    else {
-        bail!("internal: IDX images checked against a run that does not train on them");
-    };
+/// The `--data` directory of a run that trains on IDX files.
+fn idx_dir(data: Option<&Path>) -> Result<&Path> {
+    data.context("this run trains on IDX files: give --data DIR")
+}
+
+/// IDX images read from `dir`, checked against the run's image size and classes.
+fn check_idx(
+    dir: &Path,
+    images: Images,
+    (rows, cols): (usize, usize),
+    classes: usize,
+) -> Result<Dataset> {
     ensure!(
         images.inputs == rows * cols,
         "{}: images of {} values, but the run's are {rows}x{cols}",
@@ -261,15 +274,12 @@ fn check_idx(spec: &DataSpec, dir: &Path, images: Images) -> Result<Dataset> {
     );
     let max = images.train_y.iter().chain(&images.test_y).max().copied();
     ensure!(
-        max.is_none_or(|m| (m as usize) < *classes),
+        max.is_none_or(|m| (m as usize) < classes),
         "{}: label {} but the run has {classes} classes",
         dir.display(),
         max.unwrap_or(0)
     );
-    Ok(Dataset::Images(Images {
-        classes: *classes,
-        ..images
-    }))
+    Ok(Dataset::Images(Images { classes, ..images }))
 }
 
 /// The file `dir/{stem}` or `dir/{stem}.gz`, if either exists.
