@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
@@ -26,15 +27,79 @@ pub struct Images {
     pub classes: usize,
     /// Training images, `inputs` pixels each, as stored (one byte a pixel, a quarter of the
     /// memory of f32 values; [`Images::value`] gives a pixel's value in [0, 1]).
-    pub train_x: Vec<u8>,
+    pub train_x: Pixels,
     /// Training labels.
     pub train_y: Vec<u32>,
     /// Test images, as stored.
-    pub test_x: Vec<u8>,
+    pub test_x: Pixels,
     /// What a stored pixel is divided by for its value: 255 for IDX files, 16 for the digits.
     pub levels: f32,
     /// Test labels.
     pub test_y: Vec<u32>,
+}
+
+/// Stored pixels, one byte each: read into memory, or mapped from an uncompressed IDX file
+/// ([`read_idx_images`]). Dereferences to the bytes.
+///
+/// ```
+/// use starling_run::data::Pixels;
+/// let p = Pixels::from(vec![0u8, 128, 255]);
+/// assert_eq!(&p[1..], &[128, 255]);
+/// assert!(!p.is_mapped());
+/// ```
+#[derive(Clone)]
+pub struct Pixels(Stored);
+
+#[derive(Clone)]
+enum Stored {
+    Owned(Vec<u8>),
+    /// `len` bytes from `start` of a read-only mapping of the file.
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl Pixels {
+    /// Whether the bytes are the file's pages, mapped (not a copy in memory).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, Stored::Mapped { .. })
+    }
+}
+
+impl From<Vec<u8>> for Pixels {
+    fn from(v: Vec<u8>) -> Self {
+        Pixels(Stored::Owned(v))
+    }
+}
+
+impl std::ops::Deref for Pixels {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Stored::Owned(v) => v,
+            Stored::Mapped { map, start, len } => &map[*start..*start + *len],
+        }
+    }
+}
+
+impl PartialEq for Pixels {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Pixels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = if self.is_mapped() {
+            "mapped"
+        } else {
+            "in memory"
+        };
+        write!(f, "Pixels({} bytes, {how})", self.len())
+    }
 }
 
 impl Images {
@@ -147,7 +212,7 @@ pub fn digits() -> Images {
     let n_train = d.num_samples * 4 / 5;
     let take = |idx: &[usize]| {
         // The digits are whole numbers 0..=16: a byte holds each exactly.
-        let x = idx
+        let x: Vec<u8> = idx
             .iter()
             .flat_map(|&i| {
                 d.data[i * inputs..(i + 1) * inputs]
@@ -156,7 +221,7 @@ pub fn digits() -> Images {
             })
             .collect();
         let y = idx.iter().map(|&i| d.target[i] as u32).collect();
-        (x, y)
+        (Pixels::from(x), y)
     };
     let (train_x, train_y) = take(&order[..n_train]);
     let (test_x, test_y) = take(&order[n_train..]);
@@ -346,9 +411,9 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
             );
             let cut = n - n / 5;
             (
-                train_x[..cut * inputs].to_vec(),
+                train_x[..cut * inputs].to_vec().into(),
                 train_y[..cut].to_vec(),
-                train_x[cut * inputs..].to_vec(),
+                train_x[cut * inputs..].to_vec().into(),
                 train_y[cut..].to_vec(),
             )
         }
@@ -375,13 +440,19 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
     Ok(images)
 }
 
-/// Opens a file, through gzip when it starts with gzip's magic bytes.
-fn open(path: &Path) -> Result<Box<dyn Read>> {
+/// Whether a file starts with gzip's magic bytes.
+fn gzipped(path: &Path) -> Result<bool> {
     let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut magic = [0u8; 2];
     let n = f.read(&mut magic)?;
+    Ok(n == 2 && magic == [0x1f, 0x8b])
+}
+
+/// Opens a file, through gzip when it starts with gzip's magic bytes.
+fn open(path: &Path) -> Result<Box<dyn Read>> {
+    let gz = gzipped(path)?;
     let f = File::open(path)?;
-    if n == 2 && magic == [0x1f, 0x8b] {
+    if gz {
         Ok(Box::new(flate2::read::GzDecoder::new(BufReader::new(f))))
     } else {
         Ok(Box::new(BufReader::new(f)))
@@ -413,14 +484,20 @@ fn idx_header(r: &mut dyn Read, path: &Path, dims: u8, what: &str) -> Result<Vec
     Ok(sizes)
 }
 
-/// Reads exactly `n` bytes (refusing larger than [`MAX_FILE_BYTES`]), then checks that nothing
-/// follows.
-fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
+/// Refuses a header that declares more than [`MAX_FILE_BYTES`] of data.
+fn check_declared(path: &Path, n: u64) -> Result<()> {
     ensure!(
         n <= MAX_FILE_BYTES,
         "{}: the header declares {n} bytes of data, more than the {MAX_FILE_BYTES} accepted",
         path.display()
     );
+    Ok(())
+}
+
+/// Reads exactly `n` bytes (refusing larger than [`MAX_FILE_BYTES`]), then checks that nothing
+/// follows.
+fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
+    check_declared(path, n)?;
     let mut data = Vec::with_capacity(n as usize);
     (&mut r).take(n).read_to_end(&mut data)?;
     ensure!(
@@ -439,14 +516,69 @@ fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
 }
 
 /// An IDX image file (3 dimensions: count, rows, columns): its pixels as stored, and the pixels
-/// per image.
-pub fn read_idx_images(path: &Path) -> Result<(Vec<u8>, usize)> {
+/// per image. An uncompressed file is mapped rather than read ([`Pixels::is_mapped`]): reading
+/// copied the images into fresh memory, which the kernel zeroes page by page first (the glyphs
+/// set's 47 MB took 50-60 ms of a peer's start, most of it zeroing), and each peer on a machine
+/// held its own copy. Mapped, the pages are the page cache's, shared by every peer that maps
+/// the file, and faulted in together at start (no page faults while training). A file that
+/// cannot be mapped is read as before. Like any mapped file, it must not be truncated while a
+/// run uses it (the process would be killed by `SIGBUS`); replacing it (a new file under the
+/// name) is safe.
+pub fn read_idx_images(path: &Path) -> Result<(Pixels, usize)> {
+    let gz = gzipped(path)?;
     let mut r = open(path)?;
     let sizes = idx_header(&mut r, path, 3, "image")?;
     let inputs = sizes[1] * sizes[2];
     ensure!(inputs > 0, "{}: images of size 0", path.display());
     let n = (sizes[0] as u64).saturating_mul(inputs as u64);
-    Ok((body(r, path, n)?, inputs))
+    if !gz {
+        // The header: 4 bytes of magic, 4 per dimension.
+        if let Some(mapped) = mapped_body(path, 4 + 4 * 3, n)? {
+            return Ok((mapped, inputs));
+        }
+    }
+    Ok((body(r, path, n)?.into(), inputs))
+}
+
+/// The `n` data bytes after a header of `offset` bytes, mapped (see [`read_idx_images`]), with
+/// the same checks as [`body`]; `None` when the file cannot be mapped (it is read instead).
+fn mapped_body(path: &Path, offset: u64, n: u64) -> Result<Option<Pixels>> {
+    check_declared(path, n)?;
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let len = file.metadata()?.len();
+    let holds = len.saturating_sub(offset);
+    ensure!(
+        holds >= n,
+        "{}: the header declares {n} bytes of data but the file holds {holds}",
+        path.display()
+    );
+    ensure!(
+        holds == n,
+        "{}: data continues past what the header declares",
+        path.display()
+    );
+    if n == 0 {
+        return Ok(Some(Vec::new().into()));
+    }
+    // SAFETY: a read-only mapping of a regular file we opened; the bytes are only read through
+    // it, and it lives as long as the `Pixels` that hold it. What no Rust code can rule out is
+    // another process truncating the file meanwhile (then reads past its new end raise SIGBUS):
+    // `read_idx_images` documents it.
+    let map = match unsafe { memmap2::MmapOptions::new().populate().map(&file) } {
+        Ok(map) => map,
+        Err(e) => {
+            tracing::debug!("{}: not mapped ({e}); reading it", path.display());
+            return Ok(None);
+        }
+    };
+    if map.len() as u64 != len {
+        return Ok(None);
+    }
+    Ok(Some(Pixels(Stored::Mapped {
+        map: Arc::new(map),
+        start: offset as usize,
+        len: n as usize,
+    })))
 }
 
 /// An IDX label file (1 dimension).
@@ -664,6 +796,70 @@ mod tests {
         std::fs::write(&img, &bytes[..bytes.len() - 3]).unwrap();
         let err = read_idx_dir(dir.path()).unwrap_err().to_string();
         assert!(err.contains("declares 640 bytes"), "{err}");
+    }
+
+    /// An IDX image file of `count` images of `rows` x `cols` bytes, then `extra`.
+    fn idx_image_bytes(count: u32, rows: u32, cols: u32, pixels: &[u8], extra: &[u8]) -> Vec<u8> {
+        let mut f = vec![0, 0, 0x08, 3];
+        for d in [count, rows, cols] {
+            f.extend_from_slice(&d.to_be_bytes());
+        }
+        f.extend_from_slice(pixels);
+        f.extend_from_slice(extra);
+        f
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    #[test]
+    fn a_plain_image_file_is_mapped_a_gzipped_one_read_and_both_are_checked_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        let pixels: Vec<u8> = (0..37 * 5 * 3).map(|_| rng.gen()).collect();
+        let file = idx_image_bytes(37, 5, 3, &pixels, &[]);
+        let (plain, gz) = (dir.path().join("plain"), dir.path().join("packed"));
+        std::fs::write(&plain, &file).unwrap();
+        std::fs::write(&gz, gzip(&file)).unwrap();
+        let (mapped, inputs) = read_idx_images(&plain).unwrap();
+        assert!(mapped.is_mapped());
+        assert_eq!((inputs, &mapped[..]), (15, &pixels[..]));
+        let (read, inputs) = read_idx_images(&gz).unwrap();
+        assert!(!read.is_mapped());
+        assert_eq!((inputs, &read[..]), (15, &pixels[..]));
+        assert_eq!(mapped, read);
+        // A clone shares the mapping and outlives the original.
+        let copy = mapped.clone();
+        drop(mapped);
+        assert_eq!(&copy[..], &pixels[..]);
+
+        // The same errors either way: data past what the header declares, too little data, a
+        // header declaring more than is ever read (refused before anything is mapped).
+        let cases: [(Vec<u8>, &str); 3] = [
+            (
+                idx_image_bytes(37, 5, 3, &pixels, &[9]),
+                "data continues past what the header declares",
+            ),
+            (
+                idx_image_bytes(37, 5, 3, &pixels[..pixels.len() - 4], &[]),
+                "declares 555 bytes of data but the file holds 551",
+            ),
+            (
+                idx_image_bytes(1 << 16, 1 << 8, 1 << 8, &pixels, &[]),
+                "more than the",
+            ),
+        ];
+        for (bytes, want) in cases {
+            std::fs::write(&plain, &bytes).unwrap();
+            std::fs::write(&gz, gzip(&bytes)).unwrap();
+            for path in [&plain, &gz] {
+                let err = read_idx_images(path).unwrap_err().to_string();
+                assert!(err.contains(want), "{}: {err}", path.display());
+            }
+        }
     }
 
     #[test]
