@@ -234,6 +234,38 @@ pub enum ModeSpec {
 }
 
 impl RunManifest {
+    /// What the run's settings leave unchecked, for its creator to read. None of it is an error:
+    /// the run trains as asked. Today one: `--verify` with a lossy value codec (`f16`, `u8`,
+    /// ...), where each peer receives its reducers' results as deltas from its own values, not
+    /// the results themselves, and cannot check them against the result seals: a reducer's
+    /// result is checked where it keeps it, but one that sends a single peer a wrong delta is
+    /// not caught (see `starling_averager::verify`).
+    ///
+    /// ```
+    /// use starling_run::{manifest::DataSpec, setup::{new_manifest, Hyper}};
+    /// let checked = Hyper { verify: Some(1.0), ..Hyper::default() };
+    /// let m = new_manifest("r", "mlp", &checked, DataSpec::Digits)?;
+    /// assert!(m.caveats().is_empty());
+    /// let lossy = Hyper { codec: Some("f16".into()), ..checked };
+    /// let m = new_manifest("r", "mlp", &lossy, DataSpec::Digits)?;
+    /// assert!(m.caveats()[0].contains("--codec none"));
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn caveats(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let lossy_values = matches!(
+            starling_training::GradientCompression::parse_codec(&self.codec),
+            Ok((codec, starling_training::GradientCompression::Codec)) if !codec.is_lossless()
+        );
+        if self.verify > 0.0 && lossy_values {
+            out.push(format!(
+                "--verify with --codec {}: each peer receives its reducers' results as deltas it cannot check, so a reducer that sends one peer a wrong delta goes uncaught (its own result is still checked); use --codec none for fully checked rounds",
+                self.codec
+            ));
+        }
+        out
+    }
+
     /// Checks every field against what this binary can train with, naming the first one out of
     /// range (the message uses the command-line flag names).
     pub fn validate(&self) -> Result<()> {

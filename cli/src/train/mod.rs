@@ -352,6 +352,9 @@ pub async fn run(args: TrainArgs) -> Result<()> {
         let (spec, data) = new_run_data(model_name, args.data.as_deref())?;
         let mut manifest = new_manifest(name, model_name, &args.hyper.hyper(), spec)?;
         check_data(&manifest, &data)?;
+        for caveat in manifest.caveats() {
+            tracing::warn!("{caveat}");
+        }
         if let Some(path) = &args.save_manifest {
             ensure!(
                 !path.exists(),
