@@ -66,6 +66,31 @@ impl Pixels {
     pub fn is_mapped(&self) -> bool {
         matches!(self.0, Stored::Mapped { .. })
     }
+
+    /// The bytes of `range`: a narrower view of the same mapping when mapped (no copy), a copy
+    /// otherwise. Panics, like slicing, when `range` is out of bounds.
+    ///
+    /// ```
+    /// use starling_run::data::Pixels;
+    /// let p = Pixels::from(vec![1u8, 2, 3, 4]);
+    /// assert_eq!(&p.slice(1..3)[..], &[2, 3]);
+    /// ```
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Pixels {
+        match &self.0 {
+            Stored::Owned(v) => Pixels::from(v[range].to_vec()),
+            Stored::Mapped { map, start, len } => {
+                assert!(
+                    range.start <= range.end && range.end <= *len,
+                    "range {range:?} out of {len} bytes"
+                );
+                Pixels(Stored::Mapped {
+                    map: map.clone(),
+                    start: start + range.start,
+                    len: range.len(),
+                })
+            }
+        }
+    }
 }
 
 impl From<Vec<u8>> for Pixels {
@@ -411,9 +436,9 @@ pub fn read_idx_dir(dir: &Path) -> Result<Images> {
             );
             let cut = n - n / 5;
             (
-                train_x[..cut * inputs].to_vec().into(),
+                train_x.slice(0..cut * inputs),
                 train_y[..cut].to_vec(),
-                train_x[cut * inputs..].to_vec().into(),
+                train_x.slice(cut * inputs..n * inputs),
                 train_y[cut..].to_vec(),
             )
         }
@@ -748,6 +773,8 @@ mod tests {
         write_idx(dir.path(), "train", &x, &d.train_y, 8, 8).unwrap();
         let back = read_idx_dir(dir.path()).unwrap();
         assert_eq!(back.inputs, 64);
+        // No test files: both sets are views of the one mapping of the training images.
+        assert!(back.train_x.is_mapped() && back.test_x.is_mapped());
         assert_eq!(back.train_len() + back.test_y.len(), d.train_len());
         assert!(back
             .values(&back.train_x)
@@ -831,6 +858,11 @@ mod tests {
         assert!(!read.is_mapped());
         assert_eq!((inputs, &read[..]), (15, &pixels[..]));
         assert_eq!(mapped, read);
+        // A slice is a view of the same mapping.
+        let view = mapped.slice(15..45);
+        assert!(view.is_mapped());
+        assert_eq!(&view[..], &pixels[15..45]);
+        drop(view);
         // A clone shares the mapping and outlives the original.
         let copy = mapped.clone();
         drop(mapped);
