@@ -6,8 +6,13 @@ import sys
 import textwrap
 import time
 
+# Python leaves SIGINT ignored when it starts with it ignored, as it does under a parent that
+# ignores it (bash runs `&` jobs that way when job control is off, and so a test command started
+# in the background): the script installs Python's own handler, as a terminal session has it.
 SCRIPT = textwrap.dedent(
     """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np, starling
     node = starling.Node(listen=["/ip4/127.0.0.1/tcp/0"])
     averager = starling.Averager(node, "py-interrupt", matchmaking_time=60)
