@@ -475,8 +475,12 @@ fn gzipped(path: &Path) -> Result<bool> {
 
 /// Opens a file, through gzip when it starts with gzip's magic bytes.
 fn open(path: &Path) -> Result<Box<dyn Read>> {
-    let gz = gzipped(path)?;
-    let f = File::open(path)?;
+    open_as(path, gzipped(path)?)
+}
+
+/// Opens a file, through gzip when `gz` (what [`gzipped`] found).
+fn open_as(path: &Path, gz: bool) -> Result<Box<dyn Read>> {
+    let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     if gz {
         Ok(Box::new(flate2::read::GzDecoder::new(BufReader::new(f))))
     } else {
@@ -551,59 +555,64 @@ fn body(mut r: Box<dyn Read>, path: &Path, n: u64) -> Result<Vec<u8>> {
 /// name) is safe.
 pub fn read_idx_images(path: &Path) -> Result<(Pixels, usize)> {
     let gz = gzipped(path)?;
-    let mut r = open(path)?;
-    let sizes = idx_header(&mut r, path, 3, "image")?;
-    let inputs = sizes[1] * sizes[2];
-    ensure!(inputs > 0, "{}: images of size 0", path.display());
-    let n = (sizes[0] as u64).saturating_mul(inputs as u64);
     if !gz {
-        // The header: 4 bytes of magic, 4 per dimension.
-        if let Some(mapped) = mapped_body(path, 4 + 4 * 3, n)? {
-            return Ok((mapped, inputs));
+        if let Some(map) = map_file(path)? {
+            return mapped_images(path, map);
         }
     }
+    let mut r = open_as(path, gz)?;
+    let sizes = idx_header(&mut r, path, 3, "image")?;
+    let (inputs, n) = image_shape(path, &sizes)?;
     Ok((body(r, path, n)?.into(), inputs))
 }
 
-/// The `n` data bytes after a header of `offset` bytes, mapped (see [`read_idx_images`]), with
-/// the same checks as [`body`]; `None` when the file cannot be mapped (it is read instead).
-fn mapped_body(path: &Path, offset: u64, n: u64) -> Result<Option<Pixels>> {
-    check_declared(path, n)?;
+/// Pixels per image and bytes of data that an image file's header `sizes` declare.
+fn image_shape(path: &Path, sizes: &[usize]) -> Result<(usize, u64)> {
+    let inputs = sizes[1] * sizes[2];
+    ensure!(inputs > 0, "{}: images of size 0", path.display());
+    Ok((inputs, (sizes[0] as u64).saturating_mul(inputs as u64)))
+}
+
+/// The whole file mapped read-only and faulted in (see [`read_idx_images`]); `None` when it
+/// cannot be mapped (it is read instead).
+fn map_file(path: &Path) -> Result<Option<memmap2::Mmap>> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let len = file.metadata()?.len();
-    let holds = len.saturating_sub(offset);
-    ensure!(
-        holds >= n,
-        "{}: the header declares {n} bytes of data but the file holds {holds}",
-        path.display()
-    );
-    ensure!(
-        holds == n,
-        "{}: data continues past what the header declares",
-        path.display()
-    );
-    if n == 0 {
-        return Ok(Some(Vec::new().into()));
-    }
     // SAFETY: a read-only mapping of a regular file we opened; the bytes are only read through
     // it, and it lives as long as the `Pixels` that hold it. What no Rust code can rule out is
     // another process truncating the file meanwhile (then reads past its new end raise SIGBUS):
     // `read_idx_images` documents it.
-    let map = match unsafe { memmap2::MmapOptions::new().populate().map(&file) } {
-        Ok(map) => map,
+    match unsafe { memmap2::MmapOptions::new().populate().map(&file) } {
+        Ok(map) => Ok(Some(map)),
         Err(e) => {
             tracing::debug!("{}: not mapped ({e}); reading it", path.display());
-            return Ok(None);
+            Ok(None)
         }
-    };
-    if map.len() as u64 != len {
-        return Ok(None);
     }
-    Ok(Some(Pixels(Stored::Mapped {
-        map: Arc::new(map),
-        start: offset as usize,
-        len: n as usize,
-    })))
+}
+
+/// An image file's pixels as a view of its mapping: its header and sizes checked as they are
+/// when the file is read ([`idx_header`], [`body`]).
+fn mapped_images(path: &Path, map: memmap2::Mmap) -> Result<(Pixels, usize)> {
+    let (inputs, n, start) = {
+        let mut rest = &map[..];
+        let sizes = idx_header(&mut rest, path, 3, "image")?;
+        let (inputs, n) = image_shape(path, &sizes)?;
+        check_declared(path, n)?;
+        let holds = rest.len() as u64;
+        ensure!(
+            holds >= n,
+            "{}: the header declares {n} bytes of data but the file holds {holds}",
+            path.display()
+        );
+        ensure!(
+            holds == n,
+            "{}: data continues past what the header declares",
+            path.display()
+        );
+        (inputs, n as usize, map.len() - rest.len())
+    };
+    let map = Arc::new(map);
+    Ok((Pixels(Stored::Mapped { map, start, len: n }), inputs))
 }
 
 /// An IDX label file (1 dimension).
@@ -872,7 +881,7 @@ mod tests {
         drop(copy);
 
         // The same errors either way: data past what the header declares, too little data, a
-        // header declaring more than is ever read (refused before anything is mapped).
+        // header declaring more than is ever read.
         let cases: [(Vec<u8>, &str); 3] = [
             (
                 idx_image_bytes(37, 5, 3, &pixels, &[9]),
